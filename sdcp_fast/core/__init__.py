@@ -1,0 +1,1 @@
+"""Sans-IO SDCP core: no sockets, no asyncio, no torch."""

@@ -1,0 +1,236 @@
+"""Deterministic CBOR (RFC 8949 section 4.2.1) and a strict decoder for untrusted bytes.
+
+Encoding: shortest argument heads, definite lengths, map keys sorted by the bytewise order
+of their own encodings (cbor2's canonical mode sorts shorter-first, which differs for maps
+with keys of mixed major types), floats in the shortest of binary16/32/64 that keeps the
+value. Only the types SDCP needs are encodable: int, bytes, str, list/tuple, dict, bool,
+None and float.
+
+Decoding refuses, each with its own `DecodeError` subclass: truncated input, trailing
+bytes, indefinite lengths, duplicate map keys, tags and undefined simple values, nesting
+deeper than `max_depth`, and bodies over `max_size`. Non-shortest integer heads are
+well-formed CBOR and are accepted (digests are always computed over our own re-encoding).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+DEFAULT_MAX_SIZE = 1 << 20  # 1 MiB: a proposal is ~0.4 KB, a long prompt a few hundred KB
+DEFAULT_MAX_DEPTH = 16      # SDCP messages nest at most 4 deep (session-open.resume, contract.sampling)
+
+
+class DecodeError(ValueError):
+    """Any refusal of untrusted CBOR input."""
+
+
+class Truncated(DecodeError):
+    pass
+
+
+class TrailingBytes(DecodeError):
+    pass
+
+
+class IndefiniteLength(DecodeError):
+    pass
+
+
+class DuplicateKey(DecodeError):
+    pass
+
+
+class TooDeep(DecodeError):
+    pass
+
+
+class TooLarge(DecodeError):
+    pass
+
+
+class Unsupported(DecodeError):
+    """Well-formed CBOR that SDCP never uses: tags, undefined, simple values, odd map keys."""
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def _head(major: int, value: int) -> bytes:
+    mt = major << 5
+    if value < 24:
+        return bytes((mt | value,))
+    if value < 0x100:
+        return bytes((mt | 24, value))
+    if value < 0x10000:
+        return bytes((mt | 25,)) + value.to_bytes(2, "big")
+    if value < 0x100000000:
+        return bytes((mt | 26,)) + value.to_bytes(4, "big")
+    if value < 0x10000000000000000:
+        return bytes((mt | 27,)) + value.to_bytes(8, "big")
+    raise ValueError(f"integer out of CBOR range: {value}")
+
+
+def _encode_float(value: float) -> bytes:
+    if math.isnan(value):
+        return b"\xf9\x7e\x00"
+    for fmt, head in (("e", 0xF9), ("f", 0xFA)):
+        try:
+            packed = struct.pack(">" + fmt, value)
+        except OverflowError:
+            continue
+        if struct.unpack(">" + fmt, packed)[0] == value:
+            return bytes((head,)) + packed
+    return b"\xfb" + struct.pack(">d", value)
+
+
+def _encode(obj: Any, out: list[bytes]) -> None:
+    if obj is False:
+        out.append(b"\xf4")
+    elif obj is True:
+        out.append(b"\xf5")
+    elif obj is None:
+        out.append(b"\xf6")
+    elif isinstance(obj, int):
+        out.append(_head(0, obj) if obj >= 0 else _head(1, -1 - obj))
+    elif isinstance(obj, bytes | bytearray | memoryview):
+        data = bytes(obj)
+        out.append(_head(2, len(data)))
+        out.append(data)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        out.append(_head(3, len(data)))
+        out.append(data)
+    elif isinstance(obj, list | tuple):
+        out.append(_head(4, len(obj)))
+        for item in obj:
+            _encode(item, out)
+    elif isinstance(obj, Mapping):
+        pairs = sorted((dumps(k), dumps(v)) for k, v in obj.items())
+        for a, b in zip(pairs, pairs[1:], strict=False):
+            if a[0] == b[0]:
+                raise ValueError("map has two keys with the same encoding")
+        out.append(_head(5, len(pairs)))
+        for key, value in pairs:
+            out.append(key)
+            out.append(value)
+    elif isinstance(obj, float):
+        out.append(_encode_float(obj))
+    else:
+        raise TypeError(f"cannot encode {type(obj).__name__} as SDCP CBOR")
+
+
+def dumps(obj: Any) -> bytes:
+    """Deterministic encoding (RFC 8949 section 4.2.1) of `obj`."""
+    out: list[bytes] = []
+    _encode(obj, out)
+    return b"".join(out)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class _Reader:
+    __slots__ = ("data", "pos", "max_depth")
+
+    def __init__(self, data: bytes, max_depth: int):
+        self.data = data
+        self.pos = 0
+        self.max_depth = max_depth
+
+    def take(self, n: int) -> bytes:
+        end = self.pos + n
+        if end > len(self.data):
+            raise Truncated(f"needs {n} bytes at offset {self.pos}, input has {len(self.data)}")
+        chunk = self.data[self.pos:end]
+        self.pos = end
+        return chunk
+
+    def argument(self, info: int) -> int:
+        if info < 24:
+            return info
+        if info == 24:
+            return self.take(1)[0]
+        if info == 25:
+            return int.from_bytes(self.take(2), "big")
+        if info == 26:
+            return int.from_bytes(self.take(4), "big")
+        if info == 27:
+            return int.from_bytes(self.take(8), "big")
+        if info == 31:
+            raise IndefiniteLength(f"indefinite length at offset {self.pos - 1}")
+        raise DecodeError(f"reserved additional information {info} at offset {self.pos - 1}")
+
+    def item(self, depth: int) -> Any:
+        if depth > self.max_depth:
+            raise TooDeep(f"nesting deeper than {self.max_depth}")
+        initial = self.take(1)[0]
+        major, info = initial >> 5, initial & 0x1F
+        if major == 7:
+            return self.simple(info)
+        value = self.argument(info)
+        if major == 0:
+            return value
+        if major == 1:
+            return -1 - value
+        if major == 2:
+            return self.take(value)
+        if major == 3:
+            try:
+                return self.take(value).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DecodeError(f"text string is not UTF-8: {exc}") from None
+        if major == 4:
+            self.check_count(value)
+            return [self.item(depth + 1) for _ in range(value)]
+        if major == 5:
+            self.check_count(value)
+            result: dict[Any, Any] = {}
+            for _ in range(value):
+                key = self.item(depth + 1)
+                if not isinstance(key, int | str | bytes):
+                    raise Unsupported(f"map key of type {type(key).__name__}")
+                if key in result:
+                    raise DuplicateKey(f"duplicate map key {key!r}")
+                result[key] = self.item(depth + 1)
+            return result
+        raise Unsupported(f"tag {value} at offset {self.pos}")
+
+    def check_count(self, count: int) -> None:
+        # every element takes at least one byte: a count beyond the rest is a lie, refuse it
+        # before allocating anything for it
+        if count > len(self.data) - self.pos:
+            raise Truncated(f"count {count} exceeds the remaining {len(self.data) - self.pos} bytes")
+
+    def simple(self, info: int) -> Any:
+        if info == 20:
+            return False
+        if info == 21:
+            return True
+        if info == 22:
+            return None
+        if info == 25:
+            return struct.unpack(">e", self.take(2))[0]
+        if info == 26:
+            return struct.unpack(">f", self.take(4))[0]
+        if info == 27:
+            return struct.unpack(">d", self.take(8))[0]
+        if info == 31:
+            raise IndefiniteLength(f"break code at offset {self.pos - 1}")
+        raise Unsupported(f"simple value {info} at offset {self.pos - 1}")
+
+
+def loads(data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_SIZE,
+          max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+    """Decode exactly one CBOR item from untrusted `data`, or raise a `DecodeError`."""
+    if len(data) > max_size:
+        raise TooLarge(f"body of {len(data)} bytes exceeds the limit of {max_size}")
+    reader = _Reader(bytes(data), max_depth)
+    if not reader.data:
+        raise Truncated("empty input")
+    value = reader.item(0)
+    if reader.pos != len(reader.data):
+        raise TrailingBytes(f"{len(reader.data) - reader.pos} bytes after the item")
+    return value

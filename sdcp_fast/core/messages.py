@@ -1,0 +1,583 @@
+"""Every SDCP message of draft section 5.2, the contract and the sampling profile.
+
+Each message is a frozen dataclass that validates on construction (ranges and sizes of the
+CDDL), decodes from untrusted CBOR with `from_cbor` and encodes deterministically with
+`to_cbor`. One declarative table of members per class drives both directions, so a CDDL
+rule is written once.
+
+Unknown map keys are ignored, except in the contract and its sampling map, where they are
+refused (sdcp-bad-contract), so that every party digests the same content. An unknown
+action value decodes as fail. Sequences are held as tuples. Absent optional members are
+None and are omitted on encoding, which keeps a contract's digest over exactly the members
+it was created with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar, TypeVar
+
+from . import cbor
+from .digest import UINT32_MAX, contract_digest_of_encoding
+from .problems import Kind, Problem, ProblemError
+
+UINT64_MAX = (1 << 64) - 1
+MEDIA_TYPE = "application/sdcp+cbor"
+
+
+class Action(enum.IntEnum):
+    CONTINUE = 0
+    REDUCE = 1
+    SWITCH = 2
+    SELF_DECODE = 3
+    FINISH = 4
+    FAIL = 5
+
+    @classmethod
+    def lenient(cls, value: int) -> Action:
+        """A received action: any value this code does not know means fail (section 5.2)."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.FAIL
+
+
+LADDER_ACTIONS = frozenset({Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL})
+RULE_GREEDY = 1
+RULE_SPECULATIVE = 2
+REGISTERED_RULES = frozenset({RULE_GREEDY, RULE_SPECULATIVE})
+ROLE_DRAFTER = 1
+ROLE_VERIFIER = 2
+
+
+class MessageError(ProblemError):
+    """A message that breaks its CDDL: 400, or 422 sdcp-bad-contract inside a contract."""
+
+    def __init__(self, detail: str, kind: Kind = Kind.BAD_REQUEST):
+        super().__init__(Problem(kind, detail))
+
+
+# --------------------------------------------------------------------------- member checks
+# A check takes (value, where) and returns the value normalised (lists -> tuples), or raises
+# ValueError with the reason; the caller adds the member's name and the problem kind.
+
+Check = Callable[[Any], Any]
+
+
+def uint(*, le: int = UINT64_MAX, ge: int = 0) -> Check:
+    def check(v: Any) -> int:
+        if type(v) is not int and not isinstance(v, enum.IntEnum):
+            raise ValueError(f"expected an unsigned integer, got {type(v).__name__}")
+        if not ge <= v <= le:
+            raise ValueError(f"{v} is outside {ge}..{le}")
+        return int(v)
+    return check
+
+
+def bstr(size: int | None = None) -> Check:
+    def check(v: Any) -> bytes:
+        if not isinstance(v, bytes | bytearray):
+            raise ValueError(f"expected a byte string, got {type(v).__name__}")
+        if size is not None and len(v) != size:
+            raise ValueError(f"expected {size} bytes, got {len(v)}")
+        return bytes(v)
+    return check
+
+
+def tstr(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a text string, got {type(v).__name__}")
+    return v
+
+
+def boolean(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected a boolean, got {type(v).__name__}")
+    return v
+
+
+def array(item: Check, *, nonempty: bool = False) -> Check:
+    def check(v: Any) -> tuple:
+        if not isinstance(v, list | tuple):
+            raise ValueError(f"expected an array, got {type(v).__name__}")
+        if nonempty and not v:
+            raise ValueError("expected at least one element")
+        out = []
+        for n, x in enumerate(v):
+            try:
+                out.append(item(x))
+            except ValueError as exc:
+                raise ValueError(f"[{n}]: {exc}") from None
+        return tuple(out)
+    return check
+
+
+def either(*checks: Check) -> Check:
+    def check(v: Any) -> Any:
+        reasons = []
+        for c in checks:
+            try:
+                return c(v)
+            except ValueError as exc:
+                reasons.append(str(exc))
+        raise ValueError(" / ".join(reasons))
+    return check
+
+
+def action(*, strict: bool) -> Check:
+    """Actions we emit are checked strictly; actions we receive are read leniently."""
+    base = uint()
+
+    def check(v: Any) -> Action:
+        v = base(v)
+        return Action(v) if strict else Action.lenient(v)
+    return check
+
+
+def nested(cls: type[Message]) -> Check:
+    def check(v: Any) -> Message:
+        if isinstance(v, cls):
+            return v
+        if not isinstance(v, Mapping):
+            raise ValueError(f"expected a map, got {type(v).__name__}")
+        return cls.from_obj(v)
+    return check
+
+
+token = uint(le=UINT32_MAX)  # tokens are digested as uint32 (section 4.2)
+tokens = array(token)
+hash32 = bstr(32)
+session_id = bstr(16)
+cache_ref = tstr
+
+
+# --------------------------------------------------------------------------- base class
+
+M = TypeVar("M", bound="Message")
+
+
+@dataclass(frozen=True)
+class Message:
+    """Base: `members` maps attribute -> (check, optional); keys equal attribute names."""
+
+    members: ClassVar[dict[str, tuple[Check, bool]]] = {}
+    closed: ClassVar[bool] = False        # refuse unknown keys (contract, sampling)
+    problem_kind: ClassVar[Kind] = Kind.BAD_REQUEST
+
+    def __post_init__(self) -> None:
+        for name, (check, optional) in self.members.items():
+            value = getattr(self, name)
+            if value is None:
+                if not optional:
+                    raise MessageError(f"{self._name()}.{name} is required", self.problem_kind)
+                continue
+            try:
+                object.__setattr__(self, name, check(value))
+            except ValueError as exc:
+                raise MessageError(f"{self._name()}.{name}: {exc}", self.problem_kind) from None
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-member rules beyond the CDDL; subclasses override."""
+
+    @classmethod
+    def _name(cls) -> str:
+        return cls.__name__.lower()
+
+    @classmethod
+    def from_obj(cls: type[M], obj: Mapping[Any, Any]) -> M:
+        if not isinstance(obj, Mapping):
+            raise MessageError(f"{cls._name()} must be a map", cls.problem_kind)
+        if cls.closed:
+            unknown = [k for k in obj if k not in cls.members]
+            if unknown:
+                raise MessageError(f"{cls._name()} has unknown keys {sorted(map(str, unknown))}",
+                                   cls.problem_kind)
+        return cls(**{name: obj.get(name) for name in cls.members})
+
+    @classmethod
+    def from_cbor(cls: type[M], data: bytes, *, max_size: int = cbor.DEFAULT_MAX_SIZE) -> M:
+        try:
+            obj = cbor.loads(data, max_size=max_size)
+        except cbor.TooLarge as exc:
+            raise MessageError(str(exc), Kind.TOO_LARGE) from None
+        except cbor.DecodeError as exc:
+            raise MessageError(f"malformed CBOR: {exc}") from None
+        return cls.from_obj(obj)
+
+    def to_obj(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.members:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            out[name] = _plain(value)
+        return out
+
+    def to_cbor(self) -> bytes:
+        return cbor.dumps(self.to_obj())
+
+    def replace(self: M, **changes: Any) -> M:
+        return dataclasses.replace(self, **changes)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_obj()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, enum.IntEnum):
+        return int(value)
+    return value
+
+
+# --------------------------------------------------------------------------- contract types
+
+
+@dataclass(frozen=True)
+class Sampling(Message):
+    temperature_milli: int | None = None
+    top_k: int | None = None
+    top_p_milli: int | None = None
+    seed: int | None = None
+
+    members: ClassVar = {
+        "temperature_milli": (uint(), True),
+        "top_k": (uint(), True),
+        "top_p_milli": (uint(le=1000), True),
+        "seed": (uint(), True),
+    }
+    closed: ClassVar = True
+    problem_kind: ClassVar = Kind.BAD_CONTRACT
+
+
+@dataclass(frozen=True)
+class Contract(Message):
+    target: bytes
+    tokenizer: bytes
+    rule: int
+    m_max: int
+    max_new: int
+    stop: tuple[int, ...]
+    low_rounds: int
+    fallback: tuple[Action, ...]
+    drafters: tuple[bytes, ...] | None = None
+    sampling: Sampling | None = None
+    low_ratio: int | None = None
+    self_load: int | None = None
+    self_max: int | None = None
+    scope: bytes | None = None
+
+    members: ClassVar = {
+        "target": (hash32, False),
+        "tokenizer": (hash32, False),
+        "drafters": (array(hash32, nonempty=True), True),
+        "rule": (uint(), False),
+        "sampling": (nested(Sampling), True),
+        "m_max": (uint(le=64, ge=1), False),
+        "max_new": (uint(), False),
+        "stop": (tokens, False),
+        "low_rounds": (uint(ge=1), False),
+        "low_ratio": (uint(le=100), True),
+        "fallback": (array(action(strict=True), nonempty=True), False),
+        "self_load": (uint(le=100), True),
+        "self_max": (uint(), True),
+        "scope": (bstr(16), True),
+    }
+    closed: ClassVar = True
+    problem_kind: ClassVar = Kind.BAD_CONTRACT
+
+    def validate(self) -> None:
+        if self.rule not in REGISTERED_RULES:
+            raise MessageError(f"contract.rule {self.rule} is not registered", Kind.BAD_CONTRACT)
+        bad = [a for a in self.fallback if a not in LADDER_ACTIONS]
+        if bad:
+            raise MessageError(f"contract.fallback may hold only reduce, switch, self_decode and "
+                               f"fail, not {[int(a) for a in bad]}", Kind.BAD_CONTRACT)
+
+    @cached_property
+    def cbor(self) -> bytes:
+        return self.to_cbor()
+
+    @cached_property
+    def digest(self) -> bytes:
+        """SHA-256("SDCP-CONTRACT-1" || 0x00 || deterministic_cbor(contract))."""
+        return contract_digest_of_encoding(self.cbor)
+
+    @property
+    def low_ratio_or_default(self) -> int:
+        return self.low_ratio or 0
+
+
+@dataclass(frozen=True)
+class Resume(Message):
+    round: int
+    committed: int
+    digest: bytes
+    committed_tokens: str
+    target_kv: str | None = None
+
+    members: ClassVar = {
+        "round": (uint(le=UINT32_MAX), False),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+        "committed_tokens": (cache_ref, False),
+        "target_kv": (cache_ref, True),
+    }
+
+
+prompt_check = either(tokens, cache_ref)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class SessionOpen(Message):
+    session: bytes
+    epoch: int
+    contract: Contract
+    prompt: tuple[int, ...] | str
+    commit_log: str
+    prompt_kv: str | None = None
+    resume: Resume | None = None
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "contract": (nested(Contract), False),
+        "prompt": (prompt_check, False),
+        "prompt_kv": (cache_ref, True),
+        "commit_log": (cache_ref, False),
+        "resume": (nested(Resume), True),
+    }
+
+
+@dataclass(frozen=True)
+class SessionState(Message):
+    session: bytes
+    epoch: int
+    round: int
+    committed: int
+    digest: bytes
+    state: int | None = None
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "round": (uint(le=UINT32_MAX), False),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+        "state": (uint(), True),
+    }
+
+
+@dataclass(frozen=True)
+class Assignment(Message):
+    session: bytes
+    epoch: int
+    contract: Contract
+    verifier: str
+    drafter: str
+    prompt: tuple[int, ...] | str
+    round: int
+    committed: int
+    digest: bytes
+    m_init: int
+    sampling: Sampling | None = None
+    committed_tokens: str | None = None
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "contract": (nested(Contract), False),
+        "verifier": (tstr, False),
+        "drafter": (tstr, False),
+        "prompt": (prompt_check, False),
+        "round": (uint(le=UINT32_MAX), False),
+        "sampling": (nested(Sampling), True),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+        "committed_tokens": (cache_ref, True),
+        "m_init": (uint(), False),
+    }
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    instance: str
+    role: int
+    load: int
+    queue: int
+    ttl_ms: int
+    accept_milli: int | None = None
+    cache_mbps: int | None = None
+
+    members: ClassVar = {
+        "instance": (tstr, False),
+        "role": (uint(), False),
+        "load": (uint(le=100), False),
+        "queue": (uint(), False),
+        "accept_milli": (uint(le=1000), True),
+        "cache_mbps": (uint(), True),
+        "ttl_ms": (uint(), False),
+    }
+
+    def validate(self) -> None:
+        if self.role not in (ROLE_DRAFTER, ROLE_VERIFIER):
+            raise MessageError(f"status.role must be 1 or 2, not {self.role}")
+
+
+@dataclass(frozen=True)
+class Proposal(Message):
+    """M proposed tokens. M == 0 decodes here and is refused by the session as sdcp-limit
+    (NOTES.md), so that a drafter learns which limit it broke rather than a bare 400."""
+
+    session: bytes
+    epoch: int
+    round: int
+    drafter: str
+    base: int
+    base_digest: bytes
+    tokens: tuple[int, ...]
+    status: Status
+    q_rows: str | None = None
+    draft_kv: str | None = None
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "round": (uint(le=UINT32_MAX), False),
+        "drafter": (tstr, False),
+        "base": (uint(), False),
+        "base_digest": (hash32, False),
+        "tokens": (tokens, False),
+        "q_rows": (cache_ref, True),
+        "draft_kv": (cache_ref, True),
+        "status": (nested(Status), False),
+    }
+
+    @property
+    def m(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Verdict(Message):
+    session: bytes
+    epoch: int
+    round: int
+    accepted: int
+    emitted: tuple[int, ...]
+    committed: int
+    digest: bytes
+    action: Action
+    m_cap: int
+    low: int
+    load: int
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "round": (uint(le=UINT32_MAX), False),
+        "accepted": (uint(), False),
+        "emitted": (tokens, False),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+        "action": (action(strict=False), False),
+        "m_cap": (uint(), False),
+        "low": (uint(), False),
+        "load": (uint(le=100), False),
+    }
+
+
+@dataclass(frozen=True)
+class Output(Message):
+    session: bytes
+    epoch: int
+    start: int
+    tokens: tuple[int, ...]
+    final: bool
+    finish: Action | None = None
+
+    # "from" is a Python keyword: the attribute is `start`, the CBOR key is "from"
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "start": (uint(), False),
+        "tokens": (tokens, False),
+        "final": (boolean, False),
+        "finish": (action(strict=False), True),
+    }
+
+    @classmethod
+    def from_obj(cls, obj: Mapping[Any, Any]) -> Output:
+        if not isinstance(obj, Mapping):
+            raise MessageError("output must be a map")
+        fields = {k: v for k, v in obj.items() if k != "from"}
+        fields["start"] = obj.get("from")
+        return super().from_obj(fields)
+
+    def to_obj(self) -> dict[str, Any]:
+        out = super().to_obj()
+        out["from"] = out.pop("start")
+        return out
+
+
+@dataclass(frozen=True)
+class Event(Message):
+    session: bytes
+    epoch: int
+    kind: Action
+    committed: int
+    digest: bytes
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "epoch": (uint(), False),
+        "kind": (action(strict=False), False),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+    }
+
+
+@dataclass(frozen=True)
+class Policy(Message):
+    session: bytes
+    from_round: int
+    sampling: Sampling
+
+    members: ClassVar = {
+        "session": (session_id, False),
+        "from_round": (uint(le=UINT32_MAX), False),
+        "sampling": (nested(Sampling), False),
+    }
+
+
+@dataclass(frozen=True)
+class CommitRecord(Message):
+    """What the verifier appends to the commit log (section 6.3): epoch, round, emitted
+    tokens, n and d[n]. Self-decoded rounds are records too."""
+
+    epoch: int
+    round: int
+    emitted: tuple[int, ...]
+    committed: int
+    digest: bytes
+
+    members: ClassVar = {
+        "epoch": (uint(), False),
+        "round": (uint(le=UINT32_MAX), False),
+        "emitted": (tokens, False),
+        "committed": (uint(), False),
+        "digest": (hash32, False),
+    }
+
+
+ALL_MESSAGES: tuple[type[Message], ...] = (
+    SessionOpen, SessionState, Assignment, Proposal, Verdict, Output, Status, Event, Policy,
+)

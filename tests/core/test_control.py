@@ -1,0 +1,74 @@
+"""Speculation control: the M-choice rule of section 6.2 and m_cap of section 6.5.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from sdcp_fast.core.control import (
+    LOAD_HIGH,
+    AcceptanceEstimate,
+    Escalation,
+    choose_m,
+    expected_tokens,
+    is_low,
+    next_m_cap,
+)
+from sdcp_fast.core.messages import Action
+
+
+def test_expected_tokens_closed_form():
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 4) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def brute_force(alpha, t_d, t_v, limit):
+    rates = {m: expected_tokens(alpha, m) / (m * t_d + t_v) for m in range(1, limit + 1)}
+    best = max(rates.values())
+    return min(m for m, r in rates.items() if r >= best * (1 - 1e-12))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.8, 0.9, 0.97, 1.0])
+@pytest.mark.parametrize("t_d, t_v", [(1.0, 10.0), (1.0, 1.0), (0.1, 10.0), (5.0, 1.0)])
+def test_choose_m_maximises_throughput(alpha, t_d, t_v):
+    assert choose_m(alpha, t_d, t_v, 16) == brute_force(alpha, t_d, t_v, 16)
+
+
+def test_choose_m_responds_to_load_and_bandwidth():
+    # a loaded drafter (slower per token) or scarce cache bandwidth proposes fewer tokens
+    fast = choose_m(0.8, 1.0, 20.0, 32)
+    slow = choose_m(0.8, 4.0, 20.0, 32)
+    assert slow < fast
+    assert choose_m(1.0, 1.0, 10.0, 7) == 7    # perfect drafter: as long as allowed
+    assert choose_m(0.0, 1.0, 10.0, 7) == 1
+    with pytest.raises(ValueError):
+        choose_m(0.5, 1, 1, 0)
+
+
+def test_low_round_definition():
+    assert is_low(0, 5, 0) and not is_low(1, 5, 0)
+    assert is_low(1, 4, 30) and not is_low(2, 4, 50)   # 100*2 < 50*4 is false
+    assert is_low(1, 2, 51)
+
+
+def test_m_cap_reduce_load_and_restore():
+    assert next_m_cap(8, 16, Action.REDUCE, True, 0) == 4
+    assert next_m_cap(1, 16, Action.REDUCE, True, 0) == 1
+    assert next_m_cap(8, 16, Action.CONTINUE, False, LOAD_HIGH + 1) == 4
+    assert next_m_cap(8, 16, Action.CONTINUE, False, 10) == 9
+    assert next_m_cap(16, 16, Action.CONTINUE, False, 10) == 16
+    assert next_m_cap(8, 16, Action.CONTINUE, True, 10) == 8       # low rounds do not restore
+
+
+def test_acceptance_estimate():
+    est = AcceptanceEstimate(alpha=0.5, weight=0.5)
+    assert est.update(4, 4).alpha == pytest.approx(0.75)        # all accepted: 4/4 trials
+    assert est.update(1, 4).alpha == pytest.approx(0.5)         # 1 of 2 trials
+    assert AcceptanceEstimate(alpha=0.1234).accept_milli == 123
+
+
+def test_escalation_policy_from_contract(vectors):
+    from sdcp_fast.core.messages import Contract
+    c = Contract.from_obj(vectors["contracts"][1]["contract"])
+    e = Escalation.of(c)
+    assert (e.low_rounds, e.low_ratio, e.fallback, e.self_load) == (1, 28, (2, 5, 1), 67)
