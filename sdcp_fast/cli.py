@@ -1,7 +1,8 @@
 """`sdcp-fast`: the command line.
 
     sdcp-fast digest CONTRACT [--prompt 1,2,3]   contract digest (and d[0]) of a JSON or CBOR contract
-    sdcp-fast certs DIR URI...                   a CA and one certificate per instance URI
+    sdcp-fast certs DIR URI... [--days N]        a CA and one certificate per instance URI
+    sdcp-fast serve ROLE --config FILE           one verifier, drafter or router instance
     sdcp-fast demo                               the whole system on one machine
 """
 
@@ -48,7 +49,12 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
 def cmd_certs(args: argparse.Namespace) -> int:
     from .transport import certs
-    return certs.main([args.dir, *args.uris])
+    return certs.main(["--dir", args.dir, "--days", str(args.days), *args.uris])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import main as serve_main
+    return serve_main(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -69,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("certs", help="create a CA and per-instance certificates")
     p.add_argument("dir")
     p.add_argument("uris", nargs="+", help="instance base URIs (the URI SAN of each certificate)")
+    p.add_argument("--days", type=int, default=365, help="validity of instance certificates")
     p.set_defaults(func=cmd_certs)
+
+    p = sub.add_parser("serve", help="run one instance (verifier, drafter or router) from a config file")
+    p.add_argument("role", choices=["verifier", "drafter", "router"])
+    p.add_argument("--config", required=True, help="the instance's TOML config")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="run the whole system on one machine")
     p.add_argument("--prompts", type=int, default=4, help="how many demo prompts")

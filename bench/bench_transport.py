@@ -1,0 +1,121 @@
+"""Transport benchmark: proposal-sized POSTs over HTTP/2 and HTTP/3 with mutual TLS 1.3.
+
+The server runs in its own process (as a verifier would); the client is the transport's
+`Client` on one connection, first one request at a time, then 32 concurrent streams.
+Prints requests/s and p50/p99 latency per protocol, measured side by side in one run.
+
+    .venv/bin/python bench/bench_transport.py [--requests 2000] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+
+import cbor2
+
+from sdcp_fast.transport import Client, Response, TLSConfig, make_certs, serve
+
+SERVER_URI = "https://127.0.0.1:1/"
+DRAFTER_URI = "https://drafter-1.example/"
+# ~300 bytes, shaped like a proposal (32-byte digest, 8 tokens, status map)
+PROPOSAL = cbor2.dumps({
+    "session": bytes(range(16)), "epoch": 1, "round": 17, "drafter": DRAFTER_URI, "base": 412,
+    "base_digest": bytes(32), "tokens": [31337, 4242, 17, 99, 1024, 8, 77, 5123],
+    "q_rows": "mlc://store/objects/0123456789abcdef0123456789abcdef/round-17/q",
+    "status": {"instance": DRAFTER_URI, "role": 1, "load": 37, "queue": 2, "accept_milli": 713,
+               "ttl_ms": 2000},
+})
+VERDICT = cbor2.dumps({"session": bytes(range(16)), "epoch": 1, "round": 17, "accepted": 5,
+                       "emitted": [31337, 4242, 17, 99, 1024, 6], "committed": 418,
+                       "digest": bytes(32), "action": 0, "m_cap": 8, "low": 0, "load": 40})
+
+
+class VerdictHandler:
+    async def handle(self, request) -> Response:
+        return Response(200, VERDICT)
+
+
+def _server_main(cert_dir: str, ready, stop) -> None:
+    async def main():
+        tls = TLSConfig.for_instance(cert_dir, SERVER_URI)
+        server = await serve(VerdictHandler(), host="127.0.0.1", port=0, tls=tls)
+        ready.send(server.port)
+        await asyncio.get_running_loop().run_in_executor(None, stop.wait)
+        await server.stop(grace=1.0)
+
+    asyncio.run(main())
+
+
+async def _measure(client: Client, url: str, requests: int, concurrency: int) -> tuple[float, list[float]]:
+    latencies: list[float] = []
+    remaining = [requests]
+
+    async def worker():
+        while remaining[0] > 0:
+            remaining[0] -= 1
+            start = time.perf_counter()
+            response = await client.request("POST", url, PROPOSAL, idempotent=True)
+            latencies.append(time.perf_counter() - start)
+            assert response.status == 200 and response.body == VERDICT
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return requests / (time.perf_counter() - started), latencies
+
+
+def _pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1e3
+
+
+async def _run(port: int, cert_dir: str, requests: int, concurrency: int) -> list[tuple]:
+    rows = []
+    url = f"https://127.0.0.1:{port}/proposals"
+    tls = TLSConfig.for_instance(cert_dir, DRAFTER_URI)
+    for protocol in ("h2", "h3"):
+        async with Client(tls, protocol, timeout=10.0) as client:
+            await _measure(client, url, 200, 8)  # warm-up: connection, caches
+            for streams in (1, concurrency):
+                rate, latencies = await _measure(client, url, requests, streams)
+                rows.append((protocol, streams, rate, _pct(latencies, 50), _pct(latencies, 99)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    cert_dir = tempfile.mkdtemp(prefix="sdcp-bench-certs-")
+    make_certs(cert_dir, [SERVER_URI, DRAFTER_URI])
+    context = mp.get_context("spawn")
+    ready_recv, ready_send = context.Pipe(duplex=False)
+    stop = context.Event()
+    process = context.Process(target=_server_main, args=(cert_dir, ready_send, stop), daemon=True)
+    process.start()
+    try:
+        if not ready_recv.poll(30):
+            raise SystemExit("server did not start")
+        port = ready_recv.recv()
+        rows = asyncio.run(asyncio.wait_for(_run(port, cert_dir, args.requests, args.concurrency), 600))
+    finally:
+        stop.set()
+        process.join(10)
+        if process.is_alive():
+            process.terminate()
+    print(f"proposal POST: {len(PROPOSAL)} B request, {len(VERDICT)} B response, "
+          f"{args.requests} requests per row, one connection, mTLS 1.3")
+    print(f"{'protocol':8} {'streams':>7} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for protocol, streams, rate, p50, p99 in rows:
+        print(f"{protocol:8} {streams:7d} {rate:8.0f} {p50:8.2f} {p99:8.2f}")
+    by = {(p, s): r for p, s, r, _, _ in rows}
+    print(f"h3/h2 throughput: 1 stream {by['h3', 1] / by['h2', 1]:.2f}x, "
+          f"{args.concurrency} streams {by['h3', args.concurrency] / by['h2', args.concurrency]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""HTTP/2 and HTTP/3 with mutual TLS 1.3: the only part of sdcp-fast that touches sockets.
+
+Server side (role code implements the Handler):
+
+    @dataclass(frozen=True) Request(method: str, path: str, query: dict[str, str],
+                                    content_type: str | None, body: bytes, caller: str | None)
+    @dataclass(frozen=True) Response(status: int, body: bytes = b"",
+                                     content_type: str | None = "application/sdcp+cbor",
+                                     headers: tuple[tuple[str, str], ...] = ())
+    class Handler(Protocol): async def handle(self, request: Request) -> Response
+    problem_response(problem: Problem, headers=()) -> Response       # application/problem+json
+    Router(*, prefix="", authorizer=None); .add(method, pattern, fn, *, resource=None)
+        # fn: async (request, **path_params) -> Response; 404 / 405 (+ Allow) answered for you
+    Authorizer(rules: Mapping[str, Iterable[str]]); .allows(caller, resource) -> bool;
+        .check(caller, resource) raises ProblemError(403 forbidden); "*" = any authenticated caller
+    async serve(handler, *, host: str, port: int, tls: TLSConfig, http3=True, http2=True,
+                max_body=1 MiB, idle_timeout=600.0, handler_timeout=60.0,
+                handshake_timeout=10.0, max_concurrent_streams=256) -> Server
+    Server.port: int; await Server.stop(grace=5.0); also an async context manager
+
+    The caller is the single URI SAN of the client certificate, verified against TLSConfig.ca
+    on both protocols. The transport answers 413 (over max_body, decided from content-length
+    or as bytes arrive), 415 (POST/PUT without application/sdcp+cbor) and 400 (malformed
+    header block) itself; a ProblemError raised by the handler becomes its problem document;
+    any other exception a logged 500. It never decodes CBOR.
+
+Client side:
+
+    Client(tls: TLSConfig, protocol: "h2" | "h3" = "h2", *, timeout=10.0, connect_timeout=5.0,
+           retries=2, idle_timeout=600.0, max_response=16 MiB)
+    await Client.request(method, url, body: bytes | None = None,
+                         content_type="application/sdcp+cbor", *, idempotent=False,
+                         timeout=None) -> ClientResponse(status, headers, body)
+        # raises TransportError(sent=...) / RequestTimeout; retries only when safe
+    ClientResponse.problem() -> Problem | None;  await Client.close()
+
+Certificates and TLS:
+
+    certs.make_certs(directory, instances: list[str], *, days=365) -> CertPaths
+    certs.main(argv) -> int                                  # `sdcp-fast certs --dir DIR URI...`
+    TLSConfig(cert: Path, key: Path, ca: Path); TLSConfig.for_instance(directory, uri)
+"""
+
+from .certs import CertPaths, make_certs
+from .client import Client, ClientResponse, RequestTimeout, TransportError
+from .http import (
+    ANY_CALLER,
+    SDCP_MEDIA_TYPE,
+    Authorizer,
+    Handler,
+    Request,
+    Response,
+    Router,
+    problem_response,
+)
+from .server import Server, serve
+from .tlsconfig import TLSConfig
+
+__all__ = [
+    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "CertPaths", "Client", "ClientResponse",
+    "Handler", "Request", "RequestTimeout", "Response", "Router", "Server", "TLSConfig",
+    "TransportError", "make_certs", "problem_response", "serve",
+]

@@ -1,0 +1,157 @@
+"""HTTP/3 client connections on aioquic (QuicConnectionProtocol + H3Connection)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import ErrorCode, H3Connection
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+
+from .client import ClientResponse, RequestTimeout, TransportError
+from .identity import CertificateRejected, verify_server
+from .quic_mtls import check_aioquic, peer_certificates
+
+CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
+
+
+@dataclass
+class _Exchange:
+    future: asyncio.Future[ClientResponse]
+    max_response: int
+    status: int = 0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytearray = field(default_factory=bytearray)
+
+
+class H3ClientConnection(QuicConnectionProtocol):
+    def __init__(self, quic: QuicConnection, **kwargs):
+        super().__init__(quic, **kwargs)
+        self._h3 = H3Connection(quic)
+        self._exchanges: dict[int, _Exchange] = {}
+        self._terminated: TransportError | None = None
+        self._datagram_transport: asyncio.DatagramTransport | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self._terminated is None
+
+    async def request(self, method: str, authority: str, target: str, body: bytes | None,
+                      content_type: str | None, timeout: float, max_response: int) -> ClientResponse:
+        if self._terminated is not None:
+            raise TransportError(str(self._terminated), sent=False)
+        stream_id = self._quic.get_next_available_stream_id()
+        headers = [(b":method", method.encode()), (b":scheme", b"https"),
+                   (b":authority", authority.encode()), (b":path", target.encode())]
+        if body is not None:
+            if content_type:
+                headers.append((b"content-type", content_type.encode()))
+            headers.append((b"content-length", str(len(body)).encode()))
+        exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
+        self._exchanges[stream_id] = exchange
+        self._h3.send_headers(stream_id, headers, end_stream=not body)
+        if body:
+            self._h3.send_data(stream_id, body, end_stream=True)
+        self.transmit()
+        try:
+            return await asyncio.wait_for(asyncio.shield(exchange.future), timeout)
+        except TimeoutError:
+            self._cancel(stream_id)
+            raise RequestTimeout(f"no answer to {method} {target} within {timeout}s", sent=True) from None
+        finally:
+            self._exchanges.pop(stream_id, None)
+
+    def _cancel(self, stream_id: int) -> None:
+        with contextlib.suppress(Exception):
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self.transmit()
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, ConnectionTerminated):
+            # A TLS alert (a transport close, frame_type set) means the handshake was refused:
+            # no request was processed. Application closes (H3 codes 0x100..) carry no frame type.
+            refused = event.frame_type is not None and event.error_code in CRYPTO_ERROR_RANGE
+            self._terminated = TransportError(
+                f"HTTP/3 connection closed ({event.error_code:#x}: {event.reason_phrase})", sent=not refused
+            )
+            for exchange in self._exchanges.values():
+                if not exchange.future.done():
+                    exchange.future.set_exception(self._terminated)
+            return
+        if isinstance(event, StreamReset):
+            exchange = self._exchanges.get(event.stream_id)
+            if exchange is not None and not exchange.future.done():
+                sent = event.error_code != ErrorCode.H3_REQUEST_REJECTED  # rejected: unprocessed
+                exchange.future.set_exception(
+                    TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent)
+                )
+        for h3_event in self._h3.handle_event(event):
+            exchange = self._exchanges.get(getattr(h3_event, "stream_id", -1))
+            if exchange is None or exchange.future.done():
+                continue
+            if isinstance(h3_event, HeadersReceived):
+                for name, value in h3_event.headers:
+                    if name == b":status":
+                        exchange.status = int(value)
+                    elif not name.startswith(b":"):
+                        exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+            elif isinstance(h3_event, DataReceived):
+                exchange.body += h3_event.data
+                if len(exchange.body) > exchange.max_response:
+                    self._cancel(h3_event.stream_id)
+                    exchange.future.set_exception(
+                        TransportError(f"response over {exchange.max_response} bytes", sent=True))
+                    continue
+            if getattr(h3_event, "stream_ended", False) and not exchange.future.done():
+                exchange.future.set_result(
+                    ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
+
+    async def aclose(self) -> None:
+        self.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wait_closed(), 1.0)
+        if self._datagram_transport is not None:
+            self._datagram_transport.close()
+
+
+async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
+                     timeout: float, *, ca_file: str | Path) -> H3ClientConnection:
+    """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
+    check_aioquic()  # peer_certificates() reads aioquic internals
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM), timeout)
+    except (OSError, TimeoutError) as exc:
+        raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
+    family, _, _, _, addr = infos[0]
+    connection = QuicConnection(configuration=configuration)
+    transport, protocol = await loop.create_datagram_endpoint(
+        lambda: H3ClientConnection(connection), family=family,
+        local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0),
+    )
+    assert isinstance(protocol, H3ClientConnection)
+    protocol._datagram_transport = transport
+    protocol.connect(addr)
+    try:
+        await asyncio.wait_for(protocol.wait_connected(), timeout)
+    except (ConnectionError, TimeoutError) as exc:
+        protocol.close()
+        transport.close()
+        raise TransportError(f"QUIC handshake with {host}:{port} failed: {exc or 'timeout'}", sent=False) from exc
+    leaf, chain = peer_certificates(connection)
+    try:
+        if leaf is None:
+            raise CertificateRejected(CertificateRejected.MISSING, "server sent no certificate")
+        verify_server(ca_file, leaf, chain, host)
+    except CertificateRejected as exc:
+        await protocol.aclose()
+        raise TransportError(f"refusing server {host}:{port}: {exc}", sent=False) from exc
+    return protocol

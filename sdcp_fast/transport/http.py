@@ -1,0 +1,173 @@
+"""What a transport server hands to role code and takes back: Request, Response, Handler.
+
+The transport moves bytes; it never decodes CBOR. It answers on its own only what it can
+know without the role: 413 (body over the limit), 415 (a body that is not
+application/sdcp+cbor on POST/PUT), and problem documents for `ProblemError`s that escape a
+handler. Resources (404/405) and body contents (400/422/...) are the handler's business;
+`Router` does the former and `Authorizer` who-may-call-what.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Kind, Problem, ProblemError
+
+SDCP_MEDIA_TYPE = "application/sdcp+cbor"
+BODY_METHODS = frozenset({"POST", "PUT"})
+log = logging.getLogger("sdcp_fast.transport")
+
+
+@dataclass(frozen=True)
+class Request:
+    method: str  # "GET", "POST", ...
+    path: str  # as sent, without the query, e.g. "/sessions/AAEC/drafter" (ids are base64url)
+    query: dict[str, str]  # last value wins for repeated names
+    content_type: str | None  # media type without parameters, lower case; None if absent
+    body: bytes  # at most the server's max_body bytes
+    caller: str | None  # URI SAN of the verified client certificate
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    body: bytes = b""
+    content_type: str | None = SDCP_MEDIA_TYPE  # None: no content-type header (e.g. 204)
+    headers: tuple[tuple[str, str], ...] = ()  # extra headers, lower-case names
+
+
+class Handler(Protocol):
+    async def handle(self, request: Request) -> Response: ...
+
+
+def problem_response(problem: Problem, headers: Iterable[tuple[str, str]] = ()) -> Response:
+    """RFC 9457 document for `problem`, status from its kind."""
+    return Response(problem.status, problem.to_json(), PROBLEM_MEDIA_TYPE, tuple(headers))
+
+
+def internal_error_response() -> Response:
+    """A handler bug: 500 with a generic document (details stay in the server log)."""
+    body = b'{"status":500,"title":"Internal Server Error","type":"about:blank"}'
+    return Response(500, body, PROBLEM_MEDIA_TYPE)
+
+
+def media_type(header_value: str | None) -> str | None:
+    """`application/sdcp+cbor; foo=bar` -> `application/sdcp+cbor`."""
+    if header_value is None:
+        return None
+    return header_value.split(";", 1)[0].strip().lower() or None
+
+
+def parse_query(raw: str) -> dict[str, str]:
+    from urllib.parse import parse_qsl
+
+    return dict(parse_qsl(raw, keep_blank_values=True, max_num_fields=32))
+
+
+def precheck(method: str, content_type: str | None, content_length: int | None, max_body: int) -> Problem | None:
+    """The transport's own answers, decided from headers alone (before any body byte is kept)."""
+    if content_length is not None and content_length > max_body:
+        return Problem(Kind.TOO_LARGE, f"body of {content_length} bytes exceeds the limit of {max_body}")
+    if method in BODY_METHODS and content_type != SDCP_MEDIA_TYPE:
+        return Problem(Kind.UNSUPPORTED_MEDIA_TYPE, f"got {content_type or 'no content-type'}")
+    return None
+
+
+async def dispatch(handler: Handler, request: Request) -> Response:
+    """Call the handler; a ProblemError becomes its document, anything else a logged 500."""
+    try:
+        return await handler.handle(request)
+    except ProblemError as exc:
+        return problem_response(exc.problem)
+    except Exception:
+        log.exception("handler failed on %s %s from %s", request.method, request.path, request.caller)
+        return internal_error_response()
+
+
+# ---- authorization -------------------------------------------------------------------
+
+ANY_CALLER = "*"
+
+
+@dataclass(frozen=True)
+class Authorizer:
+    """Which identities may call which resource class, e.g.
+
+    Authorizer({"sessions": {"https://router-1.example/"}, "proposals": {"*"}})
+
+    "*" admits any authenticated caller (proposals: the core checks the assigned drafter).
+    A resource class missing from the map admits nobody: the configuration fails closed.
+    """
+
+    rules: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", {k: frozenset(v) for k, v in self.rules.items()})
+
+    def allows(self, caller: str | None, resource: str) -> bool:
+        allowed = self.rules.get(resource, frozenset())
+        return caller is not None and (ANY_CALLER in allowed or caller in allowed)
+
+    def check(self, caller: str | None, resource: str) -> None:
+        if not self.allows(caller, resource):
+            raise ProblemError(Problem(Kind.FORBIDDEN, f"{caller or 'anonymous'} may not use {resource}"))
+
+
+# ---- routing -------------------------------------------------------------------------
+
+RouteFn = Callable[..., Awaitable[Response]]
+_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class _Route:
+    pattern: re.Pattern[str]
+    methods: dict[str, tuple[RouteFn, str | None]]  # method -> (coroutine fn, resource class)
+
+
+class Router:
+    """A Handler that maps (method, path pattern) to coroutines, with 404/405 answers.
+
+    router = Router(prefix="/", authorizer=auth)
+    router.add("PUT", "/sessions/{id}/drafter", put_drafter, resource="drafter")
+    async def put_drafter(request: Request, id: str) -> Response: ...
+    """
+
+    def __init__(self, *, prefix: str = "", authorizer: Authorizer | None = None):
+        self._prefix = prefix.rstrip("/")
+        self._authorizer = authorizer
+        self._routes: dict[str, _Route] = {}
+
+    def add(self, method: str, pattern: str, fn: RouteFn, *, resource: str | None = None) -> None:
+        if resource is not None and self._authorizer is None:
+            raise ValueError("a route with a resource class needs the Router's authorizer")
+        full = self._prefix + "/" + pattern.lstrip("/")
+        regex = "".join(
+            f"(?P<{piece}>[^/]+)" if index % 2 else re.escape(piece)
+            for index, piece in enumerate(_PARAM.split(full))
+        )
+        route = self._routes.setdefault(full, _Route(re.compile(f"^{regex}$"), {}))
+        if method.upper() in route.methods:
+            raise ValueError(f"duplicate route {method} {full}")
+        route.methods[method.upper()] = (fn, resource)
+
+    async def handle(self, request: Request) -> Response:
+        for route in self._routes.values():
+            match = route.pattern.match(request.path)
+            if match is None:
+                continue
+            entry = route.methods.get(request.method)
+            if entry is None:
+                allow = ", ".join(sorted(route.methods))
+                problem = Problem(Kind.METHOD_NOT_ALLOWED, f"{request.method} not allowed; allow {allow}")
+                return problem_response(problem, [("allow", allow)])
+            fn, resource = entry
+            if resource is not None:
+                assert self._authorizer is not None
+                self._authorizer.check(request.caller, resource)
+            return await fn(request, **match.groupdict())
+        raise ProblemError(Problem(Kind.NOT_FOUND, f"no resource at {request.path}"))

@@ -1,0 +1,171 @@
+"""`serve()`: one handler on HTTP/2 (TLS 1.3/TCP) and HTTP/3 (QUIC/UDP) at one host and port."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+from .http import Handler
+from .identity import ClientCertificateVerifier
+from .tlsconfig import TLSConfig
+
+log = logging.getLogger("sdcp_fast.transport")
+
+DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a proposal is a few hundred bytes, a session-open a prompt
+DEFAULT_IDLE_TIMEOUT = 600.0  # long-lived drafter connections: close only after 10 idle minutes
+
+
+class Server:
+    """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        host: str,
+        port: int,
+        tls: TLSConfig,
+        http2: bool = True,
+        http3: bool = True,
+        max_body: int = DEFAULT_MAX_BODY,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        handler_timeout: float | None = 60.0,
+        handshake_timeout: float = 10.0,
+        max_concurrent_streams: int = 256,
+    ):
+        if not (http2 or http3):
+            raise ValueError("enable http2, http3 or both")
+        if max_body < 0:
+            raise ValueError("max_body must be >= 0")
+        self.handler = handler
+        self.host = host
+        self.tls = tls
+        self.http2 = http2
+        self.http3 = http3
+        self.max_body = max_body
+        self.idle_timeout = idle_timeout
+        self.handler_timeout = handler_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_concurrent_streams = max_concurrent_streams
+        self.ssl_context = tls.server_ssl_context()
+        self.client_verifier = ClientCertificateVerifier(tls.ca)
+        self.connections: set[Any] = set()  # live H2ServerProtocol / H3ServerProtocol
+        self._requested_port = port
+        self._port: int | None = None
+        self._tcp: asyncio.Server | None = None
+        self._quic: Any = None  # aioquic QuicServer
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("server not started")
+        return self._port
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Tasks are kept referenced (asyncio holds only weak references) and cancelled on stop."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def start(self) -> None:
+        if self.http3:
+            from .quic_mtls import check_aioquic
+
+            check_aioquic()  # fail closed on an aioquic whose internals we did not review
+        # With port 0, the TCP port is chosen first and UDP must get the same number; retry if taken.
+        for _attempt in range(20):
+            try:
+                await self._bind(self._requested_port)
+                break
+            except OSError:
+                await self._close_listeners()
+                if self._requested_port != 0:
+                    raise
+        else:
+            raise OSError("no port free for both TCP and UDP")
+        log.info("serving %s on %s port %d (max_body=%d, idle_timeout=%ss)",
+                 "+".join(p for p, on in (("h2", self.http2), ("h3", self.http3)) if on),
+                 self.host, self.port, self.max_body, self.idle_timeout)
+
+    async def _bind(self, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        if self.http2:
+            from .server_h2 import TLSAcceptor
+
+            self._tcp = await loop.create_server(
+                lambda: TLSAcceptor(self), self.host, port, reuse_address=True, backlog=256
+            )
+            port = self._tcp.sockets[0].getsockname()[1]
+        if self.http3:
+            from aioquic.asyncio.server import serve as quic_serve
+
+            from .server_h3 import H3ServerProtocol
+
+            if port == 0:  # HTTP/3 only: let UDP choose
+                port = _free_udp_port(self.host)
+            configuration = self.tls.quic_configuration(is_client=False, idle_timeout=self.idle_timeout)
+            # No session-ticket store: resumption would skip the client certificate.
+            self._quic = await quic_serve(
+                self.host, port, configuration=configuration,
+                create_protocol=functools.partial(H3ServerProtocol, server=self),
+                retry=False,
+            )
+        self._port = port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Stop accepting; let in-flight requests finish for up to `grace` seconds; close all."""
+        if self._tcp is not None:
+            self._tcp.close()
+        for connection in list(self.connections):
+            connection.goaway()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while any(c.busy for c in self.connections) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for connection in list(self.connections):
+            connection.abort()
+        await asyncio.sleep(0)  # let aioquic send its CONNECTION_CLOSE frames
+        await self._close_listeners()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace)
+        log.info("stopped serving on port %s", self._port)
+
+    async def _close_listeners(self) -> None:
+        if self._tcp is not None:
+            self._tcp.close()
+            await self._tcp.wait_closed()
+            self._tcp = None
+        if self._quic is not None:
+            self._quic.close()
+            self._quic = None
+
+    async def __aenter__(self) -> Server:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+
+async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3: bool = True,
+                http2: bool = True, max_body: int = DEFAULT_MAX_BODY, **options: Any) -> Server:
+    """Start serving `handler`; options: idle_timeout, handler_timeout, handshake_timeout,
+    max_concurrent_streams (see `Server`)."""
+    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3,
+                    max_body=max_body, **options)
+    await server.start()
+    return server
+
+
+def _free_udp_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
