@@ -1,0 +1,72 @@
+"""Object store (the draft's MLC) and fenced commit log (section 6.8) on real stores.
+
+Exact interface (all store and log methods are coroutines, each bounded by a timeout,
+default 5 s, `timeout_s=` in any spec's query):
+
+    store = await open_store("embedded:" | "embedded:PATH?cap_bytes=N&gpu_cap_bytes=N"
+                             | "redis://HOST:PORT/DB?cache_ttl_ms=N")
+    await store.put(uri: str, data: bytes | memoryview, lease_ms: int | None = None) -> None
+    await store.get(uri: str) -> bytes                       # NotFound
+    await store.get_many(uris: Sequence[str]) -> list[bytes] # concurrent; NotFound
+    await store.renew(uri: str, lease_ms: int) -> None       # NotFound if already gone
+    await store.release(uri: str) -> None                    # lease ends: object is gone
+    await store.delete(uri: str) -> None
+    await store.close() -> None
+    # embedded only: get_into(uri, out: memoryview) (SizeMismatch), put_tensor(uri, tensor,
+    # lease_ms=None), get_tensor(uri) -> CUDA tensor of a GPU-tier object | None
+
+    log = await open_log("file:PATH" | "redis://HOST:PORT/DB[?fencing=check]"
+                         | "etcd://HOST:PORT[?prefix=/sdcp/log/]")
+    await log.append(log: str, record: bytes, *, epoch: int, expected: int) -> int
+        # new length (the record sits at position `expected`); Fenced(fence_epoch) if a fence
+        # with epoch > `epoch` exists (checked first), Conflict(current_length) otherwise
+        # if the log is not `expected` long
+    await log.fence(log: str, epoch: int) -> int
+        # unconditional on position, monotone: appends a fence record unless one with this
+        # epoch exists (retry: returns current length); Fenced if a higher one exists
+    await log.read(log: str, start: int = 0) -> list[LogEntry]
+    await log.close() -> None
+    LogEntry(position: int, kind: "commit" | "fence", epoch: int, record: bytes)
+
+    effective_commits(entries) -> list[LogEntry]  # skips commits refused by a later-epoch fence
+    await check_after_append(log_store, log, position, epoch) -> None  # section 6.8's check
+    object_uri(name: str, scope: bytes | None = None) -> str  # "mlc:/scope/<hex>/name"
+    await load_q_rows(store, refs: Sequence[tuple[str, int]], vocab: int,
+                      device="cpu", *, out: Tensor | None = None) -> Tensor
+        # [sum M, V] fp32 on device (rows of `out` if given, a reusable [>= sum M, V]
+        # buffer); QRowsUnavailable(uri, reason), .problem == "sdcp-q-unavailable"
+
+Errors (errors.py): CacheError > NotFound, StoreFull, StoreTimeout, BadSpec, Conflict,
+Fenced, SizeMismatch, CorruptLog; qrows.QRowsUnavailable.
+Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
+"""
+
+from .api import CommitLog, LogEntry, ObjectStore, effective_commits, object_uri
+from .errors import (
+    BadSpec,
+    CacheError,
+    Conflict,
+    CorruptLog,
+    Fenced,
+    NotFound,
+    SizeMismatch,
+    StoreFull,
+    StoreTimeout,
+)
+from .fencing import check_after_append
+from .specs import open_log, open_store
+
+__all__ = [
+    "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Fenced", "LogEntry",
+    "NotFound", "ObjectStore", "SizeMismatch", "StoreFull", "StoreTimeout",
+    "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",
+    "open_store",
+]
+
+
+def __getattr__(name: str):
+    if name in ("load_q_rows", "QRowsUnavailable"):  # imports torch: only when asked for
+        from . import qrows
+
+        return getattr(qrows, name)
+    raise AttributeError(name)

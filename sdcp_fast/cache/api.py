@@ -1,0 +1,120 @@
+"""The two interfaces of the cache layer (ARCHITECTURE.md) and the names of objects.
+
+`ObjectStore` holds opaque objects named by URI with optional leases (the draft's MLC,
+section 1.4). `CommitLog` is the conditional-append log of section 6.8. Every method is
+async and bounded by a timeout; errors are the typed ones of `errors.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+EntryKind = Literal["commit", "fence"]
+
+DEFAULT_TIMEOUT_S = 5.0
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    """Objects named by URI. Lease semantics, the same on every backend:
+
+    - `put(uri, data, lease_ms=N)` stores a leased object: it is never evicted while the
+      lease runs, and it is gone once the lease expires or is released.
+    - `put(uri, data)` (no lease) stores a cached object that LRU eviction may drop.
+    """
+
+    async def put(self, uri: str, data: bytes | memoryview, lease_ms: int | None = None) -> None: ...
+    async def get(self, uri: str) -> bytes: ...
+    async def get_many(self, uris: Sequence[str]) -> list[bytes]: ...
+    async def renew(self, uri: str, lease_ms: int) -> None: ...
+    async def release(self, uri: str) -> None: ...
+    async def delete(self, uri: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    position: int  # 0-based index in the log
+    kind: EntryKind  # "commit" (a verifier's record) or "fence" (the router's, epoch only)
+    epoch: int
+    record: bytes  # opaque commit record (the core's CBOR); b"" for a fence
+
+
+@runtime_checkable
+class CommitLog(Protocol):
+    """Conditional-append logs named by their cache-ref (section 6.8).
+
+    - `append` succeeds only if the log is exactly `expected` records long (else `Conflict`
+      with the current length) and no fence record with an epoch above `epoch` exists (else
+      `Fenced`). It returns the new length; the record's position is `expected`.
+    - `fence` is unconditional on position (a router fencing a partitioned verifier must not
+      lose a race to it) and monotone: it appends a fence record unless the log already
+      holds a fence with this epoch (idempotent retry: returns the current length), and
+      raises `Fenced` if a fence with a higher epoch exists. Returns the new length.
+    - `read(log, start)` returns every entry from `start`, in order (empty for a new log).
+    """
+
+    async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int: ...
+    async def fence(self, log: str, epoch: int) -> int: ...
+    async def read(self, log: str, start: int = 0) -> list[LogEntry]: ...
+    async def close(self) -> None: ...
+
+
+def effective_commits(entries: Sequence[LogEntry]) -> list[LogEntry]:
+    """The commit records that count: those not preceded by a fence of a higher epoch.
+
+    On a store that enforces fencing this is every commit record. On a store that relies on
+    the read-after-append check (`fencing.check_after_append`), a fenced writer's record may
+    sit in the log, and its writer treated it as failed; readers (the router recovering a
+    session, section 6.9) must skip it too.
+    """
+    fence_epoch = 0
+    commits = []
+    for entry in entries:
+        if entry.kind == "fence":
+            fence_epoch = max(fence_epoch, entry.epoch)
+        elif entry.epoch >= fence_epoch:
+            commits.append(entry)
+    return commits
+
+
+SCOPE_BYTES = 16
+_NAME = re.compile(r"^[A-Za-z0-9._~!$&'()*+,;=:@/-]+$")
+
+
+def object_uri(name: str, scope: bytes | None = None, *, base: str = "mlc:") -> str:
+    """The cache-ref of object `name`, placed under the contract's KVSP `scope` if any.
+
+    `object_uri("q/abc", scope)` -> "mlc:/scope/<32 lowercase hex>/q/abc";
+    `object_uri("q/abc")` -> "mlc:/q/abc". Names are URI path characters without dot
+    segments, so two scopes can never name the same object.
+    """
+    if scope is not None and (not isinstance(scope, bytes) or len(scope) != SCOPE_BYTES):
+        raise ValueError(f"scope must be {SCOPE_BYTES} bytes, got {scope!r}")
+    name = name.strip("/")
+    segments = name.split("/")
+    if not name or not _NAME.match(name) or any(s in ("", ".", "..") for s in segments):
+        raise ValueError(f"bad object name {name!r}")
+    prefix = f"{base}/scope/{scope.hex()}/" if scope is not None else f"{base}/"
+    return prefix + name
+
+
+def check_lease(lease_ms: int | None) -> None:
+    if lease_ms is not None and (not isinstance(lease_ms, int) or lease_ms <= 0):
+        raise ValueError(f"lease_ms must be a positive int or None, got {lease_ms!r}")
+
+
+MAX_EPOCH = 2**53 - 1  # exact in every backend (Redis Lua numbers are doubles)
+
+
+def check_epoch(epoch: int, *, minimum: int = 0) -> None:
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not minimum <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch must be an int in [{minimum}, 2**53), got {epoch!r}")
+
+
+def check_position(expected: int) -> None:
+    if not isinstance(expected, int) or isinstance(expected, bool) or expected < 0:
+        raise ValueError(f"expected must be a non-negative int, got {expected!r}")

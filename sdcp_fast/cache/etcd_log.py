@@ -1,0 +1,158 @@
+"""Commit logs in etcd v3 (`etcd://HOST:PORT`), the production choice (section 6.9).
+
+etcd transactions are linearizable, so an acknowledged append survives any failover of the
+etcd cluster. There is no maintained Python etcd client; this talks to the v3 JSON gateway
+that etcd 3.4 serves under `/v3/` on its client URL, with httpx (keys and values base64).
+
+Keys of one log (a hash of its name, so any URI works):
+
+    <prefix><h>/len        number of entries, 20-digit zero-padded decimal
+    <prefix><h>/fence      highest fence epoch, 20-digit zero-padded decimal
+    <prefix><h>/e/<pos>    entry at position pos (20 digits): kind || epoch || record
+
+Zero padding makes etcd's bytewise VALUE comparisons numeric. An append is one transaction:
+
+    compare  len == expected  (or len absent when expected is 0)
+        and  fence < epoch + 1  (or fence absent)
+    success  put e/<expected>, put len = expected + 1
+    failure  range len, range fence   -> Conflict(len) or Fenced(fence)
+
+A missing key fails every VALUE comparison, so the client picks the "absent" form (VERSION
+== 0) from what it last saw and retries once with the other form if it guessed wrong.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+
+import httpx
+
+from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
+from .entries import pack_entry, unpack_entry
+from .errors import CacheError, Conflict, Fenced, StoreTimeout
+
+DEFAULT_PREFIX = "/sdcp/log/"
+_RANGE_PAGE = 512
+_RETRIES = 50
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _pad(number: int) -> bytes:
+    return b"%020d" % number
+
+
+class EtcdCommitLog:
+    """`CommitLog` on etcd through its JSON gateway."""
+
+    def __init__(self, endpoint: str, *, prefix: str = DEFAULT_PREFIX,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.endpoint, self.prefix = endpoint, prefix.encode()
+        self._http = httpx.AsyncClient(base_url=endpoint, timeout=timeout_s)
+        self._known: dict[str, tuple[int, int]] = {}  # log -> (length, fence) last seen
+
+    def _key(self, log: str, suffix: bytes) -> bytes:
+        return self.prefix + hashlib.sha256(log.encode()).hexdigest()[:40].encode() + suffix
+
+    async def _post(self, path: str, body: dict) -> dict:
+        try:
+            response = await self._http.post(path, json=body)
+        except httpx.TimeoutException as exc:
+            raise StoreTimeout(f"etcd {path} timed out") from exc
+        except httpx.HTTPError as exc:
+            raise CacheError(f"etcd {path}: {exc}") from exc
+        if response.status_code != 200:
+            raise CacheError(f"etcd {path}: HTTP {response.status_code} {response.text[:200]}")
+        return response.json()
+
+    def _compare_number(self, key: bytes, known: int, op: str, bound: int) -> dict:
+        """`key` absent when `known` is 0, else `value op pad(bound)`."""
+        if known == 0:
+            return {"key": _b64(key), "target": "VERSION", "result": "EQUAL", "version": "0"}
+        return {"key": _b64(key), "target": "VALUE", "result": op, "value": _b64(_pad(bound))}
+
+    async def _txn(self, log: str, compares: list[dict], puts: list[tuple[bytes, bytes]]):
+        """Run a transaction; returns (succeeded, length now, fence now)."""
+        len_key, fence_key = self._key(log, b"/len"), self._key(log, b"/fence")
+        reply = await self._post("/v3/kv/txn", {
+            "compare": compares,
+            "success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts],
+            "failure": [{"request_range": {"key": _b64(len_key)}},
+                        {"request_range": {"key": _b64(fence_key)}}],
+        })
+        if reply.get("succeeded"):
+            return True, None, None
+        length, fence = (_number(r["response_range"]) for r in reply["responses"])
+        self._known[log] = (length, fence)
+        return False, length, fence
+
+    async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int:
+        check_epoch(epoch)
+        check_position(expected)
+        len_key, fence_key = self._key(log, b"/len"), self._key(log, b"/fence")
+        entry = pack_entry("commit", epoch, record)
+        for _ in range(2):  # at most one retry, after learning whether the fence key exists
+            _, fence_seen = self._known.get(log, (0, 0))
+            compares = [self._compare_number(len_key, expected, "EQUAL", expected),
+                        self._compare_number(fence_key, fence_seen, "LESS", epoch + 1)]
+            puts = [(self._key(log, b"/e/" + _pad(expected)), entry),
+                    (len_key, _pad(expected + 1))]
+            ok, length, fence = await self._txn(log, compares, puts)
+            if ok:
+                self._known[log] = (expected + 1, fence_seen)
+                return expected + 1
+            if fence > epoch:
+                raise Fenced(fence)
+            if length != expected:
+                raise Conflict(length)
+        raise CacheError(f"etcd append to {log} failed without a conflict")
+
+    async def fence(self, log: str, epoch: int) -> int:
+        check_epoch(epoch, minimum=1)
+        len_key, fence_key = self._key(log, b"/len"), self._key(log, b"/fence")
+        entry = pack_entry("fence", epoch, b"")
+        length, fence = self._known.get(log, (0, 0))
+        for _ in range(_RETRIES):
+            if fence > epoch:
+                raise Fenced(fence)
+            if fence == epoch:
+                return length  # a retried fence: already in place
+            compares = [self._compare_number(len_key, length, "EQUAL", length),
+                        self._compare_number(fence_key, fence, "EQUAL", fence)]
+            puts = [(self._key(log, b"/e/" + _pad(length)), entry),
+                    (len_key, _pad(length + 1)), (fence_key, _pad(epoch))]
+            ok, new_length, new_fence = await self._txn(log, compares, puts)
+            if ok:
+                self._known[log] = (length + 1, epoch)
+                return length + 1
+            length, fence = new_length, new_fence  # lost a race: retry on the new state
+        raise StoreTimeout(f"fence of {log} kept losing races")
+
+    async def read(self, log: str, start: int = 0) -> list[LogEntry]:
+        check_position(start)
+        entries_prefix = self._key(log, b"/e/")
+        range_end = _b64(entries_prefix[:-1] + bytes([entries_prefix[-1] + 1]))
+        key, entries = entries_prefix + _pad(start), []
+        while True:
+            reply = await self._post("/v3/kv/range", {
+                "key": _b64(key), "range_end": range_end, "limit": str(_RANGE_PAGE)})
+            kvs = reply.get("kvs", [])
+            for kv in kvs:
+                position = int(base64.b64decode(kv["key"])[len(entries_prefix):])
+                if position != start + len(entries):
+                    raise CacheError(f"etcd log {log}: entry {position} out of sequence")
+                entries.append(unpack_entry(position, base64.b64decode(kv.get("value", ""))))
+            if not reply.get("more"):
+                return entries
+            key = entries_prefix + _pad(start + len(entries))
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+def _number(range_response: dict) -> int:
+    kvs = range_response.get("kvs", [])
+    return int(base64.b64decode(kvs[0]["value"])) if kvs else 0

@@ -1,0 +1,185 @@
+"""The embedded commit log: one file per log in a local directory (`file:PATH`).
+
+Frame of one entry on disk:
+
+    length (4 octets BE) || crc32 of payload (4 octets BE) || payload
+    payload = kind (1) || epoch (8, BE) || record            (entries.py)
+
+- Conditional append across processes: the writer takes an exclusive `flock` on the log
+  file, scans what it has not seen yet (the length and the highest fence epoch are cached
+  per process and only the new tail is read), checks `expected` and the fence, writes the
+  frame and `fdatasync`s before returning. A returned position is therefore durable.
+- Crash safety: a writer killed mid-write leaves a torn tail (short frame or bad checksum).
+  Readers stop at it; the next writer truncates it under the lock before appending, so an
+  acknowledged record is never followed by garbage.
+- Blocking file work runs in a worker thread; each call is bounded by `timeout_s`, and the
+  lock wait inside the thread by the same bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
+from .entries import pack_entry, unpack_entry
+from .errors import Conflict, Fenced, StoreTimeout
+
+_FRAME = struct.Struct(">II")
+MAX_RECORD_BYTES = 16 << 20  # a commit record is ~100 bytes; bigger lengths mean a torn frame
+_LOCK_POLL_S = 0.001
+
+
+@dataclass
+class _Scan:
+    """What one process knows of a log file's valid prefix."""
+
+    inode: int
+    offset: int  # end of the last valid frame
+    length: int  # number of valid entries
+    fence_epoch: int  # highest fence epoch among them (0: none)
+
+
+def _scan_frames(data: bytes, start: int = 0):
+    """Yield (end_offset, payload) for each valid frame from `start`; stop at a torn tail."""
+    offset = start
+    while offset + _FRAME.size <= len(data):
+        size, crc = _FRAME.unpack_from(data, offset)
+        end = offset + _FRAME.size + size
+        if size > MAX_RECORD_BYTES or end > len(data):
+            return
+        payload = data[offset + _FRAME.size:end]
+        if zlib.crc32(payload) != crc:
+            return
+        yield end, payload
+        offset = end
+
+
+class FileCommitLog:
+    """`CommitLog` over a local directory; safe across processes and crash-safe."""
+
+    def __init__(self, directory: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        self._scans: dict[str, _Scan] = {}
+
+    def path_of(self, log: str) -> Path:
+        # Log names are URIs; hash them into a flat, fixed-length file name.
+        return self.directory / (hashlib.sha256(log.encode()).hexdigest()[:40] + ".log")
+
+    async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int:
+        check_epoch(epoch)
+        check_position(expected)
+        return await self._run(self._append_sync, log, "commit", epoch, bytes(record), expected)
+
+    async def fence(self, log: str, epoch: int) -> int:
+        check_epoch(epoch, minimum=1)  # 0 means "no fence"; session epochs start at 1
+        return await self._run(self._append_sync, log, "fence", epoch, b"", None)
+
+    async def read(self, log: str, start: int = 0) -> list[LogEntry]:
+        check_position(start)
+        return await self._run(self._read_sync, log, start)
+
+    async def close(self) -> None:
+        self._scans.clear()
+
+    async def _run(self, fn, *args):
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout_s)
+        except TimeoutError as exc:
+            raise StoreTimeout(f"commit log operation exceeded {self.timeout_s}s") from exc
+
+    # -- blocking parts (worker thread) ---------------------------------------------------
+
+    def _read_sync(self, log: str, start: int) -> list[LogEntry]:
+        try:
+            data = self.path_of(log).read_bytes()
+        except FileNotFoundError:
+            return []
+        entries = []
+        for position, (_, payload) in enumerate(_scan_frames(data)):
+            if position >= start:
+                entries.append(unpack_entry(position, payload))
+        return entries
+
+    def _append_sync(self, log: str, kind: str, epoch: int, record: bytes,
+                     expected: int | None) -> int:
+        path = self.path_of(log)
+        created = not path.exists()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if created:
+                _fsync_dir(self.directory)  # the new file's name must survive a crash too
+            self._lock(fd)
+            scan = self._catch_up(log, fd)
+            if kind == "commit":
+                if scan.fence_epoch > epoch:
+                    raise Fenced(scan.fence_epoch)
+                if scan.length != expected:
+                    raise Conflict(scan.length)
+            else:
+                if scan.fence_epoch > epoch:
+                    raise Fenced(scan.fence_epoch)
+                if scan.fence_epoch == epoch:
+                    return scan.length  # a retried fence: already in place
+            payload = pack_entry(kind, epoch, record)
+            frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+            if os.fstat(fd).st_size != scan.offset:
+                os.ftruncate(fd, scan.offset)  # drop a torn tail left by a crashed writer
+            written = os.pwrite(fd, frame, scan.offset)
+            if written != len(frame):
+                raise OSError(errno.EIO, f"short write to {path}")
+            os.fdatasync(fd)
+            scan.offset += len(frame)
+            scan.length += 1
+            if kind == "fence":
+                scan.fence_epoch = epoch
+            return scan.length
+        finally:
+            os.close(fd)  # also drops the flock
+
+    def _lock(self, fd: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise StoreTimeout("commit log lock not acquired in time") from None
+                time.sleep(_LOCK_POLL_S)
+
+    def _catch_up(self, log: str, fd: int) -> _Scan:
+        """Bring the cached scan of `log` up to date with the file (under the lock)."""
+        stat = os.fstat(fd)
+        scan = self._scans.get(log)
+        if scan is None or scan.inode != stat.st_ino or stat.st_size < scan.offset:
+            scan = _Scan(stat.st_ino, 0, 0, 0)
+        if stat.st_size > scan.offset:
+            base = scan.offset
+            tail = os.pread(fd, stat.st_size - base, base)
+            for end, payload in _scan_frames(tail):
+                entry = unpack_entry(scan.length, payload)
+                scan.offset = base + end
+                scan.length += 1
+                if entry.kind == "fence":
+                    scan.fence_epoch = max(scan.fence_epoch, entry.epoch)
+        self._scans[log] = scan
+        return scan
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

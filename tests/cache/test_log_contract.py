@@ -1,0 +1,189 @@
+"""The CommitLog contract (section 6.8), run against every log backend.
+
+Backends: file (embedded), redis (Lua-enforced), redis-check (conditional append plus the
+draft's read-after-append check), etcd (transactions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from asyncio import run
+
+import pytest
+
+from sdcp_fast.cache import (
+    CommitLog,
+    Conflict,
+    Fenced,
+    LogEntry,
+    effective_commits,
+    open_log,
+)
+
+LOG = "mlc:/sessions/abc/commit_log"
+
+
+def enforces_fencing(spec: str) -> bool:
+    return "fencing=check" not in spec
+
+
+def test_append_read_positions_and_records(log_spec):
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            assert isinstance(log, CommitLog)
+            assert await log.read(LOG) == []
+            records = [b"rec-%d" % i for i in range(5)] + [b"", bytes(range(256))]
+            for i, record in enumerate(records):
+                assert await log.append(LOG, record, epoch=1, expected=i) == i + 1
+            entries = await log.read(LOG)
+            assert entries == [LogEntry(i, "commit", 1, r) for i, r in enumerate(records)]
+            assert await log.read(LOG, 5) == entries[5:]
+            assert await log.read(LOG, 99) == []
+            assert await log.read("mlc:/sessions/other/commit_log") == []
+        finally:
+            await log.close()
+
+    run(body())
+
+
+def test_conflict_reports_current_length(log_spec):
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            await log.append(LOG, b"a", epoch=1, expected=0)
+            await log.append(LOG, b"b", epoch=1, expected=1)
+            for stale in (0, 1, 3):
+                with pytest.raises(Conflict) as err:
+                    await log.append(LOG, b"x", epoch=1, expected=stale)
+                assert err.value.current_length == 2
+            assert [e.record for e in await log.read(LOG)] == [b"a", b"b"]
+            with pytest.raises(ValueError):
+                await log.append(LOG, b"x", epoch=-1, expected=2)
+        finally:
+            await log.close()
+
+    run(body())
+
+
+def test_fence_stops_older_epoch_even_after_a_fresh_read(log_spec):
+    async def body():
+        old_verifier, router = await open_log(log_spec), await open_log(log_spec)
+        try:
+            await old_verifier.append(LOG, b"r1", epoch=1, expected=0)
+            seen = len(await old_verifier.read(LOG))  # the old verifier read before the fence
+            assert await router.fence(LOG, 2) == 2
+            # Writer that read before the fence.
+            expected_error = Fenced if enforces_fencing(log_spec) else Conflict
+            with pytest.raises(expected_error) as err:
+                await old_verifier.append(LOG, b"r2-old", epoch=1, expected=seen)
+            if expected_error is Fenced:
+                assert err.value.fence_epoch == 2
+            # Writer that re-read after the fence, so its expected position is right.
+            fresh = len(await old_verifier.read(LOG))
+            with pytest.raises(Fenced) as err:
+                await old_verifier.append(LOG, b"r2-old", epoch=1, expected=fresh)
+            assert err.value.fence_epoch == 2
+            entries = await router.read(LOG)
+            assert [(e.kind, e.epoch, e.record) for e in effective_commits(entries)] == [
+                ("commit", 1, b"r1")]
+            assert entries[1] == LogEntry(1, "fence", 2, b"")
+            # The new verifier (epoch 2) continues after whatever the log holds.
+            new_length = await router.append(LOG, b"r2-new", epoch=2, expected=len(entries))
+            assert new_length == len(entries) + 1
+            commits = effective_commits(await router.read(LOG))
+            assert [(c.epoch, c.record) for c in commits] == [(1, b"r1"), (2, b"r2-new")]
+        finally:
+            await old_verifier.close()
+            await router.close()
+
+    run(body())
+
+
+def test_fence_is_idempotent_and_monotone(log_spec):
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            assert await log.fence(LOG, 3) == 1
+            assert await log.fence(LOG, 3) == 1  # retried fence: nothing appended
+            with pytest.raises(Fenced) as err:
+                await log.fence(LOG, 2)
+            assert err.value.fence_epoch == 3
+            await log.append(LOG, b"c", epoch=3, expected=1)
+            assert await log.fence(LOG, 4) == 3  # unconditional on position
+            assert [(e.kind, e.epoch) for e in await log.read(LOG)] == [
+                ("fence", 3), ("commit", 3), ("fence", 4)]
+            with pytest.raises(ValueError):
+                await log.fence(LOG, 0)
+        finally:
+            await log.close()
+
+    run(body())
+
+
+def test_racing_appenders_exactly_one_wins_each_position(log_spec):
+    rounds = 12
+
+    async def writer(log: CommitLog, name: bytes) -> list[int]:
+        won = []
+        for position in range(rounds):
+            try:
+                await log.append(LOG, name + b"-%d" % position, epoch=1, expected=position)
+                won.append(position)
+            except Conflict as err:
+                assert err.current_length > position
+        return won
+
+    async def body():
+        a, b = await open_log(log_spec), await open_log(log_spec)
+        try:
+            # Both try every position; the loser of a position moves on to the next.
+            won_a, won_b = await asyncio.gather(writer(a, b"A"), writer(b, b"B"))
+            assert sorted(won_a + won_b) == list(range(rounds))
+            entries = await a.read(LOG)
+            assert len(entries) == rounds
+            for entry in entries:
+                owner = b"A" if entry.position in won_a else b"B"
+                assert entry.record == owner + b"-%d" % entry.position
+        finally:
+            await a.close()
+            await b.close()
+
+    run(body())
+
+
+def test_fence_racing_a_stale_writer(log_spec):
+    """Whatever the interleaving, no epoch-1 record counts after the epoch-2 fence."""
+
+    async def stale_writer(log: CommitLog) -> int:
+        wins = 0
+        for _ in range(20):
+            expected = len(await log.read(LOG))
+            try:
+                await log.append(LOG, b"old", epoch=1, expected=expected)
+                wins += 1
+            except Conflict:
+                continue
+            except Fenced:
+                return wins
+        return wins
+
+    async def body():
+        writer, router = await open_log(log_spec), await open_log(log_spec)
+        try:
+            task = asyncio.create_task(stale_writer(writer))
+            await asyncio.sleep(0)
+            await router.fence(LOG, 2)
+            wins = await task
+            entries = await router.read(LOG)
+            fence_at = next(e.position for e in entries if e.kind == "fence")
+            counted = effective_commits(entries)
+            assert all(c.position < fence_at for c in counted)
+            assert len(counted) == wins
+            with pytest.raises(Fenced):
+                await writer.append(LOG, b"old", epoch=1, expected=len(entries))
+        finally:
+            await writer.close()
+            await router.close()
+
+    run(body())
