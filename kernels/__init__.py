@@ -1,0 +1,28 @@
+"""Verify kernels (installed as sdcp_fast.kernels): float64 reference, CPU path, Triton kernels.
+
+Public API:
+- `verify(batch, path=None) -> VerifyResult` over a ragged batch (see `batch.py` for layout).
+- `target_probs(logits, temperature_milli=None, top_k=None, top_p_milli=None, path=None)`.
+- `build_batch(logits, proposals, q=None)` from `ProposalInput` values.
+Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | triton), else
+Triton for CUDA tensors when triton imports, the CPU path otherwise.
+"""
+
+from .batch import (
+    DEFAULT_TEMPERATURE_MILLI,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P_MILLI,
+    ProposalInput,
+    VerifyBatch,
+    VerifyInputError,
+    VerifyResult,
+    build_batch,
+    sampling_profile,
+)
+from .dispatch import available_paths, choose_path, target_probs, verify
+
+__all__ = [
+    "DEFAULT_TEMPERATURE_MILLI", "DEFAULT_TOP_K", "DEFAULT_TOP_P_MILLI", "ProposalInput",
+    "VerifyBatch", "VerifyInputError", "VerifyResult", "available_paths", "build_batch",
+    "choose_path", "sampling_profile", "target_probs", "verify",
+]

@@ -1,0 +1,98 @@
+"""Choose the implementation: Triton for CUDA tensors, the CPU path otherwise.
+
+Override with the `path` argument or the SDCP_KERNELS_PATH environment variable
+("reference", "cpu" or "triton"; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
+triton is imported, which is how the tests run the kernels without a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+from . import cpu, reference
+from .batch import (
+    DEFAULT_TEMPERATURE_MILLI,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P_MILLI,
+    VerifyBatch,
+    VerifyInputError,
+    VerifyResult,
+)
+
+PATHS = ("reference", "cpu", "triton")
+ENV_VAR = "SDCP_KERNELS_PATH"
+
+
+@cache
+def _triton_module():
+    try:
+        from . import triton_path
+    except ImportError:  # triton not installed: the CPU path serves
+        return None
+    return triton_path
+
+
+def available_paths() -> tuple[str, ...]:
+    return PATHS if _triton_module() is not None else ("reference", "cpu")
+
+
+def choose_path(device: torch.device, path: str | None = None) -> str:
+    path = path or os.environ.get(ENV_VAR) or None
+    if path is None:
+        return "triton" if device.type == "cuda" and _triton_module() is not None else "cpu"
+    if path not in PATHS:
+        raise VerifyInputError(f"unknown kernels path {path!r}; choose one of {PATHS}")
+    if path == "triton" and _triton_module() is None:
+        raise VerifyInputError("kernels path 'triton' requested but triton is not importable")
+    return path
+
+
+def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
+    """Accepted count, extra token and flags for every proposal of the batch."""
+    batch.validate()
+    chosen = choose_path(batch.logits.device, path)
+    if chosen == "reference":
+        return reference.verify(batch)
+    if chosen == "cpu":
+        return cpu.verify(batch)
+    return _triton_module().verify(batch)
+
+
+def _per_row(value, default: int, rows: int, device: torch.device) -> torch.Tensor:
+    if value is None:
+        value = default
+    t = torch.as_tensor(value, dtype=torch.int64, device=device)
+    if t.dim() == 0:
+        return t.expand(rows).contiguous()
+    if t.shape != (rows,):
+        raise VerifyInputError(f"profile tensor must be a scalar or [{rows}], got {tuple(t.shape)}")
+    return t
+
+
+def target_probs(logits: torch.Tensor, temperature_milli=None, top_k=None, top_p_milli=None,
+                 path: str | None = None) -> torch.Tensor:
+    """p [rows, V] (fp32; float64 from the reference) for logits [rows, V] or [V].
+
+    Profile values are scalars or [rows] tensors; None takes the NOTES.md default.
+    """
+    squeeze = logits.dim() == 1
+    lg = logits[None] if squeeze else logits
+    if lg.dim() != 2:
+        raise VerifyInputError("logits must be [V] or [rows, V]")
+    rows, dev = lg.shape[0], lg.device
+    t = _per_row(temperature_milli, DEFAULT_TEMPERATURE_MILLI, rows, dev)
+    k = _per_row(top_k, DEFAULT_TOP_K, rows, dev)
+    p = _per_row(top_p_milli, DEFAULT_TOP_P_MILLI, rows, dev)
+    if bool((t < 0).any() or (k < 0).any() or (p < 0).any() or (p > 1000).any()):
+        raise VerifyInputError("bad sampling profile")
+    chosen = choose_path(dev, path)
+    if chosen == "reference":
+        out = reference.target_probs(lg, t, k, p)
+    elif chosen == "cpu":
+        out = cpu.target_probs(lg, t, k, p)
+    else:
+        out = _triton_module().target_probs(lg, t, k, p)
+    return out[0] if squeeze else out
