@@ -1,0 +1,106 @@
+"""The self-describing byte format of an exported session (cache tier, failover).
+
+    magic  b"SDCPKV1\\n"
+    u32    header length (big-endian), then the header: canonical JSON with
+           backend, model_digest (hex), vocab_size, committed (token list),
+           kv_tokens (how many leading committed tokens the K/V covers),
+           kv_shape, kv_dtype ("float32"; shape [] and kv_tokens 0 when no K/V is carried)
+    bytes  the K/V tensor, C order, little-endian
+    32 B   SHA-256 of everything above (detects truncation and corruption)
+
+Import refuses a blob whose model digest differs from the importing backend's: K/V from
+another model would silently produce wrong logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .base import KVImportError
+
+MAGIC = b"SDCPKV1\n"
+
+
+@dataclass(frozen=True)
+class SessionBlob:
+    backend: str
+    model_digest: bytes
+    vocab_size: int
+    committed: list[int]
+    kv_tokens: int
+    kv: torch.Tensor | None  # fp32 [n_layer, 2, H, kv_tokens, Dh] for "tiny"; None otherwise
+
+
+def pack(
+    backend: str,
+    model_digest: bytes,
+    vocab_size: int,
+    committed: Sequence[int],
+    kv: torch.Tensor | None,
+    kv_tokens: int,
+) -> bytes:
+    kv_bytes = b""
+    shape: list[int] = []
+    if kv is not None:
+        kv = kv.detach().to(torch.float32).contiguous()
+        shape = list(kv.shape)
+        kv_bytes = kv.reshape(-1).view(torch.uint8).numpy().tobytes()
+    header = json.dumps(
+        {
+            "backend": backend,
+            "model_digest": model_digest.hex(),
+            "vocab_size": vocab_size,
+            "committed": [int(t) for t in committed],
+            "kv_tokens": kv_tokens,
+            "kv_shape": shape,
+            "kv_dtype": "float32",
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    body = MAGIC + struct.pack(">I", len(header)) + header + kv_bytes
+    return body + hashlib.sha256(body).digest()
+
+
+def unpack(data: bytes, *, backend: str, model_digest: bytes) -> SessionBlob:
+    if len(data) < len(MAGIC) + 4 + 32 or not data.startswith(MAGIC):
+        raise KVImportError("not an SDCP KV blob (bad magic or too short)")
+    body, check = data[:-32], data[-32:]
+    if hashlib.sha256(body).digest() != check:
+        raise KVImportError("KV blob checksum mismatch (truncated or corrupt)")
+    (hlen,) = struct.unpack(">I", body[len(MAGIC) : len(MAGIC) + 4])
+    start = len(MAGIC) + 4
+    try:
+        header = json.loads(body[start : start + hlen])
+    except ValueError as e:
+        raise KVImportError(f"KV blob header is not JSON: {e}") from None
+    if header.get("backend") != backend:
+        raise KVImportError(f"KV blob is for backend {header.get('backend')!r}, not {backend!r}")
+    if header.get("model_digest") != model_digest.hex():
+        raise KVImportError(
+            f"KV blob is from another model (digest {header.get('model_digest')}, "
+            f"this model {model_digest.hex()})"
+        )
+    committed = header["committed"]
+    kv_tokens = header["kv_tokens"]
+    if not 0 <= kv_tokens <= len(committed):
+        raise KVImportError("KV blob covers more tokens than its committed sequence")
+    payload = body[start + hlen :]
+    kv = None
+    shape = header["kv_shape"]
+    if shape:
+        n = 1
+        for s in shape:
+            n *= s
+        if len(payload) != 4 * n:
+            raise KVImportError(f"KV payload is {len(payload)} bytes, header says {4 * n}")
+        kv = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(shape)
+    elif payload:
+        raise KVImportError("KV blob carries a payload but no shape")
+    return SessionBlob(backend, model_digest, header["vocab_size"], committed, kv_tokens, kv)
