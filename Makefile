@@ -27,8 +27,13 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 $(VPY) -m pytest -q
 
+# Speed lives here, never in tests: each script prints what it measured side by side.
 bench: $(STAMP)
-	$(VPY) -m pytest bench -q --benchmark-only
+	$(VPY) -m pytest bench/bench_kernels.py -q --benchmark-only -o python_files='bench_*.py'
+	$(VPY) bench/bench_cache.py
+	$(VPY) bench/bench_transport.py
+	$(VPY) bench/bench_models.py
+	$(VPY) bench/bench_verifier.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -84,6 +84,7 @@ class Ev(enum.Enum):
     COMMIT_FINISH = "commit-finish"
     COMMIT_FAIL = "commit-fail"
     APPEND_FENCED = "append-fenced"
+    APPEND_FAILED = "append-failed"
     SELF_END = "self-end"
 
 
@@ -106,6 +107,7 @@ TRANSITIONS: dict[tuple[State, Ev], State] = {
     (S.COMMITTING, Ev.COMMIT_FINISH): S.FINISHED,
     (S.COMMITTING, Ev.COMMIT_FAIL): S.FAILED,
     (S.COMMITTING, Ev.APPEND_FENCED): S.FENCED,
+    (S.COMMITTING, Ev.APPEND_FAILED): S.SERVING,     # self jobs go back via _resume_state
     (S.SELF_DECODING, Ev.SELF_END): S.AWAITING_DRAFTER,
 }
 CLOSED = frozenset({S.FINISHED, S.FAILED, S.FENCED})
@@ -329,6 +331,7 @@ class VerifierSession:
         round is not consumed and nothing is committed. Returns the error to raise."""
         self._expect_inflight(job, S.VERIFYING)
         self.inflight = None
+        self._move(Ev.REFUSED)
         self.state = self.resume_state if not self.assigned_during_job else S.SERVING
         self.assigned_during_job = False
         return ProblemError(prob)
@@ -402,6 +405,19 @@ class VerifierSession:
         self._forget_old_policies()
         return verdict
 
+    def commit_failed(self) -> None:
+        """The append could not be made (store unreachable, timeout): nothing is released and
+        the round is not consumed. Had the record landed after all, the next append finds the
+        log longer than expected and the session stops being served, so a lost
+        acknowledgement can never fork the output."""
+        if self.state != S.COMMITTING or self.pending is None:
+            raise ProtocolError("no commit is pending")
+        self.pending = None
+        self.inflight = None
+        self._move(Ev.APPEND_FAILED)
+        self.state = self.resume_state if not self.assigned_during_job else S.SERVING
+        self.assigned_during_job = False
+
     def next_self_job(self, load: int) -> Job | None:
         """While self-decoding: the next token's job, or None when the period ends (self_max
         tokens, or load above self_load), which also queues the event for the router."""
@@ -409,14 +425,20 @@ class VerifierSession:
             return None
         limit = self.contract.self_max
         if (limit is not None and self.self_tokens >= limit) or not self_decode_permitted(self.escalation, load):
-            self._move(Ev.SELF_END)
-            self._emit(Action.SELF_DECODE)
+            self.end_self_decoding()
             return None
         job = self._job(self.round + 1, (), None, None, None, self_decoded=True)
         self.resume_state = S.SELF_DECODING
         self._move(Ev.SELF_STEP)
         self.inflight = job
         return job
+
+    def end_self_decoding(self) -> None:
+        """End the self-decoding period (also when the verifier cannot go on) and queue the
+        event that asks the router for a drafter."""
+        if self.state == S.SELF_DECODING:
+            self._move(Ev.SELF_END)
+            self._emit(Action.SELF_DECODE)
 
     def policy(self, msg: Policy) -> SessionState:
         """POST sessions/{id}/policy: a new profile for rounds >= from_round."""

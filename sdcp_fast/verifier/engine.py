@@ -1,0 +1,242 @@
+"""The verifier's engine: many sessions' jobs, one forward pass, one kernel launch.
+
+Jobs arrive from the service as the core's session state machine hands them out. The engine
+gathers what arrives within `max_wait_ms` (up to `max_batch` jobs), then per batch:
+
+1. starts fetching the q rows of its rule-2 jobs into one tensor on the logits' device,
+2. scores every job in one ragged forward pass of the backend (in a worker thread, so the
+   event loop keeps taking requests), concurrently with 1,
+3. runs one `kernels.verify` over the batch,
+4. for each job: `session.complete` -> commit-log append -> `session.commit_result`, all
+   appends of the batch concurrently; only then are verdicts released and output woken.
+
+A job whose q rows cannot be fetched, or whose q(x) is not positive, or whose logits hold
+NaN, is refused without consuming its round; the rest of the batch goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import Conflict, Fenced
+from ..core.messages import Verdict
+from ..core.problems import Kind, Problem, ProblemError
+from ..core.session import Job, VerifierSession
+from .metrics import Metrics
+from .verify_step import JobOutcome, verify_jobs
+
+log = logging.getLogger("sdcp_fast.verifier.engine")
+
+
+@dataclass
+class _Queued:
+    session: VerifierSession
+    job: Job
+    future: asyncio.Future[Verdict | None]
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 64           # jobs per forward pass
+    max_wait_ms: float = 2.0      # how long the first job of a batch waits for company
+    batching: bool = True         # False: one job per pass (the benchmark's baseline)
+    append_timeout_s: float = 5.0
+
+
+class Engine:
+    def __init__(self, backend, store, commit_log, *, config: EngineConfig = EngineConfig(),
+                 device: torch.device | str = "cpu", metrics: Metrics | None = None,
+                 on_commit: Callable[[VerifierSession], None] = lambda s: None):
+        self.backend = backend
+        self.store = store
+        self.commit_log = commit_log
+        self.config = config
+        self.device = torch.device(device)
+        self.metrics = metrics or Metrics()
+        self.on_commit = on_commit
+        self.log_positions: dict[bytes, int] = {}     # records in each session's commit log
+        self.model_lock = asyncio.Lock()              # the backend is not thread-safe
+        self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
+        self._busy = 0                                # jobs in the batch being processed
+        self.load_override: int | None = None         # pins the reported load (tests, drills)
+        # q rows land in one buffer reused across batches (batches run one at a time): a
+        # fresh allocation per batch pays first-touch page faults, 5x slower on CPU
+        self._q_buffer: torch.Tensor | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ load
+
+    @property
+    def load(self) -> int:
+        """Verifier load in percent: jobs waiting plus jobs in the pass under way, relative
+        to one full batch (so 100 means a full batch is already waiting behind this one)."""
+        if self.load_override is not None:
+            return self.load_override
+        waiting = self._queue.qsize() + self._busy
+        return min(100, round(100 * waiting / (2 * self.config.max_batch)))
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if not item.future.done():
+                item.future.set_exception(ProblemError(Problem(Kind.UNAVAILABLE, "verifier stopping")))
+
+    async def submit(self, session: VerifierSession, job: Job) -> Verdict | None:
+        """Queue a job; resolves with its verdict (None for a self-decoded token) or raises
+        the ProblemError that refused it."""
+        future: asyncio.Future[Verdict | None] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Queued(session, job, future))
+        return await future
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            if self.config.batching:
+                deadline = time.perf_counter() + self.config.max_wait_ms / 1000
+                while len(batch) < self.config.max_batch:
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0 and self._queue.empty():
+                        break
+                    try:
+                        batch.append(self._queue.get_nowait() if self._queue.qsize()
+                                     else await asyncio.wait_for(self._queue.get(), max(remaining, 0)))
+                    except TimeoutError:
+                        break
+            self._busy = len(batch)
+            try:
+                await self._process(batch)
+            except Exception as exc:   # a bug or a backend failure: refuse, never hang callers
+                log.exception("verification batch of %d failed", len(batch))
+                for item in batch:
+                    self._refuse(item, Problem(Kind.UNAVAILABLE, f"verification failed: {exc}"))
+            finally:
+                self._busy = 0
+
+    async def _process(self, batch: list[_Queued]) -> None:
+        started = time.perf_counter()
+        self.metrics.observe("batch_size", len(batch))
+        for item in batch:
+            self.metrics.observe("queue_wait_seconds", started - item.enqueued)
+        vocab = self.backend.vocab_size
+        q_task = asyncio.create_task(self._fetch_q_rows(batch, vocab))
+        t0 = time.perf_counter()
+        async with self.model_lock:
+            logits = await asyncio.to_thread(
+                self.backend.score, [(item.session.id, item.job.tokens) for item in batch])
+        self.metrics.observe("forward_seconds", time.perf_counter() - t0)
+        q, q_starts, q_problems = await q_task
+        t1 = time.perf_counter()
+        outcomes = await asyncio.to_thread(   # keep the event loop free for requests
+            verify_jobs, [item.job for item in batch], logits.to(self.device), q, q_starts, q_problems)
+        self.metrics.observe("kernel_seconds", time.perf_counter() - t1)
+        await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)))
+
+    async def _fetch_q_rows(self, batch: list[_Queued], vocab: int):
+        """One [sum M, V] tensor for the rule-2 jobs; a job whose rows fail is refused alone."""
+        from ..cache.qrows import QRowsUnavailable, load_q_rows
+
+        wanted = [(n, item.job) for n, item in enumerate(batch) if item.job.q_rows is not None]
+        problems: dict[int, Problem] = {}
+        while wanted:
+            refs = [(job.q_rows, job.m) for _, job in wanted]
+            try:
+                q = await load_q_rows(self.store, refs, vocab, self.device,
+                                      out=self._q_rows_buffer(sum(m for _, m in refs), vocab))
+            except QRowsUnavailable as exc:
+                failed = [n for n, job in wanted if job.q_rows == exc.uri]
+                for n in failed:
+                    problems[n] = Problem(Kind.Q_UNAVAILABLE, str(exc))
+                wanted = [(n, job) for n, job in wanted if n not in failed]
+                if not failed:   # cannot tell which: refuse them all
+                    for n, _ in wanted:
+                        problems[n] = Problem(Kind.Q_UNAVAILABLE, str(exc))
+                    wanted = []
+                continue
+            starts, offset = {}, 0
+            for n, job in wanted:
+                starts[n] = offset
+                offset += job.m
+            return q, starts, problems
+        return None, {}, problems
+
+    def _q_rows_buffer(self, rows: int, vocab: int) -> torch.Tensor:
+        buf = self._q_buffer
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab:
+            buf = torch.empty(max(rows, 64), vocab, dtype=torch.float32, device=self.device)
+            self._q_buffer = buf
+        return buf
+
+    async def _commit(self, item: _Queued, outcome: JobOutcome) -> None:
+        session, job = item.session, item.job
+        if outcome.problem is not None:
+            self._refuse(item, outcome.problem)
+            return
+        record = session.complete(job, outcome.accepted, outcome.extra, self.load)
+        position = self.log_positions.get(session.id, 0)
+        try:
+            new_length = await asyncio.wait_for(
+                self.commit_log.append(session.commit_log, record.to_cbor(), epoch=session.epoch,
+                                       expected=position),
+                self.config.append_timeout_s)
+        except (Fenced, Conflict) as exc:
+            # a newer epoch fenced the log, or another writer appended: this verifier may
+            # never again commit or release output for the session
+            log.warning("session %s: commit of round %d refused (%s); no longer served",
+                        session.id.hex(), job.round, exc)
+            session.commit_result(False)
+            self.metrics.inc("fenced_total")
+            self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"))
+            return
+        except Exception as exc:
+            log.error("session %s: commit-log append failed: %s", session.id.hex(), exc)
+            session.commit_failed()
+            self._fail(item, Problem(Kind.UNAVAILABLE, f"commit log unavailable: {exc}"))
+            return
+        self.log_positions[session.id] = new_length
+        verdict = session.commit_result(True)
+        async with self.model_lock:
+            self.backend.commit(session.id, record.emitted)
+        self.metrics.inc("verdicts_total", action=verdict.action.name.lower() if verdict else "self")
+        self.metrics.observe("accepted_tokens", outcome.accepted)
+        self.on_commit(session)
+        if not item.future.done():
+            item.future.set_result(verdict)
+
+    def _refuse(self, item: _Queued, prob: Problem) -> None:
+        if item.session.inflight is item.job:
+            try:
+                item.session.refuse(item.job, prob)
+            except Exception:   # the job already left VERIFYING (a failure mid-commit)
+                log.exception("could not roll back round %d", item.job.round)
+        self._fail(item, prob)
+
+    def _fail(self, item: _Queued, prob: Problem) -> None:
+        self.metrics.inc("problems_total", type=prob.kind.suffix)
+        if not item.future.done():
+            item.future.set_exception(ProblemError(prob))
