@@ -29,23 +29,19 @@ from pathlib import Path
 
 import torch
 
-from . import kvblob
 from .base import (
-    InvalidTokens,
     KVCapacityError,
-    KVImportError,
-    SessionExists,
-    UnknownSession,
     check_distinct_sessions,
     check_tokens,
 )
+from .token_sessions import TokenListSessions
 from .tokenizer import canonical_json_digest
 from .weights import canonical_digest
 
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype"}
 
 
-class HFBackend:
+class HFBackend(TokenListSessions):
     kind = "hf"
 
     def __init__(self, path: str | Path, *, max_batch_tokens: int = 1 << 16) -> None:
@@ -93,14 +89,6 @@ class HFBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
-    def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt")
-        self._check_length(len(prompt))
-        self._sessions[session] = prompt
 
     @torch.no_grad()
     def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
@@ -134,38 +122,9 @@ class HFBackend:
         ]
         return torch.cat(rows).float()
 
-    def commit(self, session: bytes, emitted: Sequence[int]) -> None:
-        c = self._get(session)
-        emitted = check_tokens(emitted, self.vocab_size, "emitted")
-        self._check_length(len(c) + len(emitted))
-        c.extend(emitted)
 
-    def committed(self, session: bytes) -> list[int]:
-        return list(self._get(session))
 
-    def release(self, session: bytes) -> None:
-        if self._sessions.pop(session, None) is None:
-            raise UnknownSession(session)
 
-    def export_kv(self, session: bytes) -> bytes:
-        return kvblob.pack(self.kind, self.digest, self.vocab_size, self._get(session), None, 0)
 
-    def import_kv(self, session: bytes, data: bytes) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        blob = kvblob.unpack(data, backend=self.kind, model_digest=self.digest)
-        committed = check_tokens(blob.committed, self.vocab_size, "imported committed")
-        if not committed:
-            raise KVImportError("imported session has an empty committed sequence")
-        self._check_length(len(committed))
-        self._sessions[session] = committed
 
-    def _check_length(self, n: int) -> None:
-        if self.max_seq_len is not None and n > self.max_seq_len:
-            raise KVCapacityError(f"sequence of {n} tokens exceeds the model's {self.max_seq_len}")
 
-    def _get(self, session: bytes) -> list[int]:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(session) from None

@@ -19,15 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import kvblob
 from .base import (
     InvalidTokens,
-    KVImportError,
-    SessionExists,
-    UnknownSession,
     check_distinct_sessions,
     check_tokens,
 )
+from .token_sessions import TokenListSessions
 from .tokenizer import canonical_json_digest
 from .weights import canonical_digest, read_safetensors
 
@@ -41,7 +38,7 @@ def write_table(path: str | Path, table: torch.Tensor) -> None:
     save_file({TABLE_KEY: table.detach().to(torch.float32).contiguous()}, str(path))
 
 
-class TableBackend:
+class TableBackend(TokenListSessions):
     kind = "table"
 
     def __init__(self, table: torch.Tensor) -> None:
@@ -72,13 +69,6 @@ class TableBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return " ".join(str(int(t)) for t in tokens)
 
-    def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt: the table needs a previous token")
-        self._sessions[session] = prompt
 
     def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
         check_distinct_sessions(items)
@@ -90,30 +80,8 @@ class TableBackend:
             last.extend(x)
         return self.table[torch.tensor(last, dtype=torch.long)]
 
-    def commit(self, session: bytes, emitted: Sequence[int]) -> None:
-        self._get(session).extend(check_tokens(emitted, self.vocab_size, "emitted"))
 
-    def committed(self, session: bytes) -> list[int]:
-        return list(self._get(session))
 
-    def release(self, session: bytes) -> None:
-        if self._sessions.pop(session, None) is None:
-            raise UnknownSession(session)
 
-    def export_kv(self, session: bytes) -> bytes:
-        return kvblob.pack(self.kind, self.digest, self.vocab_size, self._get(session), None, 0)
 
-    def import_kv(self, session: bytes, data: bytes) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        blob = kvblob.unpack(data, backend=self.kind, model_digest=self.digest)
-        committed = check_tokens(blob.committed, self.vocab_size, "imported committed")
-        if not committed:
-            raise KVImportError("imported session has an empty committed sequence")
-        self._sessions[session] = committed
 
-    def _get(self, session: bytes) -> list[int]:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(session) from None
