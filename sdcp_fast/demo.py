@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -57,6 +58,11 @@ class Generation:
 
 
 def main(args: argparse.Namespace) -> int:
+    def terminate(signum, frame):   # SIGTERM: clean up as for Ctrl-C, once
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=args.max_new,
                   workdir=args.workdir, plot=args.plot)
     return code

@@ -1,0 +1,265 @@
+"""The drafter service: POST assignments (Table 1), the sessions it drafts for, status reports.
+
+    POST assignments   assignment -> 204    (routers only)
+
+An assignment names the session's verifier, contract, prompt and committed prefix; the
+drafter checks that its model is permitted and that the committed tokens it was given
+(a cache reference) digest to the assignment's d[n], then runs the session's round loop
+(session.py). A newer assignment for the same session (another epoch or verifier, or the
+session back after a switch) replaces the old loop; one for the same placement while the
+loop runs only updates the sampling profile and m_cap.
+
+Load figure (status.load, percent): the larger of the share of `max_sessions` in use and
+the share of the last report interval the draft model was busy. queue: draft requests
+waiting for the next batched step. accept_milli: EWMA of a/M over every verdict received.
+cache_mbps: EWMA of the bandwidth (megabits/s) seen writing q rows and draft KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..cache import NotFound, object_uri
+from ..core import cbor
+from ..core.digest import chain, prefix_digest
+from ..core.messages import ROLE_DRAFTER, Assignment, Status, Verdict
+from ..core.problems import Kind, problem
+from ..models.base import ModelError
+from ..transport import Authorizer, Request, Response, Router
+from .drafting import DraftBatcher
+from .session import Built, DraftSession, round_record, verdict_fingerprint
+
+log = logging.getLogger("sdcp_fast.drafter")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    uri: str                            # this drafter's base URI (its certificate's URI SAN)
+    routers: frozenset[str]             # identities that may send assignments
+    router_uri: str | None = None       # where status reports go
+    ttl_ms: int = 2000
+    status_interval_s: float = 0.5      # below ttl_ms
+    max_sessions: int = 64
+    max_batch: int = 32                 # sessions per draft step
+    request_timeout_s: float = 5.0
+    lease_ms: int = 30_000              # q rows: released at the verdict, or lapse
+    publish_draft_kv: bool = True       # draft KV of the committed prefix, for a successor
+    draft_kv_every: int = 8             # ... every this many rounds
+    draft_kv_lease_ms: int = 20_000
+    draft_ahead: bool = True            # prepare the next proposal during verification
+    rounds_log: str | None = None       # JSON line per verdict (demo statistics, tests)
+    drop_verdicts: int = 0              # test hook: discard the first N verdicts received
+
+
+class DrafterService:
+    def __init__(self, config: DrafterConfig, backend, store, *, client=None):
+        self.config = config
+        self.backend = backend
+        self.store = store
+        self.client = client
+        self.batcher = DraftBatcher(backend, max_batch=config.max_batch)
+        self.sessions: dict[bytes, DraftSession] = {}
+        self.accept = 0.7                       # EWMA of a/M, all sessions
+        self.cache_mbps = 0.0                   # EWMA of observed write bandwidth
+        self.lookahead_hits = 0
+        self._drops_left = config.drop_verdicts
+        self._dropped: dict[tuple[bytes, int, int], str] = {}
+        self._rounds_file = open(config.rounds_log, "a") if config.rounds_log else None  # noqa: SIM115
+        self._background: set[asyncio.Task] = set()
+        self._busy_mark = (time.perf_counter(), 0.0)
+        self._load = 0
+        self.router = Router(authorizer=Authorizer({"assignments": set(config.routers)}))
+        self.router.add("POST", "/assignments", self.post_assignment, resource="assignments")
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def handle(self, request: Request) -> Response:
+        return await self.router.handle(request)
+
+    async def start(self) -> None:
+        self.batcher.start()
+        if self.client is not None and self.config.router_uri:
+            self._spawn(self._report_status())
+
+    async def stop(self) -> None:
+        for session in self.sessions.values():
+            if session.task is not None:
+                session.task.cancel()
+        for task in list(self._background):
+            task.cancel()
+        await self.batcher.stop()
+        if self._rounds_file is not None:
+            self._rounds_file.close()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # ------------------------------------------------------------------ POST assignments
+
+    async def post_assignment(self, request: Request) -> Response:
+        a = Assignment.from_cbor(request.body)
+        if a.drafter.rstrip("/") != self.config.uri.rstrip("/"):
+            raise problem(Kind.BAD_REQUEST, f"assignment names drafter {a.drafter}, not this one")
+        if a.contract.drafters is not None and self.backend.digest not in a.contract.drafters:
+            raise problem(Kind.BAD_CONTRACT, "the contract does not permit this drafter's model")
+        if a.contract.tokenizer != self.backend.tokenizer_digest:
+            raise problem(Kind.BAD_CONTRACT, "the contract's tokenizer is not this drafter's")
+        prompt = await self._tokens(a.prompt, "prompt")
+        output = list(await self._tokens(a.committed_tokens, "committed tokens")) if a.committed else []
+        if len(output) != a.committed:
+            raise problem(Kind.CONFLICT, f"committed_tokens holds {len(output)} tokens, not {a.committed}")
+        if chain(prefix_digest(a.contract.digest, prompt), output)[-1] != a.digest:
+            raise problem(Kind.CONFLICT, "committed tokens do not digest to the assignment's digest")
+
+        existing = self.sessions.get(a.session)
+        if existing is not None and existing.running() and existing.epoch == a.epoch \
+                and existing.verifier == a.verifier.rstrip("/") and a.committed <= existing.committed:
+            # same placement (a policy update, or the router re-sending): the new profile, and
+            # a cap that is within the verifier's whether or not it was told again (m_init)
+            existing.sampling = a.sampling or a.contract.sampling
+            existing.m_cap = max(1, min(existing.m_cap, a.m_init, a.contract.m_max))
+            return Response(204, content_type=None)
+        if existing is not None:
+            await self._end(existing)
+        else:
+            await self._forget_stopped()
+            if len(self.sessions) >= self.config.max_sessions:
+                raise problem(Kind.UNAVAILABLE, "drafter at max_sessions")
+        session = DraftSession(self, a, prompt, output)
+        self.sessions[a.session] = session
+        session.task = self._spawn(session.run())
+        log.info("session %s assigned (epoch %d, verifier %s, committed %d)", a.session.hex(), a.epoch,
+                 a.verifier, a.committed)
+        return Response(204, content_type=None)
+
+    async def _end(self, session: DraftSession) -> None:
+        if session.task is not None and not session.task.done():
+            session.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await session.task
+
+    async def _forget_stopped(self) -> None:
+        """Drop sessions whose loop ended (their KV too): bounded memory at max_sessions."""
+        for sid, session in list(self.sessions.items()):
+            if not session.running():
+                del self.sessions[sid]
+                await self.release_kv(sid)
+
+    async def release_kv(self, sid: bytes) -> None:
+        async with self.batcher.model_lock:
+            with contextlib.suppress(ModelError):
+                self.backend.release(sid)
+
+    async def _tokens(self, ref_or_tokens, what: str) -> tuple[int, ...]:
+        if isinstance(ref_or_tokens, tuple):
+            return ref_or_tokens
+        try:
+            data = await self.store.get(ref_or_tokens)
+        except NotFound:
+            raise problem(Kind.CONFLICT, f"{what} {ref_or_tokens!r} is not in the cache") from None
+        try:
+            tokens = cbor.loads(data, max_size=64 << 20)
+        except cbor.DecodeError as exc:
+            raise problem(Kind.BAD_REQUEST, f"{what} object is not CBOR: {exc}") from None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
+            raise problem(Kind.BAD_REQUEST, f"{what} object is not a list of token ids")
+        return tuple(tokens)
+
+    # ------------------------------------------------------------------ the cache
+
+    async def put_leased(self, ref: str, data: bytes, lease_ms: int | None = None) -> None:
+        started = time.perf_counter()
+        await self.store.put(ref, data, lease_ms=lease_ms or self.config.lease_ms)
+        seconds = max(time.perf_counter() - started, 1e-6)
+        mbps = len(data) * 8 / 1e6 / seconds
+        self.cache_mbps = mbps if self.cache_mbps == 0 else self.cache_mbps + 0.2 * (mbps - self.cache_mbps)
+
+    def draft_kv_ref(self, session: DraftSession) -> str:
+        return object_uri(f"draft-kv/{session.id.hex()}", session.contract.scope)
+
+    async def publish_draft_kv(self, session: DraftSession) -> str | None:
+        """The draft KV of the committed prefix, every `draft_kv_every` rounds (a successor
+        drafter with the same model imports it instead of prefilling)."""
+        ref = self.draft_kv_ref(session)
+        if (session.round + 1) % max(1, self.config.draft_kv_every):
+            return None
+        async with self.batcher.model_lock:
+            blob = self.backend.export_kv(session.id)
+        await self.put_leased(ref, blob, self.config.draft_kv_lease_ms)
+        return ref
+
+    # ------------------------------------------------------------------ verdict bookkeeping
+
+    def drop_verdict(self, session: DraftSession, verdict: Verdict, body: bytes) -> bool:
+        """Test hook: drop the first `drop_verdicts` verdicts as if lost in transit."""
+        if self._drops_left <= 0:
+            return False
+        self._drops_left -= 1
+        key = (verdict.session, verdict.epoch, verdict.round)
+        self._dropped[key] = verdict_fingerprint(verdict.to_cbor())
+        self._write_line(f'{{"dropped":true,"session":"{session.id.hex()}","epoch":{verdict.epoch},'
+                         f'"round":{verdict.round},"verdict":"{self._dropped[key]}"}}')
+        log.warning("test hook: verdict of round %d dropped", verdict.round)
+        return True
+
+    def record_round(self, session: DraftSession, built: Built, verdict: Verdict) -> None:
+        m = built.proposal.m
+        self.accept += 0.1 * (verdict.accepted / m - self.accept)
+        self._write_line(round_record(session, built, verdict, built.retries,
+                                      verdict_fingerprint(verdict.to_cbor())))
+
+    def _write_line(self, line: str) -> None:
+        if self._rounds_file is not None:
+            self._rounds_file.write(line + "\n")
+            self._rounds_file.flush()
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> Status:
+        return Status(self.config.uri, ROLE_DRAFTER, self._load, self.batcher.queue_depth,
+                      self.config.ttl_ms, accept_milli=max(0, min(1000, round(1000 * self.accept))),
+                      cache_mbps=round(self.cache_mbps))
+
+    def _update_load(self) -> None:
+        now = time.perf_counter()
+        then, busy_then = self._busy_mark
+        self._busy_mark = (now, self.batcher.busy_seconds)
+        busy = 100 * (self.batcher.busy_seconds - busy_then) / max(now - then, 1e-3)
+        running = sum(1 for s in self.sessions.values() if s.running())
+        occupancy = 100 * running / max(1, self.config.max_sessions)
+        self._load = max(0, min(100, round(max(busy, occupancy))))
+
+    async def _report_status(self) -> None:
+        url = f"{self.config.router_uri.rstrip('/')}/instances/{encode_uri(self.config.uri)}/status"
+        while True:
+            self._update_load()
+            try:
+                await self.client.request("PUT", url, self.status().to_cbor(), idempotent=True,
+                                          timeout=min(self.config.request_timeout_s,
+                                                      self.config.ttl_ms / 1000))
+            except Exception as exc:
+                log.debug("status report failed: %s", exc)
+            await asyncio.sleep(self.config.status_interval_s)
+
+
+def encode_uri(uri: str) -> str:
+    """Instance ids in router paths: the base64url (no padding) of the instance's base URI."""
+    return base64.urlsafe_b64encode(uri.encode()).rstrip(b"=").decode()
+
+
+def rounds_from_file(path: str | Path) -> list[dict]:
+    """The JSON lines a drafter's `rounds_log` holds (for the demo and the tests)."""
+    import json
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

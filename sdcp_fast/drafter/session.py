@@ -1,0 +1,404 @@
+"""One assigned session on the drafter: the round loop of section 6.2.
+
+    assignment -> prepare KV for the committed prefix -> loop:
+        M = choose_m(alpha, t_draft, t_verify, min(m_max, m_cap))
+        draft M tokens (batched with other sessions), q rows (rule 2) and draft KV to the
+        cache under leases -> POST proposal (one outstanding per session) -> while it is
+        out, draft ahead as if all M were accepted -> verdict:
+            check it extends our prefix, release the leases, commit the emitted tokens to
+            the draft KV, update alpha and m_cap, reuse the look-ahead if the verifier's
+            additional token is the one we guessed; stop on switch, self_decode, finish, fail.
+
+A verdict lost in transit is retried with the same bytes (proposals are idempotent per
+round, section 6.9). A 409 stale-base resynchronises from the problem's session-state
+when the drafter knows the tokens involved; otherwise the session stops and the router
+reassigns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import NotFound, object_uri
+from ..core.control import AcceptanceEstimate, choose_m, clamp_m_init
+from ..core.digest import chain, extend_digest, prefix_digest
+from ..core.messages import (
+    RULE_SPECULATIVE,
+    Action,
+    Assignment,
+    Proposal,
+    SessionState,
+    Verdict,
+)
+from ..core.problems import Kind
+from ..models.base import ModelError
+from ..transport import TransportError
+from .drafting import DraftRequest
+
+log = logging.getLogger("sdcp_fast.drafter")
+
+STOP_ACTIONS = frozenset({Action.SWITCH, Action.SELF_DECODE, Action.FINISH, Action.FAIL})
+LOOKAHEAD_MIN_P = 0.5       # draft ahead only when all M are accepted at least this often
+Q_RETRY_LEASE_MS = 30_000   # lease of q rows published again after sdcp-q-unavailable
+
+
+@dataclass
+class Timing:
+    """EWMAs of the two costs in the M-choice rule (seconds)."""
+
+    draft_per_token: float = 0.002   # drafting one token, including its cache writes
+    verify: float = 0.010            # proposal sent -> verdict received
+    weight: float = 0.3
+
+    def observe_draft(self, seconds: float, m: int) -> None:
+        self.draft_per_token += self.weight * (seconds / max(1, m) - self.draft_per_token)
+
+    def observe_verify(self, seconds: float) -> None:
+        self.verify += self.weight * (seconds - self.verify)
+
+
+@dataclass
+class Built:
+    """A proposal ready to send (or re-send: the same bytes on every retry)."""
+
+    proposal: Proposal
+    body: bytes
+    rows: torch.Tensor | None       # [M, V] fp32 q rows (rule 2)
+    leased: list[str]               # cache objects held until the verdict
+    draft_seconds: float
+    retries: int = 0                # times the same bytes were sent again
+
+
+class Stop(Exception):
+    """The session ends on this drafter (reason in the message); `final` when it has ended
+    for good (finish or fail), not merely moved elsewhere."""
+
+    def __init__(self, reason: str, *, final: bool = False):
+        super().__init__(reason)
+        self.final = final
+
+
+class DraftSession:
+    def __init__(self, service, assignment: Assignment, prompt: tuple[int, ...],
+                 output: list[int]):
+        self.service = service
+        self.id = assignment.session
+        self.apply(assignment, prompt, output)
+        self.alpha = AcceptanceEstimate()
+        self.timing = Timing()
+        self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "big"))
+        self.seq = 0                      # proposals built, for unique cache names
+        self.task: asyncio.Task | None = None
+        self.stopped: str | None = None
+        self.lookahead: DraftRequest | None = None
+        self.lookahead_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ state
+
+    def apply(self, a: Assignment, prompt: tuple[int, ...], output: list[int]) -> None:
+        self.epoch = a.epoch
+        self.contract = a.contract
+        self.verifier = a.verifier.rstrip("/")
+        self.prompt = prompt
+        self.output = list(output)           # committed output o[1..n]
+        self.round = a.round
+        self.committed = a.committed
+        self.digest = a.digest
+        self.sampling = a.sampling or a.contract.sampling
+        self.m_cap = clamp_m_init(a.m_init, a.contract.m_max)
+
+    @property
+    def rule(self) -> int:
+        return self.contract.rule
+
+    @property
+    def sequence(self) -> list[int]:
+        return [*self.prompt, *self.output]
+
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    # ------------------------------------------------------------------ KV preparation
+
+    async def prepare_kv(self) -> None:
+        """Make the draft backend's committed sequence equal prompt + output: keep what we
+        hold if it is a prefix, else import the published draft KV, else prefill."""
+        backend, lock = self.service.backend, self.service.batcher.model_lock
+        want = self.sequence
+        async with lock:
+            with contextlib.suppress(ModelError):
+                have = backend.committed(self.id)
+                if have == want[:len(have)] and have:
+                    if len(have) < len(want):
+                        backend.commit(self.id, want[len(have):])
+                    return
+                backend.release(self.id)
+        blob = None
+        with contextlib.suppress(NotFound, Exception):
+            blob = await self.service.store.get(self.service.draft_kv_ref(self))
+        async with lock:
+            if blob is not None:
+                try:
+                    backend.import_kv(self.id, blob)
+                    have = backend.committed(self.id)
+                    if have == want[:len(have)]:
+                        if len(have) < len(want):
+                            backend.commit(self.id, want[len(have):])
+                        log.info("session %s: draft KV imported (%d tokens)", self.id.hex(), len(have))
+                        return
+                    backend.release(self.id)
+                except ModelError as exc:
+                    log.info("session %s: published draft KV unusable (%s)", self.id.hex(), exc)
+                    with contextlib.suppress(ModelError):
+                        backend.release(self.id)
+            await asyncio.to_thread(backend.open, self.id, want)
+
+    # ------------------------------------------------------------------ the round loop
+
+    async def run(self) -> None:
+        try:
+            await self.prepare_kv()
+            built: Built | None = None
+            while True:
+                if self.committed >= self.contract.max_new:
+                    raise Stop("max_new reached")
+                if built is None:
+                    built = await self.build()
+                outcome = await self.exchange(built)
+                if isinstance(outcome, Verdict):
+                    built = await self.on_verdict(built, outcome)
+                elif outcome == "rebuild":
+                    self.cancel_lookahead()      # it drafted on top of the refused proposal
+                    await self.release(built)
+                    built = None
+        except Stop as stop:
+            self.stopped = str(stop)
+            log.info("session %s stops on %s: %s", self.id.hex(), self.service.config.uri, stop)
+            if stop.final:                     # the session can never come back: free its KV
+                await self.service.release_kv(self.id)
+        except asyncio.CancelledError:
+            self.stopped = "cancelled"
+            raise
+        except Exception as exc:
+            self.stopped = f"error: {exc}"
+            log.exception("session %s failed on the drafter", self.id.hex())
+        finally:
+            self.cancel_lookahead()
+
+    def choose(self) -> int:
+        limit = min(self.contract.m_max, self.m_cap, self.contract.max_new - self.committed)
+        return choose_m(self.alpha.alpha, self.timing.draft_per_token, self.timing.verify,
+                        max(1, limit))
+
+    async def build(self, ready: DraftRequest | None = None) -> Built:
+        """Draft M tokens (reusing `ready`'s tokens, drafted ahead, when given) and publish
+        the artifacts the verifier may need."""
+        m = self.choose()
+        started = time.perf_counter()
+        tokens, rows = [], []
+        if ready is not None:
+            tokens, rows = ready.tokens[:m], ready.rows[:m]
+        if len(tokens) < m:
+            request = DraftRequest(self.id, list(tokens), m - len(tokens), self.rule, self.sampling,
+                                   self.generator)
+            await self.service.batcher.draft(request)
+            tokens, rows = tokens + request.tokens, rows + request.rows
+        self.seq += 1
+        leased: list[str] = []
+        q_ref = draft_kv = None
+        rows_tensor = None
+        if self.rule == RULE_SPECULATIVE:
+            rows_tensor = torch.stack(rows).contiguous()            # [M, V]
+            q_ref = object_uri(f"q/{self.id.hex()}/{self.epoch}/{self.round + 1}/{self.seq}",
+                               self.contract.scope)
+            await self.service.put_leased(q_ref, rows_tensor.numpy().tobytes())
+            leased.append(q_ref)
+        if self.service.config.publish_draft_kv:
+            draft_kv = await self.service.publish_draft_kv(self)
+        seconds = time.perf_counter() - started
+        proposal = Proposal(self.id, self.epoch, self.round + 1, self.service.config.uri,
+                            self.committed, self.digest, tuple(tokens), self.service.status(),
+                            q_rows=q_ref, draft_kv=draft_kv)
+        return Built(proposal, proposal.to_cbor(), rows_tensor, leased, seconds)
+
+    async def exchange(self, built: Built) -> Verdict | str:
+        """Send the proposal until a verdict or a problem that changes what to send.
+        Returns the verdict or "rebuild"; raises Stop when the session ends here."""
+        url = self.verifier + "/proposals"
+        backoff = 0.05
+        self.start_lookahead(built)
+        sent_at = time.perf_counter()
+        while True:
+            try:
+                response = await self.service.client.request(
+                    "POST", url, built.body, idempotent=True,
+                    timeout=self.service.config.request_timeout_s)
+            except TransportError as exc:
+                # no answer: the verdict may be lost; the same bytes get the same verdict
+                log.info("session %s round %d: %s; retrying", self.id.hex(), built.proposal.round, exc)
+                built.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            if response.status == 200:
+                verdict = Verdict.from_cbor(response.body)
+                if self.service.drop_verdict(self, verdict, response.body):
+                    built.retries += 1
+                    continue   # test hook: as if the response were lost in transit
+                self.timing.observe_verify(time.perf_counter() - sent_at)
+                return verdict
+            problem = response.problem()
+            kind = problem.kind if problem is not None else None
+            if response.status >= 500 or kind == Kind.UNAVAILABLE:
+                built.retries += 1
+                await asyncio.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            if kind == Kind.Q_UNAVAILABLE and built.rows is not None:
+                # our lease lapsed or the store dropped it: publish the same rows again, with
+                # a lease long enough to outlast a slow verifier
+                await self.service.put_leased(built.proposal.q_rows, built.rows.numpy().tobytes(),
+                                              max(self.service.config.lease_ms, Q_RETRY_LEASE_MS))
+                built.retries += 1
+                continue
+            if kind == Kind.STALE_BASE and problem.state is not None:
+                await self.resync(SessionState.from_obj(problem.state))
+                return "rebuild"
+            if kind == Kind.LIMIT:
+                self.m_cap = max(1, min(self.m_cap, built.proposal.m) - 1)
+                return "rebuild"
+            reason = kind.suffix if kind is not None else f"HTTP {response.status}"
+            raise Stop(f"proposal refused: {reason}", final=kind == Kind.SESSION_CLOSED)
+
+    async def on_verdict(self, built: Built, verdict: Verdict) -> Built | None:
+        p = built.proposal
+        if (verdict.session, verdict.epoch, verdict.round) != (p.session, p.epoch, p.round):
+            raise Stop("verdict for another round")
+        emitted = list(verdict.emitted)
+        if verdict.committed != self.committed + len(emitted) or \
+                verdict.digest != extend_digest(self.digest, emitted):
+            raise Stop("verdict does not extend our prefix")
+        await self.release(built)
+        ours = tuple(emitted[:verdict.accepted]) == p.tokens[:verdict.accepted]
+        if not ours:
+            # the stored verdict of this round answered another proposal (section 6.3 replays
+            # by round): it is still the committed state, so we adopt it, without look-ahead
+            log.info("session %s round %d: verdict of another proposal adopted", self.id.hex(), p.round)
+            self.cancel_lookahead()
+        # the look-ahead drafts on top of the old committed sequence: settle it first
+        ahead = await self.take_lookahead(verdict, p.m)
+        self.timing.observe_draft(built.draft_seconds, p.m)
+        if ours:
+            self.alpha = self.alpha.update(verdict.accepted, p.m)
+        self.output.extend(emitted)
+        self.committed, self.digest, self.round = verdict.committed, verdict.digest, verdict.round
+        self.m_cap = max(1, verdict.m_cap)
+        async with self.service.batcher.model_lock:
+            self.service.backend.commit(self.id, emitted)
+        self.service.record_round(self, built, verdict)
+        if verdict.action in STOP_ACTIONS:
+            raise Stop(f"verdict action {verdict.action.name.lower()}",
+                       final=verdict.action in (Action.FINISH, Action.FAIL))
+        return await self.build(ahead)
+
+    # ------------------------------------------------------------------ drafting ahead
+
+    def start_lookahead(self, built: Built) -> None:
+        """Draft the next proposal while this one is out, assuming all M are accepted: the
+        first token drafted ahead is our guess for the verifier's additional token. Only
+        when full acceptance is likely (alpha^M >= LOOKAHEAD_MIN_P): otherwise the work
+        is wasted and, on shared cores, slows the verifier down."""
+        self.cancel_lookahead()
+        m = built.proposal.m
+        if not self.service.config.draft_ahead or self.alpha.alpha ** m < LOOKAHEAD_MIN_P:
+            return
+        room = self.contract.max_new - self.committed - m - 1
+        want = min(self.contract.m_max, self.m_cap + 1, self.choose() + 1, room) + 1
+        if want < 2:
+            return
+        request = DraftRequest(self.id, list(built.proposal.tokens), want, self.rule, self.sampling,
+                               self.generator)
+        self.lookahead = request
+        self.lookahead_task = asyncio.get_running_loop().create_task(self.service.batcher.draft(request))
+
+    async def take_lookahead(self, verdict: Verdict, m: int) -> DraftRequest | None:
+        request, self.lookahead = self.lookahead, None
+        if request is None:
+            return None
+        task, self.lookahead_task = self.lookahead_task, None
+        if verdict.accepted != m or not verdict.emitted:
+            request.cancel()
+            task.cancel()
+            return None
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        if len(request.tokens) < 2 or request.tokens[0] != verdict.emitted[-1]:
+            return None
+        self.service.lookahead_hits += 1
+        return DraftRequest(self.id, [], 0, self.rule, self.sampling, self.generator,
+                            tokens=request.tokens[1:], rows=request.rows[1:])
+
+    def cancel_lookahead(self) -> None:
+        if self.lookahead is not None:
+            self.lookahead.cancel()
+            self.lookahead = None
+        if self.lookahead_task is not None:
+            self.lookahead_task.cancel()
+            self.lookahead_task = None
+
+    # ------------------------------------------------------------------ resync and cleanup
+
+    async def resync(self, state: SessionState) -> None:
+        """Section 6.3's stale-base answer: adopt the verifier's round, committed length and
+        digest when we can reconstruct that prefix; otherwise stop (the router reassigns)."""
+        if state.epoch != self.epoch:
+            raise Stop("stale epoch")
+        if state.state is not None and Action.lenient(state.state) in STOP_ACTIONS:
+            raise Stop(f"session is {Action.lenient(state.state).name.lower()}")
+        self.cancel_lookahead()
+        if state.committed == self.committed and state.digest == self.digest:
+            self.round = state.round
+            return
+        if state.committed < self.committed:
+            d0 = prefix_digest(self.contract.digest, self.prompt)
+            if chain(d0, self.output[:state.committed])[-1] == state.digest:
+                self.output = self.output[:state.committed]
+                self.committed, self.digest, self.round = state.committed, state.digest, state.round
+                async with self.service.batcher.model_lock:
+                    with contextlib.suppress(ModelError):
+                        self.service.backend.release(self.id)
+                await self.prepare_kv()
+                return
+        raise Stop(f"cannot resync to {state.committed} committed tokens")
+
+    async def release(self, built: Built) -> None:
+        for ref in built.leased:
+            with contextlib.suppress(NotFound, Exception):
+                await self.service.store.release(ref)
+        built.leased.clear()
+
+
+def verdict_fingerprint(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()[:16]
+
+
+def round_record(session: DraftSession, built: Built, verdict: Verdict, retries: int,
+                 fingerprint: str) -> str:
+    return json.dumps({
+        "t": round(time.time(), 4), "session": session.id.hex(), "epoch": verdict.epoch,
+        "round": verdict.round, "m": built.proposal.m, "accepted": verdict.accepted,
+        "emitted": len(verdict.emitted), "m_cap": verdict.m_cap,
+        "action": verdict.action.name.lower(), "low": verdict.low, "load": verdict.load,
+        "draft_ms": round(1000 * built.draft_seconds, 3),
+        "verify_ms": round(1000 * session.timing.verify, 3),
+        "alpha": round(session.alpha.alpha, 4), "retries": retries, "verdict": fingerprint,
+    }, separators=(",", ":"))

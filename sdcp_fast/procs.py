@@ -1,0 +1,291 @@
+"""Run a router, verifiers and drafters as separate processes on loopback (the demo, tests).
+
+    cluster = Cluster(workdir, protocol="h2")
+    v1 = cluster.verifier("v1", model="tiny:demo-target")
+    d1 = cluster.drafter("d1", model="tiny:demo-draft")
+    r = cluster.router(model="tiny:demo-target", drafter_models={"d1": digest_hex})
+    cluster.start()          # certificates, one TOML config each, `sdcp-fast serve ROLE`;
+                             # waits until every instance is serving
+    ... r.frontdoor_url ...
+    cluster.stop()           # SIGTERM, then SIGKILL after a grace period
+
+Every instance gets a fresh port (TCP and UDP free), a certificate whose URI SAN is
+`https://127.0.0.1:PORT/`, the shared embedded store and file commit log of the workdir,
+and a log file `<name>.log`. Children are started in their own process group and ask the
+kernel to SIGTERM them if this process dies, so nothing outlives the demo or a test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free for both TCP and UDP (HTTP/2 and HTTP/3 share the number)."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
+            tcp.bind((host, 0))
+            port = tcp.getsockname()[1]
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+                    udp.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port")
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)          # a TOML basic string is JSON-compatible
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def toml_dumps(config: dict[str, Any]) -> str:
+    """Enough TOML for our configs: scalars and lists, tables, arrays of tables, nested."""
+    lines: list[str] = []
+
+    def emit(table: dict[str, Any], prefix: str) -> None:
+        for key, value in table.items():
+            if not isinstance(value, dict) and not _table_list(value):
+                lines.append(f"{key} = {toml_value(value)}")
+        for key, value in table.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                lines.extend(["", f"[{name}]"])
+                emit(value, name + ".")
+            elif _table_list(value):
+                for item in value:
+                    lines.extend(["", f"[[{name}]]"])
+                    emit(item, name + ".")
+
+    emit(config, "")
+    return "\n".join(lines) + "\n"
+
+
+def _table_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+@dataclass
+class Instance:
+    role: str
+    name: str
+    port: int
+    config: dict[str, Any]
+    workdir: Path
+    popen: subprocess.Popen | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def uri(self) -> str:
+        return f"https://127.0.0.1:{self.port}/"
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / f"{self.name}.toml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def ready_path(self) -> Path:
+        return self.workdir / f"{self.name}.ready"
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    @property
+    def frontdoor_url(self) -> str:
+        return f"http://127.0.0.1:{self.info['frontdoor_port']}"
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL: the instance dies without a word (a crash)."""
+        self.signal(signal.SIGKILL)
+        if self.popen is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(5)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process is alive but silent (a partition)."""
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if not self.alive():
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class Cluster:
+    def __init__(self, workdir: str | Path, *, protocol: str = "h2", threads: int = 1,
+                 log_level: str = "info"):
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.protocol = protocol
+        self.threads = threads
+        self.log_level = log_level
+        self.certs = self.workdir / "certs"
+        self.store = f"embedded:{self.workdir / 'mlc'}"
+        self.commit_log = f"file:{self.workdir / 'commit-log'}"
+        self.instances: dict[str, Instance] = {}
+        self.router_port = free_port()
+
+    @property
+    def router_uri(self) -> str:
+        return f"https://127.0.0.1:{self.router_port}/"
+
+    def _common(self, role: str, name: str, port: int, model: str) -> dict[str, Any]:
+        return {"role": role, "uri": f"https://127.0.0.1:{port}/", "listen": f"127.0.0.1:{port}",
+                "certs": str(self.certs), "protocol": self.protocol, "model": model,
+                "store": self.store, "ready_file": str(self.workdir / f"{name}.ready"),
+                "log_level": self.log_level}
+
+    def verifier(self, name: str, *, model: str, **options: Any) -> Instance:
+        port = free_port()
+        config = self._common("verifier", name, port, model)
+        config["commit_log"] = self.commit_log
+        config["verifier"] = {"routers": [self.router_uri], "router_uri": self.router_uri,
+                              "ttl_ms": 1500, "status_interval_s": 0.25, "output_wait_s": 2.0,
+                              **options}
+        return self._add(Instance("verifier", name, port, config, self.workdir))
+
+    def drafter(self, name: str, *, model: str, **options: Any) -> Instance:
+        port = free_port()
+        config = self._common("drafter", name, port, model)
+        config["drafter"] = {"routers": [self.router_uri], "router_uri": self.router_uri,
+                             "ttl_ms": 1000, "status_interval_s": 0.2,
+                             "rounds_log": str(self.workdir / f"{name}.rounds.jsonl"), **options}
+        return self._add(Instance("drafter", name, port, config, self.workdir))
+
+    def router(self, *, model: str, drafter_models: dict[str, str], contract: dict[str, Any] | None = None,
+               name: str = "router", **options: Any) -> Instance:
+        """`drafter_models`: drafter name -> its model's digest (hex)."""
+        port = self.router_port
+        config = self._common("router", name, port, model)
+        config["commit_log"] = self.commit_log
+        verifiers = [i.uri for i in self.instances.values() if i.role == "verifier"]
+        drafters = [{"uri": self.instances[n].uri, "model_digest": d} for n, d in drafter_models.items()]
+        config["router"] = {"verifiers": verifiers, "frontdoor": f"127.0.0.1:{free_port()}",
+                            "stall_s": 5.0, **options, "drafters": drafters}
+        if contract:
+            config["router"]["contract"] = contract
+        return self._add(Instance("router", name, port, config, self.workdir))
+
+    def _add(self, instance: Instance) -> Instance:
+        if instance.name in self.instances:
+            raise ValueError(f"instance {instance.name!r} exists")
+        self.instances[instance.name] = instance
+        return instance
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Certificates for every instance, configs, processes; wait until all serve."""
+        from .transport.certs import make_certs
+
+        make_certs(self.certs, [i.uri for i in self.instances.values()])
+        for instance in self.instances.values():
+            self.launch(instance)
+        self.wait_ready(list(self.instances.values()), timeout)
+
+    def launch(self, instance: Instance) -> None:
+        instance.config_path.write_text(toml_dumps(instance.config))
+        instance.ready_path.unlink(missing_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads),
+               "MKL_NUM_THREADS": str(self.threads)}
+        log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
+        instance.popen = subprocess.Popen(
+            [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
+             str(instance.config_path)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True, preexec_fn=_die_with_parent)
+        log.close()
+
+    def wait_ready(self, instances: list[Instance], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        pending = list(instances)
+        while pending:
+            for instance in list(pending):
+                if instance.ready_path.is_file():
+                    instance.info = json.loads(instance.ready_path.read_text())
+                    pending.remove(instance)
+                elif not instance.alive():
+                    raise RuntimeError(f"{instance.name} exited during start:\n{instance.log_tail()}")
+            if pending and time.monotonic() > deadline:
+                raise TimeoutError(f"not serving after {timeout} s: {[i.name for i in pending]}")
+            time.sleep(0.05)
+
+    def restart(self, instance: Instance, timeout: float = 60.0) -> None:
+        instance.stop()
+        self.launch(instance)
+        self.wait_ready([instance], timeout)
+
+    def stop(self) -> None:
+        for instance in reversed(list(self.instances.values())):
+            instance.signal(signal.SIGCONT)
+            instance.signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for instance in self.instances.values():
+            if instance.popen is None:
+                continue
+            try:
+                instance.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                instance.kill()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux prctl)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -1,0 +1,76 @@
+"""What the router keeps per session: placement (epoch, verifier, drafter), the output the
+front door has received, and the bookkeeping its monitor needs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..core.messages import Action, Contract, Sampling
+
+
+@dataclass(eq=False)
+class RouterSession:
+    id: bytes
+    contract: Contract
+    prompt: tuple[int, ...]
+    commit_log: str                           # cache-ref of the session's commit log
+    epoch: int = 1
+    verifier: str | None = None
+    drafter: str | None = None
+    sampling: Sampling | None = None          # profile set by a policy update, if any
+    policy_from_round: int | None = None
+    tokens: list[int] = field(default_factory=list)   # output o[1..n] received, in order
+    finish: Action | None = None              # FINISH or FAIL once the final output arrived
+    needs_drafter: bool = False               # no drafter could be assigned yet: retry
+    history: list[dict] = field(default_factory=list)  # placements, for clients and tests
+    seen_events: set[tuple] = field(default_factory=set)  # (epoch, kind, committed) handled
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    last_progress: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one control step at a time
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def notify(self) -> None:
+        """Wake everyone waiting for new output or a new placement."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout: float) -> None:
+        event = self._changed
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def changed_event(self) -> asyncio.Event:
+        return self._changed
+
+    def place(self, what: str, **details) -> None:
+        self.history.append({"t": round(time.time(), 4), "what": what, "epoch": self.epoch,
+                             "verifier": self.verifier, "drafter": self.drafter,
+                             "committed": len(self.tokens), **details})
+
+    def add_output(self, tokens: list[int]) -> None:
+        if tokens:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            self.tokens.extend(tokens)
+            self.last_progress = now
+            self.notify()
+
+    def info(self) -> dict:
+        return {
+            "id": self.id.hex(), "epoch": self.epoch, "verifier": self.verifier,
+            "drafter": self.drafter, "committed": len(self.tokens), "tokens": list(self.tokens),
+            "finish": None if self.finish is None else self.finish.name.lower(),
+            "history": list(self.history),
+            "seconds": None if self.finished_at is None else round(self.finished_at - self.created, 4),
+        }

@@ -1,0 +1,160 @@
+"""Router placement policy, config files and the process launcher's TOML, without processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from sdcp_fast.core.messages import ROLE_DRAFTER, ROLE_VERIFIER, Action, Status
+from sdcp_fast.procs import toml_dumps
+from sdcp_fast.router.registry import Registry
+from sdcp_fast.serve import ConfigError, Section, contract_defaults, load_config
+
+D1, D2, D3, V1, V2 = (f"https://{n}.test/" for n in ("d1", "d2", "d3", "v1", "v2"))
+MODEL_A, MODEL_B = b"a" * 32, b"b" * 32
+
+
+def registry() -> Registry:
+    r = Registry(session_load=5)
+    r.add(V1, ROLE_VERIFIER)
+    r.add(V2, ROLE_VERIFIER)
+    r.add(D1, ROLE_DRAFTER, MODEL_A)
+    r.add(D2, ROLE_DRAFTER, MODEL_A)
+    r.add(D3, ROLE_DRAFTER, MODEL_B)
+    return r
+
+
+def drafter_status(uri, load=0, queue=0, accept=500, ttl=1000):
+    return Status(uri, ROLE_DRAFTER, load, queue, ttl, accept_milli=accept)
+
+
+def test_no_instance_is_chosen_before_its_first_report_or_after_expiry():
+    r = registry()
+    assert r.pick_drafter(None) is None and r.pick_verifier() is None
+    r.report(drafter_status(D1, ttl=1000), now=100.0)
+    assert r.is_live(D1, now=100.9) and not r.is_live(D1, now=101.0)
+    assert r.live(ROLE_DRAFTER, now=101.5) == []
+
+
+def test_drafter_choice_prefers_low_load_then_queue_then_acceptance():
+    r = registry()
+    r.report(drafter_status(D1, load=40))
+    r.report(drafter_status(D2, load=10))
+    assert r.pick_drafter([MODEL_A]).uri == D2
+    r.report(drafter_status(D1, load=10, queue=0, accept=100))
+    r.report(drafter_status(D2, load=10, queue=3, accept=900))
+    assert r.pick_drafter([MODEL_A]).uri == D1            # queue before acceptance
+    r.report(drafter_status(D1, load=10, accept=100))
+    r.report(drafter_status(D2, load=10, accept=900))
+    assert r.pick_drafter([MODEL_A]).uri == D2            # then acceptance
+
+
+def test_a_burst_of_sessions_spreads_before_the_next_report():
+    r = registry()
+    r.report(drafter_status(D1))
+    r.report(drafter_status(D2))
+    picks = [r.pick_drafter([MODEL_A]).uri for _ in range(6)]
+    assert picks.count(D1) == picks.count(D2) == 3
+
+
+def test_only_permitted_models_and_not_excluded_instances():
+    r = registry()
+    for d in (D1, D2, D3):
+        r.report(drafter_status(d))
+    assert r.pick_drafter([MODEL_B]).uri == D3
+    assert r.pick_drafter([MODEL_A], exclude={D1, D2}) is None
+    assert r.pick_drafter(None, exclude={D1, D2}).uri == D3   # no "drafters": any model
+
+
+def test_verifier_choice_by_load():
+    r = registry()
+    r.report(Status(V1, ROLE_VERIFIER, 70, 4, 1000))
+    r.report(Status(V2, ROLE_VERIFIER, 20, 0, 1000))
+    assert r.pick_verifier().uri == V2
+    assert r.pick_verifier(exclude={V2}).uri == V1
+
+
+# ---------------------------------------------------------------------- configs
+
+
+def test_toml_writer_round_trips_through_tomllib():
+    config = {"uri": "https://127.0.0.1:1/", "http3": False, "ttl": 1.5, "n": 3,
+              "router": {"verifiers": ["a", "b"], "contract": {"fallback": ["reduce"], "sampling": {"seed": 7}},
+                         "drafters": [{"uri": "x", "model_digest": "00"}, {"uri": "y", "model": "m"}]}}
+    assert tomllib.loads(toml_dumps(config)) == config
+
+
+def test_config_errors_name_the_member(tmp_path):
+    section = Section({"ttl_ms": "soon", "flag": 1}, "d.toml")
+    with pytest.raises(ConfigError, match=r"d.toml.ttl_ms: expected int, got str"):
+        section.get("ttl_ms", int)
+    with pytest.raises(ConfigError, match=r"missing 'uri'"):
+        section.get("uri", str)
+    with pytest.raises(ConfigError, match=r"expected bool"):
+        section.get("flag", bool)
+    with pytest.raises(ConfigError, match=r"unknown actions \['retry'\]"):
+        contract_defaults(Section({"fallback": ["reduce", "retry"]}, "r.toml.contract"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("uri = [")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load_config(bad)
+
+
+def test_contract_defaults_from_a_config():
+    d = contract_defaults(Section({"rule": 2, "m_max": 5, "fallback": ["switch", "fail"], "stop": [10],
+                                   "sampling": {"temperature_milli": 800, "seed": 3}}, "r"))
+    assert (d.rule, d.m_max, d.stop, d.fallback) == (2, 5, (10,), (Action.SWITCH, Action.FAIL))
+    assert (d.sampling.temperature_milli, d.sampling.seed) == (800, 3)
+
+
+def test_serve_refuses_a_bad_config_with_exit_code_2(tmp_path):
+    config = tmp_path / "v.toml"
+    config.write_text('role = "drafter"\nuri = "https://127.0.0.1:9/"\n')
+    done = subprocess.run([sys.executable, "-m", "sdcp_fast.cli", "serve", "verifier", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "v.toml is a drafter config, not a verifier one" in done.stderr
+
+
+def test_front_door_over_tls_asks_for_a_client_certificate(tmp_path):
+    """frontdoor_tls = true: TLS 1.3 with a client certificate from the deployment's CA."""
+    import asyncio
+    import ssl
+
+    import httpx
+
+    from sdcp_fast.router import FrontDoor, frontdoor_ssl_context
+    from sdcp_fast.transport import TLSConfig, make_certs
+
+    router_uri, client_uri = "https://127.0.0.1:1/", "https://client.test/"
+    make_certs(tmp_path, [router_uri, client_uri])
+
+    class FakeRouter:
+        registry = registry()
+
+    def client_context(with_cert: bool) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=str(tmp_path / "ca.pem"))
+        if with_cert:
+            tls = TLSConfig.for_instance(tmp_path, client_uri)
+            context.load_cert_chain(tls.cert, tls.key)
+        return context
+
+    async def main():
+        door = FrontDoor(FakeRouter(), host="127.0.0.1", port=0,
+                         ssl_context=frontdoor_ssl_context(TLSConfig.for_instance(tmp_path, router_uri)))
+        port = await door.start()
+        try:
+            async with httpx.AsyncClient(verify=client_context(True)) as http:
+                answer = await http.get(f"https://127.0.0.1:{port}/v1/instances", timeout=10)
+            assert answer.status_code == 200
+            assert {i["uri"] for i in answer.json()["instances"]} == {D1, D2, D3, V1, V2}
+            with pytest.raises(httpx.HTTPError):
+                async with httpx.AsyncClient(verify=client_context(False)) as http:
+                    await http.get(f"https://127.0.0.1:{port}/v1/instances", timeout=10)
+        finally:
+            await door.stop()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
