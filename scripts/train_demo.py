@@ -22,7 +22,7 @@ Weights are stored as fp16 (loaded back to fp32).
 Wall time: about 12 minutes on an idle 2-core x86_64 CPU (torch.set_num_threads(2); target
 ~0.6 s/step, draft ~0.22 s/step including the teacher's forward). The shipped run took 2118 s
 (35 min) because the 2-core machine was shared with other jobs (load average up to 8); see
-bench/results/models.md. Results are deterministic for a given torch build and thread count
+bench/RESULTS.md (model backends). Results are deterministic for a given torch build and thread count
 (seeded data order and init); other builds follow the same recipe but may differ in the last
 bits, which changes the digests pinned in tests/models/test_demo.py.
 """
