@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(VPY) bench/bench_transport.py
 	$(VPY) bench/bench_models.py
 	$(VPY) bench/bench_verifier.py
+	$(VPY) bench/bench_demo.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
