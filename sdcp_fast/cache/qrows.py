@@ -128,7 +128,12 @@ async def _fill_host(store, refs, vocab: int, out: torch.Tensor, skip: frozenset
             async with limit:
                 await _read_into(store, refs[i], out[offsets[i]:offsets[i] + refs[i][1]])
 
-        await asyncio.gather(*(read(i) for i in wanted))
+        # wait for every read before reporting a failure: a read still running would go on
+        # writing into `out` after the caller has moved on (and maybe reused the buffer)
+        results = await asyncio.gather(*(read(i) for i in wanted), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
         return
     uris = [refs[i][0] for i in wanted]
     try:

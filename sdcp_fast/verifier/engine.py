@@ -28,6 +28,7 @@ from ..cache import Conflict, Fenced
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem, ProblemError
 from ..core.session import Job, VerifierSession
+from ..models.base import ModelError
 from .metrics import Metrics
 from .verify_step import JobOutcome, verify_jobs
 
@@ -40,6 +41,7 @@ class _Queued:
     job: Job
     future: asyncio.Future[Verdict | None]
     enqueued: float = field(default_factory=time.perf_counter)
+    index: int = 0                    # position in its batch (q-row bookkeeping)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class EngineConfig:
     max_wait_ms: float = 2.0      # how long the first job of a batch waits for company
     batching: bool = True         # False: one job per pass (the benchmark's baseline)
     append_timeout_s: float = 5.0
+    q_buffer_bytes: int = 256 << 20   # largest q-row buffer kept between batches
 
 
 class Engine:
@@ -145,17 +148,45 @@ class Engine:
             self.metrics.observe("queue_wait_seconds", started - item.enqueued)
         vocab = self.backend.vocab_size
         q_task = asyncio.create_task(self._fetch_q_rows(batch, vocab))
-        t0 = time.perf_counter()
-        async with self.model_lock:
-            logits = await asyncio.to_thread(
-                self.backend.score, [(item.session.id, item.job.tokens) for item in batch])
-        self.metrics.observe("forward_seconds", time.perf_counter() - t0)
-        q, q_starts, q_problems = await q_task
+        try:
+            t0 = time.perf_counter()
+            batch, logits = await self._score(batch)
+            self.metrics.observe("forward_seconds", time.perf_counter() - t0)
+        finally:
+            # never leave the fetch running: it writes into the buffer the next batch reuses
+            q, q_starts, q_problems = await q_task
+        if not batch:
+            return
         t1 = time.perf_counter()
+        # q rows were fetched for the batch as it came; renumber for the jobs still in it
+        starts = {n: q_starts[item.index] for n, item in enumerate(batch) if item.index in q_starts}
+        problems = {n: q_problems[item.index] for n, item in enumerate(batch) if item.index in q_problems}
         outcomes = await asyncio.to_thread(   # keep the event loop free for requests
-            verify_jobs, [item.job for item in batch], logits.to(self.device), q, q_starts, q_problems)
+            verify_jobs, [item.job for item in batch], logits.to(self.device), q, starts, problems)
         self.metrics.observe("kernel_seconds", time.perf_counter() - t1)
         await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)))
+
+    async def _score(self, batch: list[_Queued]) -> tuple[list[_Queued], torch.Tensor | None]:
+        """One forward pass for the batch. If the backend refuses it (a session over its KV
+        or length cap, say), each job is scored alone, so that one session's trouble never
+        fails the others; the jobs that still fail are refused."""
+        for n, item in enumerate(batch):
+            item.index = n
+        items = [(item.session.id, item.job.tokens) for item in batch]
+        async with self.model_lock:
+            try:
+                return batch, await asyncio.to_thread(self.backend.score, items)
+            except ModelError as exc:
+                log.warning("batch of %d refused by the model (%s): scoring one by one", len(batch), exc)
+            kept, rows = [], []
+            for item, pair in zip(batch, items, strict=True):
+                try:
+                    rows.append(await asyncio.to_thread(self.backend.score, [pair]))
+                    kept.append(item)
+                except ModelError as exc:
+                    self._refuse(item, Problem(Kind.UNAVAILABLE, f"the target model cannot score "
+                                                                 f"this session: {exc}"))
+        return kept, (torch.cat(rows) if rows else None)
 
     async def _fetch_q_rows(self, batch: list[_Queued], vocab: int):
         """One [sum M, V] tensor for the rule-2 jobs; a job whose rows fail is refused alone."""
@@ -169,6 +200,8 @@ class Engine:
                 q = await load_q_rows(self.store, refs, vocab, self.device,
                                       out=self._q_rows_buffer(sum(m for _, m in refs), vocab))
             except QRowsUnavailable as exc:
+                # reads that timed out may still land in the buffer later: never reuse it
+                self._q_buffer = None
                 failed = [n for n, job in wanted if job.q_rows == exc.uri]
                 for n in failed:
                     problems[n] = Problem(Kind.Q_UNAVAILABLE, str(exc))
@@ -189,7 +222,8 @@ class Engine:
         buf = self._q_buffer
         if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab:
             buf = torch.empty(max(rows, 64), vocab, dtype=torch.float32, device=self.device)
-            self._q_buffer = buf
+            # keep it for the next batch only while it is of a bounded size
+            self._q_buffer = buf if buf.numel() * 4 <= self.config.q_buffer_bytes else None
         return buf
 
     async def _commit(self, item: _Queued, outcome: JobOutcome) -> None:
