@@ -138,13 +138,20 @@ def action(*, strict: bool) -> Check:
     return check
 
 
-def nested(cls: type[Message]) -> Check:
+def nested(cls: type[Message], *, lenient: bool = False) -> Check:
+    """A nested map. `lenient`: a closed type (the sampling profile) used outside the
+    contract, where section 5.2 says unknown keys are ignored and a bad value is a plain 400."""
     def check(v: Any) -> Message:
         if isinstance(v, cls):
             return v
         if not isinstance(v, Mapping):
             raise ValueError(f"expected a map, got {type(v).__name__}")
-        return cls.from_obj(v)
+        if not lenient:
+            return cls.from_obj(v)
+        try:
+            return cls.from_obj({k: x for k, x in v.items() if k in cls.members})
+        except ProblemError as exc:
+            raise ValueError(exc.problem.detail) from None
     return check
 
 
@@ -399,7 +406,7 @@ class Assignment(Message):
         "drafter": (tstr, False),
         "prompt": (prompt_check, False),
         "round": (uint(le=UINT32_MAX), False),
-        "sampling": (nested(Sampling), True),
+        "sampling": (nested(Sampling, lenient=True), True),
         "committed": (uint(), False),
         "digest": (hash32, False),
         "committed_tokens": (cache_ref, True),
@@ -554,7 +561,7 @@ class Policy(Message):
     members: ClassVar = {
         "session": (session_id, False),
         "from_round": (uint(le=UINT32_MAX), False),
-        "sampling": (nested(Sampling), False),
+        "sampling": (nested(Sampling, lenient=True), False),
     }
 
 

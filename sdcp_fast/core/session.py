@@ -54,7 +54,7 @@ from .messages import (
     Verdict,
 )
 from .problems import Kind, Problem, ProblemError, problem
-from .rng import PURPOSE_DRAW, UniformSource, round_uniforms, uniform_source
+from .rng import UniformSource, round_uniforms, uniform_source
 
 REPLAY_WINDOW = 8        # verdicts kept for retried rounds
 MAX_PENDING_POLICIES = 16
@@ -384,7 +384,9 @@ class VerifierSession:
         self.digests.extend(chain(self.digest, record.emitted)[1:])
         self.round = record.round
         if verdict is not None:
-            self.counters, self.m_cap = pending.counters, pending.m_cap
+            self.counters = pending.counters
+            if not self.assigned_during_job:   # a new assignment's m_init stands
+                self.m_cap = pending.m_cap
             self.verdicts[record.round] = verdict
             while len(self.verdicts) > REPLAY_WINDOW:
                 self.verdicts.popitem(last=False)
@@ -477,10 +479,10 @@ class VerifierSession:
     def _job(self, round: int, tokens: tuple[int, ...], q_rows: str | None, draft_kv: str | None,
              key: tuple | None, *, self_decoded: bool) -> Job:
         sampling = self.sampling_for(round)
+        # a self-decoded token (M = 0) is its own round and uses (round, i = 1, purpose 1):
+        # exactly the one draw uniform round_uniforms gives for M = 0
         if self.contract.rule == RULE_SPECULATIVE:
             accept, draws = round_uniforms(self._source(sampling), round, len(tokens))
-            if self_decoded:   # a self-decoded token is its own round at i = 1, purpose 1
-                draws = [self._source(sampling)(round, 1, PURPOSE_DRAW)]
         else:
             accept, draws = [], []
         return Job(self.id, self.epoch, round, self.contract.rule, sampling, tuple(tokens),

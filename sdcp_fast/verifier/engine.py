@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import Conflict, Fenced
+from ..cache import Fenced
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem, ProblemError
 from ..core.session import Job, VerifierSession
@@ -33,6 +33,9 @@ from .metrics import Metrics
 from .verify_step import JobOutcome, verify_jobs
 
 log = logging.getLogger("sdcp_fast.verifier.engine")
+
+# what reading the log back says of an append
+_APPENDED, _SUPERSEDED, _NOT_APPENDED = "appended", "superseded", "not-appended"
 
 
 @dataclass
@@ -56,7 +59,8 @@ class EngineConfig:
 class Engine:
     def __init__(self, backend, store, commit_log, *, config: EngineConfig = EngineConfig(),
                  device: torch.device | str = "cpu", metrics: Metrics | None = None,
-                 on_commit: Callable[[VerifierSession], None] = lambda s: None):
+                 on_commit: Callable[[VerifierSession], None] = lambda s: None,
+                 on_refuse: Callable[[VerifierSession, int, Problem], None] = lambda s, r, p: None):
         self.backend = backend
         self.store = store
         self.commit_log = commit_log
@@ -64,6 +68,7 @@ class Engine:
         self.device = torch.device(device)
         self.metrics = metrics or Metrics()
         self.on_commit = on_commit
+        self.on_refuse = on_refuse
         self.log_positions: dict[bytes, int] = {}     # records in each session's commit log
         self.model_lock = asyncio.Lock()              # the backend is not thread-safe
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
@@ -232,27 +237,24 @@ class Engine:
             self._refuse(item, outcome.problem)
             return
         record = session.complete(job, outcome.accepted, outcome.extra, self.load)
+        data = record.to_cbor()
         position = self.log_positions.get(session.id, 0)
-        try:
-            new_length = await asyncio.wait_for(
-                self.commit_log.append(session.commit_log, record.to_cbor(), epoch=session.epoch,
-                                       expected=position),
-                self.config.append_timeout_s)
-        except (Fenced, Conflict) as exc:
-            # a newer epoch fenced the log, or another writer appended: this verifier may
-            # never again commit or release output for the session
-            log.warning("session %s: commit of round %d refused (%s); no longer served",
-                        session.id.hex(), job.round, exc)
+        appended = await self._append(session, data, position)
+        if appended is _NOT_APPENDED:
+            session.commit_failed()
+            self._fail(item, Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed"))
+            return
+        if appended is _SUPERSEDED:
+            # a newer epoch fenced the log, or it holds a record this verifier did not
+            # write at this position: it may never again commit or release output here
+            log.warning("session %s: commit of round %d refused by the log; no longer served",
+                        session.id.hex(), job.round)
             session.commit_result(False)
             self.metrics.inc("fenced_total")
+            self.on_commit(session)
             self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"))
             return
-        except Exception as exc:
-            log.error("session %s: commit-log append failed: %s", session.id.hex(), exc)
-            session.commit_failed()
-            self._fail(item, Problem(Kind.UNAVAILABLE, f"commit log unavailable: {exc}"))
-            return
-        self.log_positions[session.id] = new_length
+        self.log_positions[session.id] = position + 1
         verdict = session.commit_result(True)
         async with self.model_lock:
             self.backend.commit(session.id, record.emitted)
@@ -262,12 +264,44 @@ class Engine:
         if not item.future.done():
             item.future.set_result(verdict)
 
+    async def _append(self, session: VerifierSession, data: bytes, position: int):
+        """Append one commit record at `position`: _APPENDED, _SUPERSEDED (fenced, or another
+        record holds the position) or _NOT_APPENDED (store unreachable: nothing landed).
+
+        An append that failed or timed out may still have landed (the store finished the
+        write after we stopped waiting), so the answer comes from reading the log back,
+        which is also the read-after-append check of section 6.8."""
+        timeout = self.config.append_timeout_s
+        try:
+            await asyncio.wait_for(self.commit_log.append(
+                session.commit_log, data, epoch=session.epoch, expected=position), timeout)
+            return _APPENDED
+        except Fenced:
+            return _SUPERSEDED
+        except Exception as exc:   # Conflict, timeout, connection trouble: look at the log
+            log.warning("session %s: append at %d failed (%s: %s); reading the log back",
+                        session.id.hex(), position, type(exc).__name__, exc)
+        try:
+            entries = await asyncio.wait_for(self.commit_log.read(session.commit_log, position), timeout)
+        except Exception as exc:
+            log.error("session %s: commit log unreadable: %s", session.id.hex(), exc)
+            return _NOT_APPENDED
+        if any(e.kind == "fence" and e.epoch > session.epoch for e in entries):
+            return _SUPERSEDED
+        if not entries:
+            return _NOT_APPENDED
+        first = entries[0]
+        if first.kind == "commit" and first.epoch == session.epoch and first.record == data:
+            return _APPENDED
+        return _SUPERSEDED
+
     def _refuse(self, item: _Queued, prob: Problem) -> None:
         if item.session.inflight is item.job:
             try:
                 item.session.refuse(item.job, prob)
             except Exception:   # the job already left VERIFYING (a failure mid-commit)
                 log.exception("could not roll back round %d", item.job.round)
+        self.on_refuse(item.session, item.job.round, prob)
         self._fail(item, prob)
 
     def _fail(self, item: _Queued, prob: Problem) -> None:

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cache import NotFound, effective_commits, object_uri
+from ..cache import CacheError, NotFound, effective_commits, object_uri
 from ..core import cbor
 from ..core.messages import (
     ROLE_VERIFIER,
@@ -37,7 +37,7 @@ from ..core.messages import (
 )
 from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Replay, State, VerifierSession, Wait
-from ..models.base import ModelError
+from ..models.base import KVCapacityError, ModelError
 from ..transport import Authorizer, Request, Response, Router
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
@@ -97,8 +97,10 @@ class VerifierService:
         self._changed: dict[bytes, asyncio.Event] = {}
         self._self_tasks: dict[bytes, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        self._refusals: dict[bytes, tuple[int, Problem]] = {}   # last refused round per session
+        self._open_lock = asyncio.Lock()   # opens of one session id must not interleave
         self.engine = Engine(backend, store, commit_log, config=engine_config, device=device,
-                             metrics=self.metrics, on_commit=self._on_commit)
+                             metrics=self.metrics, on_commit=self._on_commit, on_refuse=self._on_refuse)
         routers = set(config.routers)
         self.router = Router(authorizer=Authorizer({
             "sessions": routers, "drafter": routers, "policy": routers, "output": routers,
@@ -135,6 +137,13 @@ class VerifierService:
 
     async def open_session(self, request: Request) -> Response:
         msg = SessionOpen.from_cbor(request.body)
+        async with self._open_lock:   # a retried open waits for the first and gets its answer
+            try:
+                return await self._open(msg)
+            except CacheError as exc:
+                raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
+
+    async def _open(self, msg: SessionOpen) -> Response:
         existing = self.sessions.get(msg.session)
         if existing is not None:
             if msg.epoch < existing.epoch:
@@ -144,20 +153,20 @@ class VerifierService:
                     raise problem(Kind.CONFLICT, "the session exists with another contract")
                 return cbor_response(existing.state_message())   # a retried open
         elif len(self.sessions) >= self.config.max_sessions:
-            self._evict_closed(force=True)
+            self._evict_closed()
             if len(self.sessions) >= self.config.max_sessions:
                 raise problem(Kind.UNAVAILABLE, "session table full")
+        entries = await self.commit_log.read(msg.commit_log)
+        self._check_log(msg, entries)
         prompt = await self._tokens(msg.prompt, "prompt")
         committed = await self._tokens(msg.resume.committed_tokens, "committed tokens") if msg.resume else ()
         session = VerifierSession.open(msg, model_digest=self.backend.digest, prompt=prompt,
                                        committed_tokens=committed)
-        entries = await self.commit_log.read(msg.commit_log)
-        if msg.resume is not None:
-            self._check_resume(msg, entries)
         kv_ref = (msg.resume.target_kv if msg.resume else None) or msg.prompt_kv
         await self._prefill(msg.session, [*prompt, *committed], kv_ref, existing is not None)
         if existing is not None:
             self._cancel_self_decoding(existing)
+            self._wake(existing)
         self.sessions[msg.session] = session
         self.engine.log_positions[msg.session] = len(entries)
         self._changed[msg.session] = asyncio.Event()
@@ -195,9 +204,7 @@ class VerifierService:
         bad = [t for t in step.tokens if t >= self.backend.vocab_size]
         if bad:
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
-        verdict = await self.engine.submit(session, step)
-        self._after_verdict(session)
-        return cbor_response(verdict)
+        return cbor_response(await self.engine.submit(session, step))
 
     async def output(self, request: Request, sid: str) -> Response:
         session = self._session(sid)
@@ -230,14 +237,22 @@ class VerifierService:
     # ------------------------------------------------------------------ after a commit
 
     def _on_commit(self, session: VerifierSession) -> None:
+        """After every commit-log answer, in the engine (not in the request, which its
+        client may have abandoned): wake output readers, tell the router, start
+        self-decoding, publish KV, and let go of sessions that can no longer be served."""
         self._wake(session)
-        if self.config.publish_kv_every and (session.round % self.config.publish_kv_every == 0 or session.closed):
-            self._spawn(self._publish_kv(session))
-
-    def _after_verdict(self, session: VerifierSession) -> None:
         self._send_events(session)
         if session.state == State.SELF_DECODING and session.id not in self._self_tasks:
             self._self_tasks[session.id] = self._spawn(self._self_decode(session))
+        if session.state == State.FENCED:
+            self._spawn(self._forget_later(session))
+        elif self.config.publish_kv_every and (session.round % self.config.publish_kv_every == 0 or session.closed):
+            self._spawn(self._publish_kv(session))
+
+    def _on_refuse(self, session: VerifierSession, round: int, prob: Problem) -> None:
+        """Remember why a round was refused, for identical retries waiting on it."""
+        self._refusals[session.id] = (round, prob)
+        self._wake(session)
 
     async def _self_decode(self, session: VerifierSession) -> None:
         """Decode the session with the target model, one round per token, until the period
@@ -274,6 +289,9 @@ class VerifierService:
         verdict = session.verdicts.get(round)
         if verdict is not None:
             return verdict
+        refused = self._refusals.get(session.id)
+        if refused is not None and refused[0] == round:
+            raise ProblemError(refused[1])
         if session.state == State.FENCED:
             raise problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch")
         raise problem(Kind.UNAVAILABLE, f"round {round} was not committed; retry")
@@ -354,13 +372,25 @@ class VerifierService:
             raise problem(Kind.BAD_REQUEST, f"{what} object is not a list of token ids")
         return tuple(tokens)
 
-    def _check_resume(self, msg: SessionOpen, entries) -> None:
+    def _check_log(self, msg: SessionOpen, entries) -> None:
+        """The commit log must agree with the open: no fence above its epoch; empty of
+        commits for a fresh session; ending at the resume's round, length and digest."""
+        fences = [e.epoch for e in entries if e.kind == "fence"]
+        if fences and max(fences) > msg.epoch:
+            raise problem(Kind.STALE_EPOCH, f"the commit log is fenced at epoch {max(fences)}")
         commits = effective_commits(entries)
+        if msg.resume is None:
+            if commits:
+                raise problem(Kind.CONFLICT, "the commit log already holds commits: open with resume")
+            return
         if not commits:
             if msg.resume.committed or msg.resume.round:
                 raise problem(Kind.CONFLICT, "resume names a round the commit log does not hold")
             return
-        last = CommitRecord.from_cbor(commits[-1].record)
+        try:
+            last = CommitRecord.from_cbor(commits[-1].record)
+        except ProblemError:
+            raise problem(Kind.UNAVAILABLE, "the commit log's last record is unreadable") from None
         if (last.round, last.committed, last.digest) != (msg.resume.round, msg.resume.committed, msg.resume.digest):
             raise problem(Kind.CONFLICT, "resume does not match the last commit record")
 
@@ -373,7 +403,7 @@ class VerifierService:
                 # target KV from the cache (resume: of the committed tokens; prompt_kv: of the
                 # prompt) saves the prefill when it covers a prefix of what is committed
                 try:
-                    blob = await self.store.get(kv_ref)
+                    blob = await self.store.get(kv_ref)   # any cache trouble: prefill instead
                     self.backend.import_kv(sid, blob)
                     covered = self.backend.committed(sid)
                     if covered == tokens[:len(covered)]:
@@ -382,12 +412,14 @@ class VerifierService:
                                  len(covered), len(tokens), kv_ref)
                         return
                     self.backend.release(sid)
-                except (NotFound, ModelError) as exc:
+                except (CacheError, ModelError) as exc:
                     log.info("target KV %s unusable (%s): prefilling", kv_ref, exc)
                     with contextlib.suppress(ModelError):
                         self.backend.release(sid)
             try:
                 await asyncio.to_thread(self.backend.open, sid, tokens)
+            except KVCapacityError as exc:
+                raise problem(Kind.UNAVAILABLE, f"no room for the session: {exc}") from None
             except ModelError as exc:
                 raise problem(Kind.BAD_REQUEST, f"prompt refused by the model: {exc}") from None
 
@@ -397,11 +429,16 @@ class VerifierService:
             task.cancel()
 
     def _retire(self, session: VerifierSession) -> None:
+        """Forget a session: its backend state and every per-session entry."""
         self._cancel_self_decoding(session)
+        self._wake(session)
         with contextlib.suppress(ModelError):
             self.backend.release(session.id)
+        self._changed.pop(session.id, None)
+        self._refusals.pop(session.id, None)
+        self.engine.log_positions.pop(session.id, None)
 
-    def _evict_closed(self, force: bool = False) -> None:
+    def _evict_closed(self) -> None:
         for sid, session in list(self.sessions.items()):
             if session.closed:
                 self._retire(session)

@@ -15,6 +15,7 @@ from .. import kernels
 from ..core.messages import RULE_GREEDY, Sampling
 from ..core.problems import Kind, Problem
 from ..core.session import Job
+from ..kernels.reference import argmax_smallest_id, draw, logits_row_is_bad
 
 
 @dataclass(frozen=True)
@@ -74,19 +75,13 @@ def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | Non
 
 
 def self_decode(job: Job, row: torch.Tensor) -> JobOutcome:
-    """One token from p: argmax under rule 1, the inverse-CDF draw with the job's uniform
-    (round, i = 1, purpose 1) under rule 2."""
-    if torch.isnan(row).any():
-        return JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN"))
-    profile = sampling_dict(job.sampling)
-    p = kernels.target_probs(row.unsqueeze(0).double(), **profile)[0]
+    """One token from p: argmax of the logits under rule 1 (ties to the smallest id, as the
+    kernels decide rule 1), the inverse-CDF draw with the job's uniform (round, i = 1,
+    purpose 1) under rule 2. A row the kernels would flag (NaN, +inf, nothing finite)
+    commits nothing."""
+    if logits_row_is_bad(row):
+        return JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf"))
     if job.rule == RULE_GREEDY:
-        return JobOutcome(0, int(torch.argmax(p)))
-    return JobOutcome(0, draw(p, job.draw_uniforms[0]))
-
-
-def draw(weights: torch.Tensor, u: float) -> int:
-    """The smallest t with cumsum(w)[t] > u * sum(w) (NOTES.md), in float64."""
-    cdf = torch.cumsum(weights.double(), 0)
-    t = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True))
-    return min(t, weights.shape[0] - 1)
+        return JobOutcome(0, argmax_smallest_id(row))
+    p = kernels.target_probs(row.unsqueeze(0).double(), **sampling_dict(job.sampling))[0]
+    return JobOutcome(0, draw(p.double(), job.draw_uniforms[0]))

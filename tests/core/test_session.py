@@ -421,3 +421,27 @@ def test_assignment_epoch_and_contract_checked():
     assert problem_of(s.assign, assignment(s, epoch=5)).kind == Kind.STALE_EPOCH
     other = assignment(s).replace(contract=make_contract(max_new=7))
     assert problem_of(s.assign, other).kind == Kind.BAD_CONTRACT
+
+
+def test_reassignment_during_a_job_keeps_its_m_init():
+    s = open_session(make_contract(low_rounds=1, fallback=(Action.REDUCE, Action.REDUCE)), m_init=8)
+    _, _, v = run_round(s, accepted=0, extra=1)
+    assert v.m_cap == 4                                   # reduced
+    job = s.check(DRAFTER, propose(s, tokens=(1,)))
+    s.assign(assignment(s, drafter=OTHER, m_init=8))      # the router moves the session mid-round
+    s.complete(job, 0, 1, 0)
+    s.commit_result(True)
+    assert s.m_cap == 8
+    assert isinstance(s.check(OTHER, propose(s, tokens=tuple(range(8)), drafter=OTHER)), Job)
+
+
+def test_sampling_outside_the_contract_ignores_unknown_keys():
+    from sdcp_fast.core.messages import MessageError
+    p = Policy.from_obj({"session": SID, "from_round": 3, "sampling": {"seed": 4, "future": 1}})
+    assert p.sampling == Sampling(seed=4)
+    with pytest.raises(MessageError) as exc:
+        Policy.from_obj({"session": SID, "from_round": 3, "sampling": {"top_p_milli": 2000}})
+    assert exc.value.problem.kind == Kind.BAD_REQUEST
+    with pytest.raises(ProblemError) as exc:   # inside the contract the map stays closed
+        make_contract(sampling={"seed": 4, "future": 1})
+    assert exc.value.problem.kind == Kind.BAD_CONTRACT

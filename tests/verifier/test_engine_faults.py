@@ -1,0 +1,194 @@
+"""Faults around the engine: lost append acknowledgements, foreign records in the log,
+abandoned requests, refused rounds with waiting retries, a model that refuses one session,
+concurrent opens, and bad logits while self-decoding."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from sdcp_fast.cache import StoreTimeout
+from sdcp_fast.core.messages import Action, SessionOpen, SessionState, Verdict
+from sdcp_fast.core.problems import Kind, Problem
+from sdcp_fast.core.session import Job
+from sdcp_fast.models.base import KVCapacityError
+from sdcp_fast.verifier import encode_session_id
+from sdcp_fast.verifier.verify_step import self_decode
+from tests.verifier.harness import contract_for, harness_test
+
+
+def greedy(backend, seq, n):
+    seq = list(seq)
+    for _ in range(n):
+        seq.append(int(backend.table[seq[-1]].argmax()))
+    return seq[-n:]
+
+
+async def opened(h, **overrides):
+    contract = contract_for(h.backend, **overrides)
+    sid, r = await h.open(contract)
+    state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+    return contract, sid, state
+
+
+class LostAck:
+    """A commit log whose first append lands and then reports a timeout."""
+
+    def __init__(self, inner, fail_times=1):
+        self.inner, self.fail_times = inner, fail_times
+
+    async def append(self, log, record, *, epoch, expected):
+        length = await self.inner.append(log, record, epoch=epoch, expected=expected)
+        if self.fail_times:
+            self.fail_times -= 1
+            raise StoreTimeout("the acknowledgement was lost")
+        return length
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@harness_test
+async def test_append_that_landed_despite_a_timeout_counts_as_committed(h):
+    contract, sid, state = await opened(h)
+    h.service.engine.commit_log = LostAck(h.log)
+    r = await h.propose(sid, state, greedy(h.backend, [1, 2, 3], 2))
+    assert r.status == 200, r.body
+    v = Verdict.from_cbor(r.body)
+    entries = await h.log.read(f"log/{sid.hex()}")
+    assert [e.kind for e in entries] == ["commit"]
+    state = SessionState(sid, 1, v.round, v.committed, v.digest)
+    r = await h.propose(sid, state, greedy(h.backend, [1, 2, 3, *v.emitted], 1))
+    assert r.status == 200 and Verdict.from_cbor(r.body).round == 2
+
+
+@harness_test
+async def test_a_record_this_verifier_did_not_write_stops_the_session(h):
+    contract, sid, state = await opened(h)
+    # another writer (a verifier that should have been fenced) took position 0
+    await h.log.append(f"log/{sid.hex()}", b"\xa0", epoch=1, expected=0)
+    r = await h.propose(sid, state, [1])
+    assert r.status == 409 and Problem.from_json(r.body).kind == Kind.STALE_EPOCH
+    assert h.service.sessions[sid].state.value == "fenced"
+    assert h.service.sessions[sid].committed == 0           # nothing released
+
+
+@harness_test
+async def test_abandoned_request_still_starts_self_decoding_and_sends_events(h):
+    contract, sid, state = await opened(h, low_rounds=1, fallback=(Action.SELF_DECODE,), self_load=100,
+                                        self_max=2)
+    target = greedy(h.backend, [1, 2, 3], 1)[0]
+    task = asyncio.create_task(h.propose(sid, state, [(target + 1) % 16]))
+    await asyncio.sleep(0)           # the proposal is queued ...
+    task.cancel()                    # ... and its client goes away
+    session = h.service.sessions[sid]
+    for _ in range(300):
+        if session.state.value == "awaiting-drafter":
+            break
+        await asyncio.sleep(0.01)
+    assert session.state.value == "awaiting-drafter"
+    assert session.committed == 3    # the round's token and two self-decoded ones
+
+
+class SlowQ:
+    """An object store whose reads take a while (so that a retry finds the round in flight)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    async def get_into(self, uri, out):
+        await asyncio.sleep(0.2)
+        return await self.inner.get_into(uri, out)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@harness_test
+async def test_identical_retry_of_a_refused_round_gets_the_refusal(h):
+    contract, sid, state = await opened(h, rule=2)
+    q = torch.full((1, 16), 1 / 16)
+    q[0, 5] = 0.0
+    await h.store.put("mlc:/q/z", q.numpy().tobytes(), lease_ms=60_000)
+    h.service.engine.store = SlowQ(h.store)
+    first, retry = await asyncio.gather(h.propose(sid, state, [5], q_rows="mlc:/q/z"),
+                                        h.propose(sid, state, [5], q_rows="mlc:/q/z"))
+    for r in (first, retry):
+        assert r.status == 422 and Problem.from_json(r.body).kind == Kind.BAD_PROPOSAL
+
+
+class RefusesOne:
+    """A backend that cannot score one session (as if over its KV cap)."""
+
+    def __init__(self, inner, bad: bytes):
+        self.inner, self.bad = inner, bad
+
+    def score(self, items):
+        if any(sid == self.bad for sid, _ in items):
+            raise KVCapacityError("session over its length cap")
+        return self.inner.score(items)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@harness_test
+async def test_one_session_the_model_refuses_does_not_fail_the_batch(h):
+    contract, good, gstate = await opened(h)
+    _, bad, bstate = await opened(h)
+    h.service.engine.backend = RefusesOne(h.backend, bad)
+    rg, rb = await asyncio.gather(h.propose(good, gstate, greedy(h.backend, [1, 2, 3], 2)),
+                                  h.propose(bad, bstate, greedy(h.backend, [1, 2, 3], 2)))
+    assert rg.status == 200 and Verdict.from_cbor(rg.body).accepted == 2
+    assert rb.status == 503
+    assert h.service.sessions[bad].round == 0                 # not consumed: may be retried
+
+
+@harness_test
+async def test_concurrent_identical_opens_get_one_session(h):
+    contract = contract_for(h.backend)
+    sid = h.new_session_id()
+    msg = SessionOpen(sid, 1, contract, (1, 2, 3), f"log/{sid.hex()}").to_cbor()
+    a, b = await asyncio.gather(h.call("POST", "/sessions", msg), h.call("POST", "/sessions", msg))
+    assert a.status == b.status == 200 and a.body == b.body
+
+
+@harness_test
+async def test_open_must_agree_with_the_commit_log(h):
+    contract, sid, state = await opened(h)
+    await h.propose(sid, state, greedy(h.backend, [1, 2, 3], 1))
+    fresh_again = SessionOpen(sid, 2, contract, (1, 2, 3), f"log/{sid.hex()}")
+    r = await h.call("POST", "/sessions", fresh_again.to_cbor())
+    assert r.status == 409 and Problem.from_json(r.body).kind == Kind.CONFLICT   # needs resume
+    other = h.new_session_id()
+    await h.log.fence(f"log/{other.hex()}", 3)
+    r = await h.call("POST", "/sessions", SessionOpen(other, 2, contract, (1,), f"log/{other.hex()}").to_cbor())
+    assert r.status == 409 and Problem.from_json(r.body).kind == Kind.STALE_EPOCH
+
+
+@harness_test
+async def test_policy_sampling_ignores_unknown_keys(h):
+    from sdcp_fast.core import cbor
+    contract, sid, state = await opened(h, rule=2)
+    body = cbor.dumps({"session": sid, "from_round": 5, "sampling": {"temperature_milli": 700, "new_knob": 1}})
+    r = await h.call("POST", f"/sessions/{encode_session_id(sid)}/policy", body)
+    assert r.status == 200
+    assert h.service.sessions[sid].sampling_for(5).temperature_milli == 700
+    bad = cbor.dumps({"session": sid, "from_round": 6, "sampling": {"top_p_milli": 1001}})
+    r = await h.call("POST", f"/sessions/{encode_session_id(sid)}/policy", bad)
+    assert r.status == 400
+
+
+def test_self_decoding_never_commits_a_token_from_bad_logits():
+    def job(rule):
+        return Job(b"s" * 16, 1, 2, rule, None, (), (), (0.5,) if rule == 2 else (), None, None, True, None)
+
+    for row in (torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf"), 1.0]),
+                torch.full((3,), float("-inf"))):
+        for rule in (1, 2):
+            outcome = self_decode(job(rule), row)
+            assert outcome.problem is not None and outcome.problem.kind == Kind.UNAVAILABLE
+    tied = torch.tensor([1.0, 3.0, 3.0, float("-inf")])
+    assert self_decode(job(1), tied).extra == 1               # ties to the smallest id
+    assert self_decode(job(2), tied).extra in (1, 2)
