@@ -56,6 +56,7 @@ class VerifierConfig:
     ttl_ms: int = 3000
     max_sessions: int = 4096
     closed_keep_s: float = 120.0      # how long a closed session still answers retries
+    idle_s: float = 1800.0            # a session nobody has touched for this long is dropped
     publish_kv_every: int = 0         # publish target KV every N rounds (0: never), for failover
     request_timeout_s: float = 5.0
 
@@ -98,6 +99,7 @@ class VerifierService:
         self._self_tasks: dict[bytes, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self._refusals: dict[bytes, tuple[int, Problem]] = {}   # last refused round per session
+        self._touched: dict[bytes, float] = {}    # loop time of each session's last activity
         self._open_lock = asyncio.Lock()   # opens of one session id must not interleave
         self.engine = Engine(backend, store, commit_log, config=engine_config, device=device,
                              metrics=self.metrics, on_commit=self._on_commit, on_refuse=self._on_refuse)
@@ -119,6 +121,7 @@ class VerifierService:
 
     async def start(self) -> None:
         self.engine.start()
+        self._spawn(self._drop_idle_sessions())
         if self.client is not None and self.config.router_uri:
             self._spawn(self._report_status())
 
@@ -168,6 +171,7 @@ class VerifierService:
             self._cancel_self_decoding(existing)
             self._wake(existing)
         self.sessions[msg.session] = session
+        self._touch(msg.session)
         self.engine.log_positions[msg.session] = len(entries)
         self._changed[msg.session] = asyncio.Event()
         log.info("session %s opened (epoch %d, round %d, committed %d)", msg.session.hex(),
@@ -192,6 +196,7 @@ class VerifierService:
         session = self.sessions.get(msg.session)
         if session is None:
             raise problem(Kind.NOT_FOUND, "no such session")
+        self._touch(session.id)
         try:
             step = session.check(request.caller, msg)
         except ProblemError as exc:
@@ -241,6 +246,7 @@ class VerifierService:
         client may have abandoned): wake output readers, tell the router, start
         self-decoding, publish KV, and let go of sessions that can no longer be served."""
         self._wake(session)
+        self._touch(session.id)
         self._send_events(session)
         if session.state == State.SELF_DECODING and session.id not in self._self_tasks:
             self._self_tasks[session.id] = self._spawn(self._self_decode(session))
@@ -352,10 +358,27 @@ class VerifierService:
 
     # ------------------------------------------------------------------ helpers
 
+    async def _drop_idle_sessions(self) -> None:
+        """Bounded memory when routers and drafters vanish: a session with no request and no
+        commit for idle_s is retired (its router, if it comes back, resumes from the log)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(60.0, self.config.idle_s / 4))
+            now = loop.time()
+            for sid, session in list(self.sessions.items()):
+                if session.inflight is None and now - self._touched.get(sid, now) > self.config.idle_s:
+                    log.info("session %s idle for %.0f s: dropped", sid.hex(), self.config.idle_s)
+                    self._retire(session)
+                    del self.sessions[sid]
+
+    def _touch(self, sid: bytes) -> None:
+        self._touched[sid] = asyncio.get_running_loop().time()
+
     def _session(self, sid: str) -> VerifierSession:
         session = self.sessions.get(decode_session_id(sid))
         if session is None:
             raise problem(Kind.NOT_FOUND, "no such session")
+        self._touch(session.id)
         return session
 
     async def _tokens(self, ref_or_tokens, what: str) -> tuple[int, ...]:
@@ -436,6 +459,7 @@ class VerifierService:
             self.backend.release(session.id)
         self._changed.pop(session.id, None)
         self._refusals.pop(session.id, None)
+        self._touched.pop(session.id, None)
         self.engine.log_positions.pop(session.id, None)
 
     def _evict_closed(self) -> None:

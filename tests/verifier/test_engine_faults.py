@@ -192,3 +192,59 @@ def test_self_decoding_never_commits_a_token_from_bad_logits():
     tied = torch.tensor([1.0, 3.0, 3.0, float("-inf")])
     assert self_decode(job(1), tied).extra == 1               # ties to the smallest id
     assert self_decode(job(2), tied).extra in (1, 2)
+
+
+class SlowLog:
+    """A commit log whose appends take a while, to look at the service mid-append."""
+
+    def __init__(self, inner):
+        self.inner, self.started = inner, asyncio.Event()
+
+    async def append(self, log, record, *, epoch, expected):
+        self.started.set()
+        await asyncio.sleep(1.0)   # longer than the harness's output long-poll (0.5 s)
+        return await self.inner.append(log, record, epoch=epoch, expected=expected)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@harness_test
+async def test_no_output_before_the_append_completes(h):
+    contract, sid, state = await opened(h)
+    slow = SlowLog(h.log)
+    h.service.engine.commit_log = slow
+    proposal = asyncio.create_task(h.propose(sid, state, greedy(h.backend, [1, 2, 3], 2)))
+    await slow.started.wait()
+    path = f"/sessions/{encode_session_id(sid)}/output"
+    from sdcp_fast.core.messages import Output
+    early = Output.from_cbor((await h.call("GET", path, query={"from": "0"})).body)
+    assert early.tokens == ()                     # waited, then nothing: the append is pending
+    assert not proposal.done()                    # and no verdict either
+    v = Verdict.from_cbor((await proposal).body)
+    late = Output.from_cbor((await h.call("GET", path, query={"from": "0"})).body)
+    assert late.tokens == v.emitted
+
+
+def test_idle_sessions_are_dropped(tmp_path):
+    import dataclasses
+
+    from tests.verifier.harness import Harness
+
+    async def main():
+        h = await Harness.start(tmp_path)
+        h.service.config = dataclasses.replace(h.service.config, idle_s=0.2)
+        await h.service.start()       # the janitor picks up the short idle time
+        try:
+            contract, sid, state = await opened(h)
+            assert sid in h.service.sessions
+            for _ in range(100):
+                if sid not in h.service.sessions:
+                    break
+                await asyncio.sleep(0.05)
+            assert sid not in h.service.sessions
+            assert sid not in h.service.engine.log_positions
+        finally:
+            await h.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
