@@ -13,12 +13,16 @@ Every instance gets a fresh port (TCP and UDP free), a certificate whose URI SAN
 `https://127.0.0.1:PORT/`, the shared embedded store and file commit log of the workdir,
 and a log file `<name>.log`. Children are started in their own process group and ask the
 kernel to SIGTERM them if this process dies, so nothing outlives the demo or a test.
+
+`free_port` here checks UDP as well as TCP (an instance serves HTTP/3 on the same number),
+which `sdcp_fast.cache.testing.free_port` (TCP only) does not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -26,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,7 +247,7 @@ class Cluster:
             [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
              str(instance.config_path)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent)
+            start_new_session=True, preexec_fn=die_with_parent())
         log.close()
 
     def wait_ready(self, instances: list[Instance], timeout: float) -> None:
@@ -284,8 +289,29 @@ class Cluster:
         self.stop()
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the parent dies (Linux prctl)."""
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
+    """A `preexec_fn` that makes the child get SIGTERM when its parent dies (Linux prctl).
+
+    Built in the parent: libc is loaded here, since loading a library between fork and exec
+    can deadlock on a lock another thread of the parent held at the fork. The child only
+    calls prctl, then checks that its parent is still the one that forked it: a parent that
+    died before prctl took effect would never deliver the signal. `parent_pid` defaults to
+    this process."""
+    parent = os.getpid() if parent_pid is None else parent_pid
+    prctl = _libc_prctl()
+
+    def in_child() -> None:
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)    # what the parent's death would have sent
+    return in_child
+
+
+@functools.cache
+def _libc_prctl():
+    """libc's prctl, or None where there is none (not Linux)."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None

@@ -21,7 +21,8 @@ One TOML file per instance. Members common to every role:
     [drafter]    routers = [URI...], router_uri, ttl_ms = 2000, status_interval_s = 0.5,
                  max_sessions = 64, max_batch = 32, publish_draft_kv = true,
                  draft_kv_every = 8, draft_ahead = true, rounds_log = PATH,
-                 request_timeout_s = 5.0, drop_verdicts = 0 (test hook)
+                 request_timeout_s = 5.0, give_up_after_s = 10.0 (no verdict: stop),
+                 max_q_republish = 3, drop_verdicts = 0 (test hook)
     [router]     verifiers = [URI...], frontdoor = "127.0.0.1:8080", frontdoor_tls = false,
                  m_init = 4, stall_s = 5.0, monitor_interval_s = 0.1, target_kv = true,
                  session_load = 5
@@ -152,6 +153,8 @@ async def build_drafter(cfg: Section, tls, client):
         status_interval_s=d.get("status_interval_s", float, 0.5),
         max_sessions=d.get("max_sessions", int, 64), max_batch=d.get("max_batch", int, 32),
         request_timeout_s=d.get("request_timeout_s", float, 5.0),
+        give_up_after_s=d.get("give_up_after_s", float, 10.0),
+        max_q_republish=d.get("max_q_republish", int, 3),
         publish_draft_kv=d.get("publish_draft_kv", bool, True),
         draft_kv_every=d.get("draft_kv_every", int, 8), draft_ahead=d.get("draft_ahead", bool, True),
         rounds_log=d.get("rounds_log", str, None), drop_verdicts=d.get("drop_verdicts", int, 0))

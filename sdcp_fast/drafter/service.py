@@ -7,7 +7,8 @@ drafter checks that its model is permitted and that the committed tokens it was 
 (a cache reference) digest to the assignment's d[n], then runs the session's round loop
 (session.py). A newer assignment for the same session (another epoch or verifier, or the
 session back after a switch) replaces the old loop; one for the same placement while the
-loop runs only updates the sampling profile and m_cap.
+loop runs only updates the sampling profile and m_cap. Assignments for one session are
+handled one at a time, so concurrent or retried ones never leave two loops.
 
 Load figure (status.load, percent): the larger of the share of `max_sessions` in use and
 the share of the last report interval the draft model was busy. queue: draft requests
@@ -18,7 +19,6 @@ cache_mbps: EWMA of the bandwidth (megabits/s) seen writing q rows and draft KV.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import time
@@ -32,6 +32,7 @@ from ..core.messages import ROLE_DRAFTER, Assignment, Status, Verdict
 from ..core.problems import Kind, problem
 from ..models.base import ModelError
 from ..transport import Authorizer, Request, Response, Router
+from ..verifier.service import encode_uri
 from .drafting import DraftBatcher
 from .session import Built, DraftSession, round_record, verdict_fingerprint
 
@@ -48,6 +49,8 @@ class DrafterConfig:
     max_sessions: int = 64
     max_batch: int = 32                 # sessions per draft step
     request_timeout_s: float = 5.0
+    give_up_after_s: float = 10.0       # no verdict for this long (transport errors, 5xx): stop
+    max_q_republish: int = 3            # sdcp-q-unavailable answers per proposal before stopping
     lease_ms: int = 30_000              # q rows: released at the verdict, or lapse
     publish_draft_kv: bool = True       # draft KV of the committed prefix, for a successor
     draft_kv_every: int = 8             # ... every this many rounds
@@ -69,7 +72,8 @@ class DrafterService:
         self.cache_mbps = 0.0                   # EWMA of observed write bandwidth
         self.lookahead_hits = 0
         self._drops_left = config.drop_verdicts
-        self._dropped: dict[tuple[bytes, int, int], str] = {}
+        # per-session locks held by assignment handlers in flight (removed when none is)
+        self._assignment_locks: dict[bytes, tuple[asyncio.Lock, list[int]]] = {}
         self._rounds_file = open(config.rounds_log, "a") if config.rounds_log else None  # noqa: SIM115
         self._background: set[asyncio.Task] = set()
         self._busy_mark = (time.perf_counter(), 0.0)
@@ -113,6 +117,13 @@ class DrafterService:
             raise problem(Kind.BAD_CONTRACT, "the contract does not permit this drafter's model")
         if a.contract.tokenizer != self.backend.tokenizer_digest:
             raise problem(Kind.BAD_CONTRACT, "the contract's tokenizer is not this drafter's")
+        # One handler per session at a time: between reading the current loop and starting
+        # the new one there are awaits, and two concurrent (or retried) assignments would
+        # otherwise both replace the old loop, leaving two proposals outstanding (6.2).
+        async with self._assignment_lock(a.session):
+            return await self._take_assignment(a)
+
+    async def _take_assignment(self, a: Assignment) -> Response:
         prompt = await self._tokens(a.prompt, "prompt")
         output = list(await self._tokens(a.committed_tokens, "committed tokens")) if a.committed else []
         if len(output) != a.committed:
@@ -140,6 +151,18 @@ class DrafterService:
         log.info("session %s assigned (epoch %d, verifier %s, committed %d)", a.session.hex(), a.epoch,
                  a.verifier, a.committed)
         return Response(204, content_type=None)
+
+    @contextlib.asynccontextmanager
+    async def _assignment_lock(self, sid: bytes):
+        lock, holders = self._assignment_locks.setdefault(sid, (asyncio.Lock(), [0]))
+        holders[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            holders[0] -= 1
+            if not holders[0]:
+                del self._assignment_locks[sid]
 
     async def _end(self, session: DraftSession) -> None:
         if session.task is not None and not session.task.done():
@@ -204,10 +227,8 @@ class DrafterService:
         if self._drops_left <= 0:
             return False
         self._drops_left -= 1
-        key = (verdict.session, verdict.epoch, verdict.round)
-        self._dropped[key] = verdict_fingerprint(verdict.to_cbor())
         self._write_line(f'{{"dropped":true,"session":"{session.id.hex()}","epoch":{verdict.epoch},'
-                         f'"round":{verdict.round},"verdict":"{self._dropped[key]}"}}')
+                         f'"round":{verdict.round},"verdict":"{verdict_fingerprint(verdict.to_cbor())}"}}')
         log.warning("test hook: verdict of round %d dropped", verdict.round)
         return True
 
@@ -249,11 +270,6 @@ class DrafterService:
             except Exception as exc:
                 log.debug("status report failed: %s", exc)
             await asyncio.sleep(self.config.status_interval_s)
-
-
-def encode_uri(uri: str) -> str:
-    """Instance ids in router paths: the base64url (no padding) of the instance's base URI."""
-    return base64.urlsafe_b64encode(uri.encode()).rstrip(b"=").decode()
 
 
 def rounds_from_file(path: str | Path) -> list[dict]:

@@ -10,7 +10,10 @@
             additional token is the one we guessed; stop on switch, self_decode, finish, fail.
 
 A verdict lost in transit is retried with the same bytes (proposals are idempotent per
-round, section 6.9). A 409 stale-base resynchronises from the problem's session-state
+round, section 6.9), with backoff; with no verdict for `give_up_after_s`, or after
+`max_q_republish` sdcp-q-unavailable answers to one proposal, the session stops here and
+the router places it again. However the loop ends, the leases of the proposal it held are
+released. A 409 stale-base resynchronises from the problem's session-state
 when the drafter knows the tokens involved; otherwise the session stops and the router
 reassigns it.
 """
@@ -76,6 +79,17 @@ class Built:
     leased: list[str]               # cache objects held until the verdict
     draft_seconds: float
     retries: int = 0                # times the same bytes were sent again
+
+
+class Backoff:
+    """Exponential waits between retries of one proposal: 50 ms doubling up to 1 s."""
+
+    def __init__(self, first: float = 0.05, most: float = 1.0):
+        self.next, self.most = first, most
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.next)
+        self.next = min(self.most, self.next * 2)
 
 
 class Stop(Exception):
@@ -165,9 +179,9 @@ class DraftSession:
     # ------------------------------------------------------------------ the round loop
 
     async def run(self) -> None:
+        built: Built | None = None          # the proposal out (or about to be): its leases
         try:
             await self.prepare_kv()
-            built: Built | None = None
             while True:
                 if self.committed >= self.contract.max_new:
                     raise Stop("max_new reached")
@@ -193,6 +207,10 @@ class DraftSession:
             log.exception("session %s failed on the drafter", self.id.hex())
         finally:
             self.cancel_lookahead()
+            if built is not None and built.leased:
+                # however the loop ended, the artifacts of the proposal it held are no longer
+                # needed by anyone: release now rather than leave them to their lease
+                await asyncio.shield(self.release(built))
 
     def choose(self) -> int:
         limit = min(self.contract.m_max, self.m_cap, self.contract.max_new - self.committed)
@@ -216,14 +234,18 @@ class DraftSession:
         leased: list[str] = []
         q_ref = draft_kv = None
         rows_tensor = None
-        if self.rule == RULE_SPECULATIVE:
-            rows_tensor = torch.stack(rows).contiguous()            # [M, V]
-            q_ref = object_uri(f"q/{self.id.hex()}/{self.epoch}/{self.round + 1}/{self.seq}",
-                               self.contract.scope)
-            await self.service.put_leased(q_ref, rows_tensor.numpy().tobytes())
-            leased.append(q_ref)
-        if self.service.config.publish_draft_kv:
-            draft_kv = await self.service.publish_draft_kv(self)
+        try:
+            if self.rule == RULE_SPECULATIVE:
+                rows_tensor = torch.stack(rows).contiguous()            # [M, V]
+                q_ref = object_uri(f"q/{self.id.hex()}/{self.epoch}/{self.round + 1}/{self.seq}",
+                                   self.contract.scope)
+                leased.append(q_ref)      # before the put: a put cut short may have stored it
+                await self.service.put_leased(q_ref, rows_tensor.numpy().tobytes())
+            if self.service.config.publish_draft_kv:
+                draft_kv = await self.service.publish_draft_kv(self)
+        except BaseException:
+            await asyncio.shield(self._release_refs(leased))
+            raise
         seconds = time.perf_counter() - started
         proposal = Proposal(self.id, self.epoch, self.round + 1, self.service.config.uri,
                             self.committed, self.digest, tuple(tokens), self.service.status(),
@@ -232,23 +254,37 @@ class DraftSession:
 
     async def exchange(self, built: Built) -> Verdict | str:
         """Send the proposal until a verdict or a problem that changes what to send.
-        Returns the verdict or "rebuild"; raises Stop when the session ends here."""
+        Returns the verdict or "rebuild"; raises Stop when the session ends here, including
+        when the verifier gives no verdict for `give_up_after_s` or keeps answering
+        sdcp-q-unavailable (the router then places the session again)."""
+        config = self.service.config
         url = self.verifier + "/proposals"
-        backoff = 0.05
+        backoff = Backoff()
+        republished = 0
+        failing_since: float | None = None      # first transport error / 5xx in a row
         self.start_lookahead(built)
         sent_at = time.perf_counter()
         while True:
             try:
                 response = await self.service.client.request(
-                    "POST", url, built.body, idempotent=True,
-                    timeout=self.service.config.request_timeout_s)
+                    "POST", url, built.body, idempotent=True, timeout=config.request_timeout_s)
+                failure = None if response.status < 500 else f"HTTP {response.status}"
             except TransportError as exc:
                 # no answer: the verdict may be lost; the same bytes get the same verdict
-                log.info("session %s round %d: %s; retrying", self.id.hex(), built.proposal.round, exc)
+                response, failure = None, str(exc)
+            problem = response.problem() if response is not None else None
+            kind = problem.kind if problem is not None else None
+            if failure is not None or kind == Kind.UNAVAILABLE:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= config.give_up_after_s:
+                    raise Stop(f"no verdict for {config.give_up_after_s:g} s: {failure or kind.suffix}")
+                log.info("session %s round %d: %s; retrying", self.id.hex(), built.proposal.round,
+                         failure or kind.suffix)
                 built.retries += 1
-                await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
+                await backoff.wait()
                 continue
+            failing_since = None
             if response.status == 200:
                 verdict = Verdict.from_cbor(response.body)
                 if self.service.drop_verdict(self, verdict, response.body):
@@ -256,18 +292,16 @@ class DraftSession:
                     continue   # test hook: as if the response were lost in transit
                 self.timing.observe_verify(time.perf_counter() - sent_at)
                 return verdict
-            problem = response.problem()
-            kind = problem.kind if problem is not None else None
-            if response.status >= 500 or kind == Kind.UNAVAILABLE:
-                built.retries += 1
-                await asyncio.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
-                continue
             if kind == Kind.Q_UNAVAILABLE and built.rows is not None:
+                republished += 1
+                if republished > config.max_q_republish:
+                    raise Stop(f"q rows unavailable to the verifier after {config.max_q_republish} "
+                               "republications")
                 # our lease lapsed or the store dropped it: publish the same rows again, with
                 # a lease long enough to outlast a slow verifier
+                await backoff.wait()
                 await self.service.put_leased(built.proposal.q_rows, built.rows.numpy().tobytes(),
-                                              max(self.service.config.lease_ms, Q_RETRY_LEASE_MS))
+                                              max(config.lease_ms, Q_RETRY_LEASE_MS))
                 built.retries += 1
                 continue
             if kind == Kind.STALE_BASE and problem.state is not None:
@@ -381,10 +415,13 @@ class DraftSession:
         raise Stop(f"cannot resync to {state.committed} committed tokens")
 
     async def release(self, built: Built) -> None:
-        for ref in built.leased:
+        await self._release_refs(built.leased)
+
+    async def _release_refs(self, refs: list[str]) -> None:
+        while refs:
+            ref = refs.pop()
             with contextlib.suppress(NotFound, Exception):
                 await self.service.store.release(ref)
-        built.leased.clear()
 
 
 def verdict_fingerprint(body: bytes) -> str:

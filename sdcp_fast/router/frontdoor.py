@@ -128,7 +128,7 @@ class FrontDoor:
             if method == "GET" and len(parts) == 3:
                 return await self._send_json(conn, writer, 200, s.info())
             if method == "GET" and parts[3:] == ["stream"]:
-                return await self._stream(conn, writer, s, _int(params.get("from", "0"), "from"))
+                return await self._stream(conn, writer, s, _query_int(params.get("from", "0"), "from"))
             if method == "POST" and parts[3:] == ["policy"]:
                 sampling = _sampling(_json(body).get("sampling"))
                 from_round = await self.router.update_policy(s, sampling)
@@ -141,7 +141,7 @@ class FrontDoor:
         backend = self.router.backend
         if "tokens" in req:
             tokens = req["tokens"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < backend.vocab_size
+            if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < backend.vocab_size
                                                        for t in tokens):
                 raise HTTPError(400, "tokens must be a list of token ids in the vocabulary")
         elif isinstance(req.get("prompt"), str):
@@ -156,6 +156,8 @@ class FrontDoor:
             if key in req:
                 overrides[key] = _int(req[key], key)
         if "stop" in req:
+            if not isinstance(req["stop"], list):
+                raise HTTPError(400, "stop must be a list of token ids")
             overrides["stop"] = tuple(_int(t, "stop") for t in req["stop"])
         if "sampling" in req:
             overrides["sampling"] = _sampling(req["sampling"])
@@ -240,14 +242,24 @@ def _json(body: bytes) -> dict:
     return obj
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not 1
+
+
 def _int(value, what: str) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise HTTPError(400, f"{what} must be an integer") from None
-    if number < 0:
+    """A JSON member that must be a non-negative integer: 1.5, "1" and true are refused."""
+    if not _is_int(value):
+        raise HTTPError(400, f"{what} must be an integer")
+    if value < 0:
         raise HTTPError(400, f"{what} must not be negative")
-    return number
+    return value
+
+
+def _query_int(text: str, what: str) -> int:
+    """A non-negative decimal integer in the query string."""
+    if not text.isascii() or not text.isdecimal():
+        raise HTTPError(400, f"{what} must be a non-negative integer")
+    return int(text)
 
 
 def _sampling(obj) -> Sampling:

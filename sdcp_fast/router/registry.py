@@ -29,7 +29,6 @@ class Instance:
     status: Status | None = None
     expires: float = 0.0                 # monotonic seconds
     placed_since_status: int = 0         # sessions given to it since the last report
-    ever_live: bool = False
 
     def live(self, now: float) -> bool:
         return self.status is not None and now < self.expires
@@ -52,7 +51,6 @@ class Registry:
         inst.status = status
         inst.expires = now + status.ttl_ms / 1000
         inst.placed_since_status = 0
-        inst.ever_live = True
 
     def live(self, role: int, now: float | None = None) -> list[Instance]:
         now = time.monotonic() if now is None else now

@@ -22,7 +22,10 @@ What it does for each session, every step under the session's lock:
   epoch + 1, read its last effective record, put the committed tokens in the cache, open
   the session at another verifier with `resume`, re-send the sampling policy, assign a
   drafter; a session whose output has not moved for `stall_s` is assigned again (the
-  catch-all for lost events and drafters that gave a session up);
+  catch-all for lost events and drafters that gave a session up). A verifier that answers
+  sdcp-stale-epoch (PUT drafter, policy, output) lost the session: it fails over the same
+  way, to that verifier too if no other takes it. A fence whose open failed is kept: the
+  next attempt only opens, even if the old verifier reports status again;
 - output: one long-poll reader per session, GET output?from=n with n = tokens received so
   far, so a retried or repeated read never duplicates or loses a token; output carrying a
   lower epoch than the session's is discarded.
@@ -102,10 +105,6 @@ class RouterConfig:
     max_sessions: int = 1024
     closed_keep_s: float = 300.0
     contract: ContractDefaults = field(default_factory=ContractDefaults)
-
-
-def encode_uri(uri: str) -> str:
-    return base64.urlsafe_b64encode(uri.encode()).rstrip(b"=").decode()
 
 
 def decode_uri(text: str) -> str:
@@ -247,13 +246,18 @@ class RouterService:
                                             Policy(s.id, from_round, sampling).to_cbor())
                 if response is not None and response.status == 200:
                     break
-                if response is None or response.status != 409:
+                kind = _problem_kind(response)
+                if kind == Kind.STALE_EPOCH:
+                    self._verifier_lost(s, s.verifier, s.epoch, "policy")
+                if kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
                     raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")
             else:
                 raise problem(Kind.UNAVAILABLE, "the session kept moving ahead of the policy")
             s.sampling, s.policy_from_round = sampling, from_round
             s.place("policy", from_round=from_round)
-            if s.drafter is not None:     # same placement: the drafter takes the new profile
+            if s.drafter is not None:
+                # same placement: the drafter takes the new profile (the verifier already has
+                # it); should that drafter refuse, any other one is placed the full way
                 await self._assign_locked(s, exclude=set(), prefer=s.drafter, inform_verifier=False)
             return from_round
 
@@ -314,14 +318,17 @@ class RouterService:
 
     async def _assign_locked(self, s: RouterSession, exclude: set[str], *, prefer: str | None = None,
                              inform_verifier: bool = True) -> bool:
+        """Assign a drafter (`prefer` first, then by load). `inform_verifier=False` skips
+        the PUT drafter for `prefer` only, the drafter the verifier already knows; any other
+        candidate is named to the verifier before it gets the assignment (6.1)."""
         for _attempt in range(4):
             if prefer is not None:
-                drafter, prefer = prefer, None
+                drafter, prefer, tell_verifier = prefer, None, inform_verifier
             else:
                 inst = self.registry.pick_drafter(s.contract.drafters, exclude)
                 if inst is None:
                     return False
-                drafter = inst.uri
+                drafter, tell_verifier = inst.uri, True
             tokens, records = await self._read_log(s)
             last = records[-1] if records else None
             digest = last.digest if last else prefix_digest(s.contract.digest, s.prompt)
@@ -329,13 +336,16 @@ class RouterService:
                 s.id, s.epoch, s.contract, s.verifier, drafter, s.prompt,
                 last.round if last else 0, len(tokens), digest, self.config.m_init,
                 sampling=s.sampling)
-            if inform_verifier:
+            if tell_verifier:
+                verifier = s.verifier
                 response = await self._call(
-                    "PUT", url(s.verifier, f"sessions/{encode_session_id(s.id)}/drafter"), assignment.to_cbor())
+                    "PUT", url(verifier, f"sessions/{encode_session_id(s.id)}/drafter"), assignment.to_cbor())
                 if response is None or response.status != 200:
-                    kind = response.problem().kind if response is not None and response.problem() else None
+                    kind = _problem_kind(response)
                     log.warning("session %s: verifier refused the drafter (%s)", s.id.hex(),
                                 kind.suffix if kind else "no answer")
+                    if kind == Kind.STALE_EPOCH:
+                        self._verifier_lost(s, verifier, assignment.epoch, "drafter")
                     return False   # closed, fenced, or the verifier is failing: the monitor decides
                 state = SessionState.from_cbor(response.body)
                 tokens, records = await self._tokens_at(s, state.committed, tokens, records)
@@ -348,7 +358,7 @@ class RouterService:
                 changed = s.drafter != drafter
                 s.drafter = drafter
                 s.last_progress = time.monotonic()
-                if changed or inform_verifier:
+                if changed or tell_verifier:
                     s.place("assigned", round=assignment.round)
                 log.info("session %s: drafter %s (epoch %d, round %d, committed %d)", s.id.hex(),
                          drafter, s.epoch, assignment.round, assignment.committed)
@@ -358,22 +368,41 @@ class RouterService:
             exclude = {*exclude, drafter}
         return False
 
+    def _verifier_lost(self, s: RouterSession, verifier: str | None, epoch: int, where: str) -> None:
+        """The verifier answered sdcp-stale-epoch to a request of the current placement: it
+        no longer serves the session (its log was fenced, or it stopped). The monitor then
+        resumes the session, at that verifier too if no other takes it (6.9)."""
+        if (verifier, epoch) == (s.verifier, s.epoch) and not s.resume_pending:
+            log.warning("session %s: %s answered stale-epoch to %s; resuming", s.id.hex(), verifier, where)
+            s.verifier_lost = True
+
+    def needs_failover(self, s: RouterSession) -> bool:
+        """Fence and resume elsewhere: the verifier's status expired, it said it lost the
+        session, or an earlier failover fenced the log but could not open it anywhere yet."""
+        return s.resume_pending or s.verifier_lost or not self.registry.is_live(s.verifier)
+
     async def _failover(self, s: RouterSession) -> None:
-        """Section 6.9, verifier failure: fence, read the last record, resume elsewhere."""
+        """Section 6.9, verifier failure: fence, read the last record, resume elsewhere.
+
+        The fence and the open are two steps: if no verifier opens the session, the fenced
+        epoch is kept (`resume_pending`) and the next attempt only opens, even if the old
+        verifier reports status again (it can no longer commit)."""
         async with s.lock:
             old = s.verifier
-            if s.done or self.registry.is_live(old):
+            if s.done or not self.needs_failover(s):
                 return
             if not self.registry.live(ROLE_VERIFIER):
                 return     # nowhere to go yet; the monitor tries again
-            epoch = s.epoch + 1
-            try:
-                await self.commit_log.fence(s.commit_log, epoch)
-            except Fenced as exc:
-                log.error("session %s: log already fenced above epoch %d (%s)", s.id.hex(), epoch, exc)
-                return
-            s.epoch = epoch          # from here on, output of older epochs is discarded
-            s.notify()
+            if not s.resume_pending:
+                epoch = s.epoch + 1
+                try:
+                    await self.commit_log.fence(s.commit_log, epoch)
+                except Fenced as exc:
+                    log.error("session %s: log already fenced above epoch %d (%s)", s.id.hex(), epoch, exc)
+                    return
+                s.epoch = epoch          # from here on, output of older epochs is discarded
+                s.resume_pending, s.verifier_lost = True, False
+                s.notify()
             tokens, records = await self._read_log(s)
             resume = None
             if records:
@@ -381,11 +410,16 @@ class RouterService:
                 ref = await self._put_committed(s, tokens)
                 kv = target_kv_ref(s.id, s.contract.scope) if self.config.target_kv else None
                 resume = Resume(last.round, last.committed, last.digest, ref, target_kv=kv)
-            log.warning("session %s: verifier %s expired; fenced epoch %d at %d tokens", s.id.hex(), old,
-                        epoch, len(tokens))
-            if not await self._open(s, exclude={old}, resume=resume):
+            log.warning("session %s: verifier %s lost; epoch %d fenced, resuming at %d tokens",
+                        s.id.hex(), old, s.epoch, len(tokens))
+            # another verifier first; the old one (live again, or one that only lost the
+            # session) when no other takes it
+            others = {i.uri for i in self.registry.live(ROLE_VERIFIER)} - {old}
+            if not await self._open(s, exclude={old}, resume=resume) and \
+                    not await self._open(s, exclude=others, resume=resume):
                 await asyncio.sleep(0.5)    # every live verifier refused: retry, not at once
                 return
+            s.resume_pending = False
             s.place("failover", old_verifier=old, resumed_at=len(tokens))
             if s.sampling is not None and s.policy_from_round is not None:
                 from_round = max(s.policy_from_round, (records[-1].round if records else 0) + 1)
@@ -407,7 +441,7 @@ class RouterService:
                     continue
                 if s.id in self._ops or s.verifier is None:
                     continue
-                if not self.registry.is_live(s.verifier):
+                if self.needs_failover(s):
                     self._start_op(s, self._failover(s))
                 elif s.drafter is not None and not self.registry.is_live(s.drafter):
                     log.warning("session %s: drafter %s expired", s.id.hex(), s.drafter)
@@ -426,7 +460,7 @@ class RouterService:
         """GET output?from=n until the final output; n = tokens received, so every token is
         taken exactly once whatever fails; lower-epoch output is discarded."""
         while not s.done:
-            verifier, changed = s.verifier, s.changed_event()
+            verifier, epoch, changed = s.verifier, s.epoch, s.changed_event()
             target = url(verifier, f"sessions/{encode_session_id(s.id)}/output?from={len(s.tokens)}")
             fetch = asyncio.ensure_future(self._call("GET", target, timeout=self.config.output_timeout_s))
             woken = asyncio.ensure_future(changed.wait())
@@ -439,6 +473,8 @@ class RouterService:
                 continue
             response = fetch.result()
             if response is None or response.status != 200:
+                if _problem_kind(response) == Kind.STALE_EPOCH:
+                    self._verifier_lost(s, verifier, epoch, "output")
                 await s.wait_changed(0.25)
                 continue
             try:
@@ -447,10 +483,11 @@ class RouterService:
                 log.warning("session %s: bad output message: %s", s.id.hex(), exc)
                 await s.wait_changed(0.25)
                 continue
-            if out.epoch < s.epoch or out.session != s.id:
-                continue                # an older epoch's verifier: discarded
             n = len(s.tokens)
-            if out.start > n:
+            if out.epoch < s.epoch or out.session != s.id or out.start > n:
+                # an older epoch's verifier (discarded), or nothing we can use: ask again
+                # after the placement changes or a short wait, not at once
+                await s.wait_changed(0.25)
                 continue
             s.add_output(list(out.tokens[n - out.start:]))
             if out.final:
@@ -491,3 +528,8 @@ class RouterService:
         ref = object_uri(f"committed/{s.id.hex()}/{s.epoch}/{len(tokens)}", s.contract.scope)
         await self.store.put(ref, cbor.dumps(list(tokens)), lease_ms=self.config.committed_lease_ms)
         return ref
+
+
+def _problem_kind(response: ClientResponse | None) -> Kind | None:
+    problem_doc = response.problem() if response is not None else None
+    return problem_doc.kind if problem_doc is not None else None

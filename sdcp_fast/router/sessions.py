@@ -24,6 +24,8 @@ class RouterSession:
     tokens: list[int] = field(default_factory=list)   # output o[1..n] received, in order
     finish: Action | None = None              # FINISH or FAIL once the final output arrived
     needs_drafter: bool = False               # no drafter could be assigned yet: retry
+    verifier_lost: bool = False               # the verifier said sdcp-stale-epoch: resume
+    resume_pending: bool = False              # log fenced at `epoch`, session not open anywhere yet
     history: list[dict] = field(default_factory=list)  # placements, for clients and tests
     seen_events: set[tuple] = field(default_factory=set)  # (epoch, kind, committed) handled
     created: float = field(default_factory=time.monotonic)

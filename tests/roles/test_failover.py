@@ -237,22 +237,35 @@ async def read_log(cluster, gid: str):
         await log.close()
 
 
-def test_policy_update_is_forwarded_mid_generation(started):
+def test_policy_update_is_applied_by_the_verifier_from_its_round(started):
+    """Rule 2 sampling at temperature 1, then a policy update to temperature 0 mid-generation.
+    With p one-hot, rule 2 accepts exactly the argmax and draws the argmax otherwise, so from
+    from_round on the verifier commits the greedy continuation of whatever came before: the
+    tail is greedy if and only if the verifier applied the new profile (at temperature 1 a
+    tail of 100+ tokens matching greedy decoding has a vanishing probability)."""
     cluster, target, fd = started
+    start = {"rule": 2, "sampling": {"temperature_milli": 1000, "seed": 11}, "low_rounds": 50}
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(fd.generate, PROMPTS[2], max_new=240)
+        future = pool.submit(fd.generate, PROMPTS[2], max_new=240, **start)
         running = wait_until(lambda: next((g for g in cluster_router_sessions(fd)
-                                           if 10 <= g["committed"] < 200), None), 30, "no session under way")
+                                           if 10 <= g["committed"] < 100), None), 30, "no session under way")
         answer = fd.http.post(f"{fd.base}/v1/generations/{running['id']}/policy",
-                              json={"sampling": {"temperature_milli": 0, "top_k": 4}})
+                              json={"sampling": {"temperature_milli": 0, "seed": 11}})
         result = future.result(timeout=90)
     assert answer.status_code == 200
     from_round = answer.json()["from_round"]
     assert from_round >= 2
+    assert result["end"]["finish"] == "finish" and len(result["tokens"]) == 240
     info = fd.info(running["id"])
     assert [h["from_round"] for h in info["history"] if h["what"] == "policy"] == [from_round]
-    # a profile never changes committed output, and greedy p keeps rule 1's output greedy
-    assert result["tokens"] == greedy(target, PROMPTS[2], 240)
+    # the commit log says how many tokens were committed before round from_round
+    records = [CommitRecord.from_cbor(e.record)
+               for e in effective_commits(asyncio.run(read_log(cluster, running["id"])))]
+    assert [t for r in records for t in r.emitted] == result["tokens"]
+    before = max((r.committed for r in records if r.round < from_round), default=0)
+    assert before <= 120                            # a long tail under the new profile
+    tokens = result["tokens"]
+    assert tokens[before:] == greedy(target, PROMPTS[2] + tokens[:before], 240 - before)
     bad = fd.http.post(f"{fd.base}/v1/generations/{running['id']}/policy", json={"sampling": {"tempo": 1}})
     assert bad.status_code == 422               # unknown sampling key: sdcp-bad-contract
 

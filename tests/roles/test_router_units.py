@@ -158,3 +158,102 @@ def test_front_door_over_tls_asks_for_a_client_certificate(tmp_path):
             await door.stop()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+# ---------------------------------------------------------------------- front door input
+
+
+BAD_GENERATE = [
+    ({"tokens": [1], "stop": 5}, 400),               # stop is not a list
+    ({"tokens": [1], "stop": [1.5]}, 400),
+    ({"tokens": [1], "stop": [True]}, 400),
+    ({"tokens": [1], "stop": ["3"]}, 400),
+    ({"tokens": [1], "max_new": 1.5}, 400),          # not silently truncated to 1
+    ({"tokens": [1], "max_new": True}, 400),         # JSON true is not 1
+    ({"tokens": [1], "m_max": "4"}, 400),
+    ({"tokens": [1], "rule": None}, 400),
+    ({"tokens": [True, 2]}, 400),
+    ({"tokens": [1], "sampling": 5}, 400),
+    ({"tokens": [1], "sampling": {"temperature_milli": "hot"}}, 422),
+    ({"tokens": [1], "m_max": 0}, 422),              # contract checks: sdcp-bad-contract
+    ({"tokens": [1], "rule": 9}, 422),
+    ({"tokens": []}, 400),                           # empty prompt
+]
+
+
+@pytest.mark.parametrize(("body", "status"), BAD_GENERATE, ids=[str(b) for b, _ in BAD_GENERATE])
+def test_front_door_refuses_bad_generate_requests_as_client_errors(tmp_path, body, status):
+    """Malformed members get 400 (422 for a contract the protocol refuses), never 500."""
+    import asyncio
+
+    import httpx
+    from roles_support import make_tables
+
+    from sdcp_fast.models import load_backend
+    from sdcp_fast.router import FrontDoor, RouterConfig, RouterService
+
+    target, _ = make_tables(tmp_path)
+    router = RouterService(RouterConfig("https://router.test/", (V1,), ((D1, MODEL_A),)),
+                           load_backend(target), None, None, client=None)
+
+    async def main():
+        door = FrontDoor(router, host="127.0.0.1", port=0)
+        port = await door.start()
+        try:
+            async with httpx.AsyncClient() as http:
+                return await http.post(f"http://127.0.0.1:{port}/v1/generate", json=body, timeout=10)
+        finally:
+            await door.stop()
+
+    answer = asyncio.run(asyncio.wait_for(main(), 30))
+    assert answer.status_code == status, answer.text
+    assert "error" in answer.json()
+    assert router.sessions == {}                     # nothing was started
+
+
+# ---------------------------------------------------------------------- child processes
+
+
+def test_child_of_a_parent_that_is_gone_terminates_itself():
+    """The preexec hook checks, after prctl, that the parent is still the one that forked
+    the child: one that died in between would never send PDEATHSIG."""
+    import signal
+
+    from sdcp_fast.procs import die_with_parent
+
+    not_our_parent = subprocess.Popen([sys.executable, "-c", "pass"])
+    not_our_parent.wait(30)
+    child = subprocess.Popen(["sleep", "30"], preexec_fn=die_with_parent(not_our_parent.pid))
+    assert child.wait(30) == -signal.SIGTERM
+
+
+def test_child_is_terminated_when_its_parent_dies(tmp_path):
+    """PR_SET_PDEATHSIG: a launcher that dies (SIGKILL, no cleanup) takes its child along."""
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "from sdcp_fast.procs import die_with_parent\n"
+        "child = subprocess.Popen(['sleep', '60'], preexec_fn=die_with_parent())\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n")])
+    deadline = time.monotonic() + 30
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "launcher did not start its child"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    launcher.kill()
+    launcher.wait(10)
+    deadline = time.monotonic() + 10
+    while _running(child):
+        assert time.monotonic() < deadline, "child outlived its parent"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

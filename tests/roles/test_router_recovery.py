@@ -1,0 +1,245 @@
+"""The router's control steps against scripted verifiers and drafters (no processes): who is
+told what, in which order, when a policy update's drafter refuses, when a failover's open
+fails, when a verifier says it lost the session (sdcp-stale-epoch), and how the output
+reader waits on output it cannot use."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from urllib.parse import urlsplit
+
+import pytest
+
+from sdcp_fast.cache import open_log, open_store
+from sdcp_fast.core.digest import prefix_digest
+from sdcp_fast.core.messages import (
+    ROLE_DRAFTER,
+    ROLE_VERIFIER,
+    Action,
+    Assignment,
+    Contract,
+    Output,
+    Policy,
+    Sampling,
+    SessionOpen,
+    SessionState,
+    Status,
+)
+from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Kind, Problem
+from sdcp_fast.router import RouterConfig, RouterService, RouterSession, commit_log_name
+from sdcp_fast.transport import ClientResponse, TransportError
+
+ROUTER = "https://router.test/"
+V1, V2, D1, D2 = (f"https://{n}.test/" for n in ("v1", "v2", "d1", "d2"))
+MODEL = b"m" * 32
+PROMPT = (1, 2, 3)
+pytestmark = pytest.mark.timeout(30)
+
+
+class Network:
+    """`transport.Client`'s interface: records every call; `routes[(method, base, path
+    suffix)]` answers it (a function of the body); a call with no route gets no answer."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, str, bytes | None]] = []
+        self.routes: dict[tuple[str, str, str], object] = {}
+
+    async def request(self, method, url, body=None, content_type=None, *, idempotent=False,
+                      timeout=None) -> ClientResponse:
+        parts = urlsplit(url)
+        base = f"{parts.scheme}://{parts.netloc}/"
+        self.calls.append((method, base, parts.path, body))
+        for (m, b, suffix), answer in self.routes.items():
+            if (m, b) == (method, base) and parts.path.endswith(suffix):
+                return answer(body)
+        raise TransportError(f"cannot connect to {url}", sent=False)
+
+    def sent(self, method: str, base: str, suffix: str) -> list[bytes]:
+        return [body for m, b, p, body in self.calls if (m, b) == (method, base) and p.endswith(suffix)]
+
+    def order(self) -> list[tuple[str, str, str]]:
+        return [(m, b, p.rsplit("/", 1)[-1]) for m, b, p, _ in self.calls]
+
+
+def cbor_answer(message) -> ClientResponse:
+    return ClientResponse(200, {"content-type": "application/sdcp+cbor"}, message.to_cbor())
+
+
+def problem_answer(kind: Kind) -> ClientResponse:
+    return ClientResponse(kind.status, {"content-type": PROBLEM_MEDIA_TYPE}, Problem(kind).to_json())
+
+
+class Bench:
+    def __init__(self, tmp):
+        self.tmp = tmp
+        self.net = Network()
+
+    async def __aenter__(self):
+        self.store = await open_store(f"embedded:{self.tmp / 'mlc'}")
+        self.log = await open_log(f"file:{self.tmp / 'log'}")
+        config = RouterConfig(ROUTER, (V1, V2), ((D1, MODEL), (D2, MODEL)))
+        self.router = RouterService(config, None, self.store, self.log, client=self.net)
+        self.contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50,
+                                 stop=(), low_rounds=3, fallback=(Action.REDUCE,), drafters=(MODEL,))
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.router.stop()
+        await self.store.close()
+        await self.log.close()
+
+    def live(self, *uris: str) -> None:
+        for uri in uris:
+            role = ROLE_VERIFIER if uri in (V1, V2) else ROLE_DRAFTER
+            self.router.registry.report(Status(uri, role, 0, 0, 60_000))
+
+    def session(self, verifier: str, drafter: str | None = None, epoch: int = 1) -> RouterSession:
+        sid = os.urandom(16)
+        s = RouterSession(sid, self.contract, PROMPT, commit_log_name(sid), epoch=epoch,
+                          verifier=verifier, drafter=drafter)
+        self.router.sessions[sid] = s
+        return s
+
+    def state(self, s: RouterSession, epoch: int | None = None) -> SessionState:
+        return SessionState(s.id, epoch or s.epoch, 0, 0, prefix_digest(self.contract.digest, PROMPT))
+
+    async def fences(self, s: RouterSession) -> list[int]:
+        return [e.epoch for e in await self.log.read(s.commit_log) if e.kind == "fence"]
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 25))
+
+
+def test_policy_update_informs_the_verifier_before_another_drafter(tmp_path):
+    """update_policy re-sends the assignment to the session's drafter without PUT drafter
+    (the verifier knows it); when that drafter does not answer, the next one is named to
+    the verifier first (6.1)."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V1, D2)                                   # D1 stopped reporting
+            s = b.session(V1, drafter=D1)
+            b.net.routes[("POST", V1, "/policy")] = lambda body: cbor_answer(b.state(s))
+            b.net.routes[("PUT", V1, "/drafter")] = lambda body: cbor_answer(b.state(s))
+            b.net.routes[("POST", D2, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
+            from_round = await b.router.update_policy(s, Sampling(temperature_milli=500))
+            assert from_round == 2
+            assert b.net.order() == [("POST", V1, "policy"), ("POST", D1, "assignments"),
+                                     ("PUT", V1, "drafter"), ("POST", D2, "assignments")]
+            named = Assignment.from_cbor(b.net.sent("PUT", V1, "/drafter")[0])
+            assert named.drafter == D2 and named.sampling == Sampling(temperature_milli=500)
+            assert Assignment.from_cbor(b.net.sent("POST", D2, "/assignments")[0]) == named
+            assert s.drafter == D2
+    run(main())
+
+
+def test_failover_whose_open_failed_resumes_even_if_the_old_verifier_returns(tmp_path):
+    """The fence is written, then no verifier opens the session; the old verifier reports
+    status again but can no longer commit: the next failover step opens the session at the
+    fenced epoch (no second fence) instead of leaving it on the old verifier."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V2, D1)                                   # V1 (the session's) expired
+            s = b.session(V1, drafter=D1)
+            refuse = [True]
+            b.net.routes[("POST", V2, "/sessions")] = lambda body: (
+                ClientResponse(503, {}, b"") if refuse[0] else cbor_answer(b.state(s)))
+            b.net.routes[("PUT", V2, "/drafter")] = lambda body: cbor_answer(b.state(s))
+            b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
+            assert b.router.needs_failover(s)
+            await b.router._failover(s)
+            assert (s.epoch, s.verifier, await b.fences(s)) == (2, V1, [2])
+            b.live(V1)                                       # the old one is back
+            refuse[0] = False
+            assert b.router.needs_failover(s)                # still: it was fenced out
+            await b.router._failover(s)
+            assert (s.epoch, s.verifier, s.drafter, await b.fences(s)) == (2, V2, D1, [2])
+            assert not b.router.needs_failover(s)
+            opens = [SessionOpen.from_cbor(body) for body in b.net.sent("POST", V2, "/sessions")]
+            assert [o.epoch for o in opens] == [2, 2]
+            assert Assignment.from_cbor(b.net.sent("PUT", V2, "/drafter")[0]).epoch == 2
+            assert [h["old_verifier"] for h in s.history if h["what"] == "failover"] == [V1]
+    run(main())
+
+
+def test_stale_epoch_from_the_verifier_resumes_the_session_there(tmp_path):
+    """A verifier whose session was fenced answers PUT drafter with sdcp-stale-epoch: the
+    router does not retry the PUT forever but fences a new epoch and resumes the session,
+    at the same verifier when it is the only one."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V1, D1)
+            s = b.session(V1)
+
+            def put_drafter(body):
+                if Assignment.from_cbor(body).epoch == 1:
+                    return problem_answer(Kind.STALE_EPOCH)
+                return cbor_answer(b.state(s, epoch=2))
+            b.net.routes[("PUT", V1, "/drafter")] = put_drafter
+            b.net.routes[("POST", V1, "/sessions")] = lambda body: cbor_answer(b.state(s, epoch=2))
+            b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
+            await b.router._assign(s, why="test")
+            assert s.needs_drafter and s.drafter is None
+            assert b.router.needs_failover(s)
+            await b.router._failover(s)
+            assert (s.epoch, s.verifier, s.drafter, await b.fences(s)) == (2, V1, D1, [2])
+            assert not b.router.needs_failover(s)
+            assert [SessionOpen.from_cbor(x).epoch for x in b.net.sent("POST", V1, "/sessions")] == [2]
+            assert [Assignment.from_cbor(x).epoch for x in b.net.sent("PUT", V1, "/drafter")] == [1, 2]
+            assert Assignment.from_cbor(b.net.sent("POST", D1, "/assignments")[0]).epoch == 2
+    run(main())
+
+
+def test_stale_epoch_on_output_marks_the_session_for_resume(tmp_path):
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V1)
+            s = b.session(V1)
+
+            def output(body):
+                s.finish = Action.FAIL                       # one answer is enough: end the reader
+                return problem_answer(Kind.STALE_EPOCH)
+            b.net.routes[("GET", V1, "/output")] = output
+            await b.router._read_output(s)
+            assert s.verifier_lost and b.router.needs_failover(s)
+    run(main())
+
+
+@pytest.mark.parametrize("case", ["older epoch", "ahead of us"])
+def test_output_reader_waits_before_asking_again(tmp_path, case):
+    """Output it cannot use (an old epoch's verifier during failover, or a start past what
+    it holds) is followed by a wait for a placement change, not an immediate new GET."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            s = b.session(V1, epoch=2)
+            epoch, start = (1, 0) if case == "older epoch" else (2, 5)
+            waits: list[float] = []
+
+            async def wait_changed(timeout: float) -> None:
+                waits.append(timeout)
+                await asyncio.sleep(0)
+            s.wait_changed = wait_changed
+
+            def output(body):
+                if len(b.net.calls) == 5:
+                    s.finish = Action.FAIL
+                return cbor_answer(Output(s.id, epoch, start, (7,), False))
+            b.net.routes[("GET", V1, "/output")] = output
+            await b.router._read_output(s)
+            assert len(b.net.calls) == 5 and waits == [0.25] * 5
+            assert s.tokens == []
+    run(main())
+
+
+def test_policy_refused_as_stale_epoch_marks_the_session_for_resume(tmp_path):
+    async def main():
+        async with Bench(tmp_path) as b:
+            s = b.session(V1, drafter=D1)
+            b.net.routes[("POST", V1, "/policy")] = lambda body: problem_answer(Kind.STALE_EPOCH)
+            with pytest.raises(Exception, match="did not take the policy"):
+                await b.router.update_policy(s, Sampling(temperature_milli=500))
+            assert len(b.net.sent("POST", V1, "/policy")) == 1      # not retried as a conflict
+            assert Policy.from_cbor(b.net.sent("POST", V1, "/policy")[0]).from_round == 2
+            assert s.verifier_lost
+    run(main())
