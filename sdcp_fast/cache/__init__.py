@@ -12,8 +12,10 @@ default 5 s, `timeout_s=` in any spec's query):
     await store.release(uri: str) -> None                    # lease ends: object is gone
     await store.delete(uri: str) -> None
     await store.close() -> None
-    # embedded only: get_into(uri, out: memoryview) (SizeMismatch), put_tensor(uri, tensor,
-    # lease_ms=None), get_tensor(uri) -> CUDA tensor of a GPU-tier object | None
+    # embedded only: get_into(uri, out: memoryview) (SizeMismatch; never writes into `out`
+    # after it returns or raises), put_tensor(uri, tensor, lease_ms=None),
+    # get_tensor(uri) -> CUDA tensor of a GPU-tier object | None
+    # A timed-out put or append (StoreTimeout) may still land: re-read to know.
 
     log = await open_log("file:PATH" | "redis://HOST:PORT/DB[?fencing=check]"
                          | "etcd://HOST:PORT[?prefix=/sdcp/log/]")
@@ -37,7 +39,8 @@ default 5 s, `timeout_s=` in any spec's query):
         # buffer); QRowsUnavailable(uri, reason), .problem == "sdcp-q-unavailable"
 
 Errors (errors.py): CacheError > NotFound, StoreFull, StoreTimeout, BadSpec, Conflict,
-Fenced, SizeMismatch, CorruptLog; qrows.QRowsUnavailable.
+Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not private);
+qrows.QRowsUnavailable.
 Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
 """
 
@@ -52,6 +55,7 @@ from .errors import (
     SizeMismatch,
     StoreFull,
     StoreTimeout,
+    UnsafeDirectory,
 )
 from .fencing import check_after_append
 from .specs import open_log, open_store
@@ -59,8 +63,8 @@ from .specs import open_log, open_store
 __all__ = [
     "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Fenced", "LogEntry",
     "NotFound", "ObjectStore", "SizeMismatch", "StoreFull", "StoreTimeout",
-    "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",
-    "open_store",
+    "UnsafeDirectory", "check_after_append", "effective_commits", "load_q_rows", "object_uri",
+    "open_log", "open_store",
 ]
 
 

@@ -55,6 +55,19 @@ class CommitLog(Protocol):
       holds a fence with this epoch (idempotent retry: returns the current length), and
       raises `Fenced` if a fence with a higher epoch exists. Returns the new length.
     - `read(log, start)` returns every entry from `start`, in order (empty for a new log).
+
+    A timed-out append may still land: `StoreTimeout` says the answer did not come in time,
+    not that nothing was written (a Redis or etcd command may have run, a file write may have
+    been under way). Re-read to know: the append took effect iff position `expected` holds a
+    commit with the writer's epoch and record and no fence with a higher epoch precedes it
+    (on a log that enforces fencing it cannot; on a `?fencing=check` log it can, and
+    `fencing.check_after_append` is the test). A later append with the same `expected`
+    answers `Conflict`, never overwrites it.
+
+    One router per session is assumed (the draft's model): a fence with an epoch already in
+    the log counts as that router's retry, so two routers both fencing with E+1 would each
+    believe they own epoch E+1. Routers must agree on who fences a session, e.g. by owning
+    disjoint sessions.
     """
 
     async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int: ...

@@ -18,6 +18,15 @@ sees the same objects:
 - Leases: a leased object is never evicted; when its lease ends (expiry or `release`) it is
   gone. Unleased objects are evicted least-recently-used first when a put would exceed the
   tier's byte cap; if leased objects alone fill it, the put raises `StoreFull`.
+- Trust: the index decides which files a reader opens and which device memory it maps, so
+  the store directory (and, by default, its parent `/dev/shm/sdcp-fast-<uid>`) must be a real
+  directory owned by this user that no one else can write to: it is created 0700, a
+  symlink, another owner or group/other write access is refused (`UnsafeDirectory`), and
+  an own directory that others can only read is tightened to 0700. IPC handles are stored as
+  plain CBOR fields (`cuda_ipc.py`), never pickled.
+- `get_into(uri, out)` never writes into `out` after it returns or raises: a read that
+  times out stops before its next chunk and the call waits for it, so the caller may reuse
+  `out` at once. A timed-out `put` may still land (the file is renamed under the lock).
 - Clock: `time.monotonic()` (CLOCK_MONOTONIC is system-wide on Linux, so every process
   agrees, and wall-clock jumps do not end leases).
 """
@@ -28,19 +37,21 @@ import asyncio
 import fcntl
 import hashlib
 import os
-import pickle
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from .api import DEFAULT_TIMEOUT_S, check_lease
-from .errors import CacheError, NotFound, SizeMismatch, StoreFull, StoreTimeout
+from .cuda_ipc import CudaIpcHandle
+from .errors import CacheError, NotFound, SizeMismatch, StoreFull, StoreTimeout, UnsafeDirectory
 
 DEFAULT_CAP_BYTES = 2 << 30
 DEFAULT_GPU_CAP_BYTES = 4 << 30
+READ_CHUNK_BYTES = 4 << 20  # get_into checks for an abandoned read between chunks
 HOST, GPU = "host", "gpu"
 
 _SCHEMA = """
@@ -49,7 +60,7 @@ CREATE TABLE IF NOT EXISTS objects (
     tier TEXT NOT NULL,          -- 'host' (file on tmpfs) or 'gpu' (CUDA IPC handle)
     size INTEGER NOT NULL,       -- bytes
     file TEXT,                   -- host tier: file name under objects/
-    handle BLOB,                 -- gpu tier: pickled torch CUDA IPC reduction
+    handle BLOB,                 -- gpu tier: CUDA IPC handle fields (CBOR, cuda_ipc.py)
     owner INTEGER NOT NULL,      -- pid of the writer (gpu tier: keeps the memory alive)
     last_access REAL NOT NULL,   -- monotonic seconds, for LRU
     lease_until REAL             -- monotonic seconds; NULL: not leased (evictable)
@@ -68,11 +79,16 @@ class EmbeddedStore:
     def __init__(self, directory: str | os.PathLike | None = None, *,
                  cap_bytes: int = DEFAULT_CAP_BYTES, gpu_cap_bytes: int = DEFAULT_GPU_CAP_BYTES,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        self.directory = Path(directory) if directory else default_store_dir()
+        if directory:
+            self.directory = Path(directory)
+            self.directory.parent.mkdir(parents=True, exist_ok=True)  # the operator's choice
+        else:
+            self.directory = default_store_dir()
+            private_directory(self.directory.parent)  # predictable name in a shared /dev/shm
         self.objects_dir = self.directory / "objects"
-        # Private to this user: q rows and KV are session data.
-        self.directory.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.objects_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Private to this user: q rows and KV are session data, and the index is trusted.
+        private_directory(self.directory)
+        private_directory(self.objects_dir)
         self.caps = {HOST: cap_bytes, GPU: gpu_cap_bytes}
         self.timeout_s = timeout_s
         self._thread_lock = threading.Lock()  # flock does not exclude threads of one process
@@ -101,8 +117,27 @@ class EmbeddedStore:
                                                     for u in uris)))
 
     async def get_into(self, uri: str, out: memoryview) -> None:
-        """Read the object straight into `out` (no intermediate bytes); sizes must match."""
-        await self._run(self._get_into, uri, out)
+        """Read the object straight into `out` (no intermediate bytes); sizes must match.
+
+        Never writes into `out` after returning or raising: on timeout (or cancellation) the
+        worker thread is told to stop before its next chunk and this waits for it, so the
+        caller may reuse `out` at once (load_q_rows relies on it).
+        """
+        handoff = _Handoff()
+        deadline = time.monotonic() + self.timeout_s
+        worker = asyncio.ensure_future(
+            asyncio.to_thread(self._get_into, uri, out, handoff, deadline))
+        try:
+            await asyncio.wait_for(asyncio.shield(worker), self.timeout_s)
+        except TimeoutError as exc:
+            raise StoreTimeout(f"embedded store read exceeded {self.timeout_s}s") from exc
+        finally:
+            if not worker.done() and handoff.abandon():
+                # Running: it stops before its next chunk (at most READ_CHUNK_BYTES away).
+                # Queued: it will return without touching `out`; no need to wait.
+                await asyncio.wait([worker])
+            if worker.done() and not worker.cancelled():
+                worker.exception()  # retrieved: an abandoned read's error is not news
 
     async def renew(self, uri: str, lease_ms: int) -> None:
         check_lease(lease_ms)
@@ -145,7 +180,7 @@ class EmbeddedStore:
 
         # Readers in other processes see only what the device has finished writing.
         torch.cuda.current_stream(tensor.device).synchronize()
-        handle = pickle.dumps(reduce_tensor(tensor))
+        handle = CudaIpcHandle.from_reduction(reduce_tensor(tensor)).encode()
         await self._run(self._put_gpu, uri, tensor, handle, lease_ms)
 
     async def get_tensor(self, uri: str):
@@ -163,10 +198,11 @@ class EmbeddedStore:
         except TimeoutError as exc:
             raise StoreTimeout(f"embedded store operation exceeded {self.timeout_s}s") from exc
 
-    def _locked(self):
+    def _locked(self, deadline: float | None = None):
         if self._closed:
             raise CacheError("embedded store is closed")
-        return _IndexLock(self._thread_lock, self._lock_fd, self._db, self.timeout_s)
+        timeout_s = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+        return _IndexLock(self._thread_lock, self._lock_fd, self._db, timeout_s)
 
     def _put_host(self, uri: str, data: memoryview, lease_ms: int | None) -> None:
         if data.nbytes > self.caps[HOST]:
@@ -258,9 +294,9 @@ class EmbeddedStore:
         self._db.execute("UPDATE objects SET last_access = ? WHERE uri = ?", (now, uri))
         return row[:5]
 
-    def _open(self, uri: str):
+    def _open(self, uri: str, deadline: float | None = None):
         """Open a live object for reading; returns (tier, size, file object or handle)."""
-        with self._locked():
+        with self._locked(deadline):
             tier, size, file, handle, owner = self._lookup(uri)
             if tier == HOST:
                 return tier, size, open(self.objects_dir / file, "rb", buffering=0)
@@ -277,21 +313,25 @@ class EmbeddedStore:
             raise SizeMismatch(uri, len(data), size)
         return data
 
-    def _get_into(self, uri: str, out: memoryview) -> None:
+    def _get_into(self, uri: str, out: memoryview, handoff: _Handoff, deadline: float) -> None:
+        if not handoff.begin():
+            return  # the caller gave up before this thread started: `out` is not ours
         out = memoryview(out).cast("B")
-        tier, size, source = self._open(uri)
+        tier, size, source = self._open(uri, deadline)
         if size != out.nbytes:
             if tier == HOST:
                 source.close()
             raise SizeMismatch(uri, size, out.nbytes)
         if tier == GPU:
-            tensor = self._map_gpu(uri, *source)
-            out[:] = _byte_view(tensor).cpu().numpy().data
+            data = _byte_view(self._map_gpu(uri, *source)).cpu().numpy().data
+            handoff.check()
+            out[:] = data
             return
         with source as f:
             done = 0
             while done < size:
-                n = f.readinto(out[done:])
+                handoff.check()
+                n = f.readinto(out[done:min(size, done + READ_CHUNK_BYTES)])
                 if not n:
                     raise SizeMismatch(uri, done, size)
                 done += n
@@ -311,8 +351,10 @@ class EmbeddedStore:
             with self._locked():
                 self._purge("uri = ? AND owner = ?", (uri, owner))
             raise NotFound(uri)
-        rebuild, args = pickle.loads(handle)
-        return rebuild(*args)
+        try:
+            return CudaIpcHandle.decode(handle).rebuild()
+        except ValueError as exc:
+            raise CacheError(f"{uri}: malformed GPU handle in the index ({exc})") from exc
 
     def _renew(self, uri: str, lease_ms: int) -> None:
         with self._locked():
@@ -333,6 +375,53 @@ class EmbeddedStore:
             "SELECT uri FROM objects WHERE tier = ? AND owner = ?", (GPU, os.getpid()))}
         for uri in [uri for uri in self._held if uri not in listed]:
             del self._held[uri]
+
+
+class _Handoff:
+    """Who may write into a `get_into` buffer: its worker thread, until the caller gives up."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = "queued"  # -> "running" (worker started) | "abandoned" (caller left)
+
+    def begin(self) -> bool:
+        """Worker: claim the buffer; False if the caller has already given up."""
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "running"
+            return True
+
+    def check(self) -> None:
+        """Worker, before each write: stop if the caller has given up."""
+        if self._state == "abandoned":
+            raise StoreTimeout("read abandoned by its caller")
+
+    def abandon(self) -> bool:
+        """Caller: give up; True if the worker is running (the caller must wait for it)."""
+        with self._lock:
+            running = self._state == "running"
+            self._state = "abandoned"
+            return running
+
+
+def private_directory(path: Path) -> None:
+    """Create `path` 0700, or check that it is a directory only this user can write to."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)  # not stat: a symlink could point anywhere
+    if not stat.S_ISDIR(info.st_mode):
+        raise UnsafeDirectory(f"{path} is not a directory (a symlink or a file)")
+    if info.st_uid != os.geteuid():
+        raise UnsafeDirectory(f"{path} belongs to uid {info.st_uid}, not to {os.geteuid()}")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o022:
+        raise UnsafeDirectory(f"{path} has mode {mode:o}: others may have written into it; "
+                              "remove it or make it 0700 after checking its contents")
+    if mode & 0o077:
+        os.chmod(path, 0o700)  # readable by others, but nobody else could write: close it
 
 
 class _IndexLock:

@@ -68,3 +68,11 @@ class SizeMismatch(CacheError):
 
     def __str__(self) -> str:
         return f"object {self.uri!r} is {self.actual} bytes, expected {self.expected}"
+
+
+class UnsafeDirectory(CacheError, PermissionError):
+    """A store directory others could have written to: not ours, too open, or a symlink.
+
+    The embedded store's index decides what a reader maps and reads, so its directory must
+    be a real directory owned by this user that no one else can write to.
+    """

@@ -19,6 +19,10 @@ Zero padding makes etcd's bytewise VALUE comparisons numeric. An append is one t
 
 A missing key fails every VALUE comparison, so the client picks the "absent" form (VERSION
 == 0) from what it last saw and retries once with the other form if it guessed wrong.
+What it last saw is an LRU of `max_cached_logs` logs; a forgotten log costs one retry.
+
+Timeouts bound each HTTP call; a transaction whose reply timed out may still have been
+applied by etcd, so a timed-out append may have landed: read position `expected` to know.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import httpx
 from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import CacheError, Conflict, Fenced, StoreTimeout
+from .lru import DEFAULT_MAX_LOGS, LruCache
 
 DEFAULT_PREFIX = "/sdcp/log/"
 _RANGE_PAGE = 512
@@ -49,10 +54,11 @@ class EtcdCommitLog:
     """`CommitLog` on etcd through its JSON gateway."""
 
     def __init__(self, endpoint: str, *, prefix: str = DEFAULT_PREFIX,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_cached_logs: int = DEFAULT_MAX_LOGS):
         self.endpoint, self.prefix = endpoint, prefix.encode()
         self._http = httpx.AsyncClient(base_url=endpoint, timeout=timeout_s)
-        self._known: dict[str, tuple[int, int]] = {}  # log -> (length, fence) last seen
+        # log -> (length, fence) last seen
+        self._known: LruCache[str, tuple[int, int]] = LruCache(max_cached_logs)
 
     def _key(self, log: str, suffix: bytes) -> bytes:
         return self.prefix + hashlib.sha256(log.encode()).hexdigest()[:40].encode() + suffix
@@ -86,7 +92,7 @@ class EtcdCommitLog:
         if reply.get("succeeded"):
             return True, None, None
         length, fence = (_number(r["response_range"]) for r in reply["responses"])
-        self._known[log] = (length, fence)
+        self._known.put(log, (length, fence))
         return False, length, fence
 
     async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int:
@@ -102,7 +108,7 @@ class EtcdCommitLog:
                     (len_key, _pad(expected + 1))]
             ok, length, fence = await self._txn(log, compares, puts)
             if ok:
-                self._known[log] = (expected + 1, fence_seen)
+                self._known.put(log, (expected + 1, fence_seen))
                 return expected + 1
             if fence > epoch:
                 raise Fenced(fence)
@@ -126,7 +132,7 @@ class EtcdCommitLog:
                     (len_key, _pad(length + 1)), (fence_key, _pad(epoch))]
             ok, new_length, new_fence = await self._txn(log, compares, puts)
             if ok:
-                self._known[log] = (length + 1, epoch)
+                self._known.put(log, (length + 1, epoch))
                 return length + 1
             length, fence = new_length, new_fence  # lost a race: retry on the new state
         raise StoreTimeout(f"fence of {log} kept losing races")

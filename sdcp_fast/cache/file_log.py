@@ -12,8 +12,14 @@ Frame of one entry on disk:
 - Crash safety: a writer killed mid-write leaves a torn tail (short frame or bad checksum).
   Readers stop at it; the next writer truncates it under the lock before appending, so an
   acknowledged record is never followed by garbage.
-- Blocking file work runs in a worker thread; each call is bounded by `timeout_s`, and the
-  lock wait inside the thread by the same bound.
+- Blocking file work runs in a worker thread; each call is bounded by `timeout_s`. The
+  worker works to the caller's deadline: it gives up waiting for the lock at that deadline,
+  and once it holds the lock it writes only if the deadline has not passed yet. A thread
+  cannot be stopped mid-write, though: an append whose caller already got `StoreTimeout`
+  may still land if the deadline passed during its write or `fdatasync`. It never races a
+  later append (that one waits for the lock, sees the landed record and answers
+  `Conflict`), and a caller learns the outcome by reading position `expected`.
+- Per-log scan state is an LRU of `max_cached_logs` entries; a forgotten log is rescanned.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
+from .lru import DEFAULT_MAX_LOGS, LruCache
 
 _FRAME = struct.Struct(">II")
 MAX_RECORD_BYTES = 16 << 20  # a commit record is ~100 bytes; bigger lengths mean a torn frame
@@ -66,17 +73,19 @@ def _scan_frames(data: bytes, start: int = 0):
 class FileCommitLog:
     """`CommitLog` over a local directory; safe across processes and crash-safe."""
 
-    def __init__(self, directory: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, directory: str | os.PathLike, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_cached_logs: int = DEFAULT_MAX_LOGS):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.timeout_s = timeout_s
-        self._scans: dict[str, _Scan] = {}
+        self._scans: LruCache[str, _Scan] = LruCache(max_cached_logs)
 
     def path_of(self, log: str) -> Path:
         # Log names are URIs; hash them into a flat, fixed-length file name.
         return self.directory / (hashlib.sha256(log.encode()).hexdigest()[:40] + ".log")
 
     async def append(self, log: str, record: bytes, *, epoch: int, expected: int) -> int:
+        """See `CommitLog.append`. On `StoreTimeout` the record may still have landed."""
         check_epoch(epoch)
         check_position(expected)
         return await self._run(self._append_sync, log, "commit", epoch, bytes(record), expected)
@@ -87,14 +96,16 @@ class FileCommitLog:
 
     async def read(self, log: str, start: int = 0) -> list[LogEntry]:
         check_position(start)
-        return await self._run(self._read_sync, log, start)
+        return await self._run(lambda _deadline: self._read_sync(log, start))
 
     async def close(self) -> None:
         self._scans.clear()
 
     async def _run(self, fn, *args):
+        """Run `fn(deadline, *args)` in a worker thread, bounded by `timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout_s)
+            return await asyncio.wait_for(asyncio.to_thread(fn, deadline, *args), self.timeout_s)
         except TimeoutError as exc:
             raise StoreTimeout(f"commit log operation exceeded {self.timeout_s}s") from exc
 
@@ -111,7 +122,7 @@ class FileCommitLog:
                 entries.append(unpack_entry(position, payload))
         return entries
 
-    def _append_sync(self, log: str, kind: str, epoch: int, record: bytes,
+    def _append_sync(self, deadline: float, log: str, kind: str, epoch: int, record: bytes,
                      expected: int | None) -> int:
         path = self.path_of(log)
         created = not path.exists()
@@ -119,8 +130,12 @@ class FileCommitLog:
         try:
             if created:
                 _fsync_dir(self.directory)  # the new file's name must survive a crash too
-            self._lock(fd)
+            self._lock(fd, deadline)
             scan = self._catch_up(log, fd)
+            if time.monotonic() > deadline:
+                # The caller has given up (or is about to): a write now would land behind
+                # its back. Past this point only a write already under way can.
+                raise StoreTimeout("commit log deadline passed before the write")
             if kind == "commit":
                 if scan.fence_epoch > epoch:
                     raise Fenced(scan.fence_epoch)
@@ -147,8 +162,7 @@ class FileCommitLog:
         finally:
             os.close(fd)  # also drops the flock
 
-    def _lock(self, fd: int) -> None:
-        deadline = time.monotonic() + self.timeout_s
+    def _lock(self, fd: int, deadline: float) -> None:
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -163,7 +177,7 @@ class FileCommitLog:
         stat = os.fstat(fd)
         scan = self._scans.get(log)
         if scan is None or scan.inode != stat.st_ino or stat.st_size < scan.offset:
-            scan = _Scan(stat.st_ino, 0, 0, 0)
+            scan = _Scan(stat.st_ino, 0, 0, 0)  # unknown or forgotten (LRU): scan it all
         if stat.st_size > scan.offset:
             base = scan.offset
             tail = os.pread(fd, stat.st_size - base, base)
@@ -173,7 +187,7 @@ class FileCommitLog:
                 scan.length += 1
                 if entry.kind == "fence":
                     scan.fence_epoch = max(scan.fence_epoch, entry.epoch)
-        self._scans[log] = scan
+        self._scans.put(log, scan)
         return scan
 
 

@@ -15,6 +15,13 @@ preallocated fp32 tensor [sum M, V] on the logits' device:
 Every size is checked against M x V x 4 before any byte lands; a missing, mis-sized or
 timed-out object raises `QRowsUnavailable` (the verifier answers sdcp-q-unavailable and
 commits nothing).
+
+No byte lands in a buffer after `load_q_rows` has returned or raised, so the caller may
+reuse `out` at once: every read is awaited before a failure is reported, and a store's
+`get_into` must not write into its buffer after it returns or raises (the embedded store
+stops and waits for a timed-out read's thread). The pinned staging buffer of the CUDA path
+is dropped after any failure, never reused, so that even a read or copy still in flight
+can only write into memory nobody reads again.
 """
 
 from __future__ import annotations
@@ -71,12 +78,20 @@ async def load_q_rows(store, refs: Sequence[tuple[str, int]], vocab: int,
 
     on_device = await _fill_from_gpu_tier(store, refs, out)
     async with _staging_lock():  # one pinned buffer per process, one batch at a time
-        staging = _pinned_staging(total * vocab)[: total * vocab].view(total, vocab)
-        await _fill_host(store, refs, vocab, staging, skip=on_device)
-        copied = _copy_on_side_stream(refs, on_device, staging, out, device)
-        # The staging buffer is reused by the next batch: it must not change under this
-        # copy. Wait off the event loop; the caller's stream already waits on the copy.
-        await asyncio.to_thread(copied.synchronize)
+        pinned = _pinned_staging(total * vocab)
+        try:
+            staging = pinned[: total * vocab].view(total, vocab)
+            await _fill_host(store, refs, vocab, staging, skip=on_device)
+            copied = _copy_on_side_stream(refs, on_device, staging, out, device)
+            # The staging buffer is reused by the next batch: it must not change under this
+            # copy. Wait off the event loop; the caller's stream already waits on the copy.
+            await asyncio.to_thread(copied.synchronize)
+        except BaseException:
+            # A failed, timed-out or cancelled batch may leave a read or the copy still
+            # using the buffer: the next batch gets a fresh one (this one lives on for as
+            # long as whatever still holds it).
+            _drop_staging(pinned)
+            raise
     return out
 
 
@@ -211,6 +226,12 @@ def _rows_of(data: bytes, m: int, vocab: int) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable buffer": we only read
         return torch.frombuffer(data, dtype=torch.float32).view(m, vocab)
+
+
+def _drop_staging(buffer: torch.Tensor) -> None:
+    global _staging
+    if _staging is buffer:
+        _staging = None
 
 
 def _pinned_staging(elements: int) -> torch.Tensor:

@@ -8,6 +8,12 @@
   (`fencing.check_after_append`). A record so refused stays in the list; readers skip it
   with `api.effective_commits`.
 
+Timeouts: a call that times out may still have run on the server (the command was sent;
+only the reply was late). A timed-out append may therefore have landed; in check mode it may
+even have landed and then been refused by a fence. The caller learns the outcome by reading
+position `expected` (and, in check mode, by `effective_commits`). Per-log check progress is
+an LRU of `max_cached_logs` entries; a forgotten log is checked again from its start.
+
 Redis replication is asynchronous: a failover can lose acknowledged appends. Use etcd for
 the commit log where verifier failover must be exact (section 6.9).
 """
@@ -22,6 +28,7 @@ from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
 from .fencing import Checked, check_after_append
+from .lru import DEFAULT_MAX_LOGS, LruCache
 from .redis_store import bounded, connect
 
 # KEYS[1]: entry list; KEYS[2]: highest fence epoch.
@@ -49,11 +56,12 @@ class RedisCommitLog:
     """`CommitLog` on Redis; `server_fencing=False` selects the read-after-append mode."""
 
     def __init__(self, url: str, *, server_fencing: bool = True,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_cached_logs: int = DEFAULT_MAX_LOGS):
         self.url, self.server_fencing, self.timeout_s = url, server_fencing, timeout_s
         self._redis = connect(url, timeout_s)
         self._script = self._redis.register_script(_APPEND_LUA)
-        self._checked: dict[str, Checked] = {}  # read-after-append progress per log
+        # read-after-append progress per log
+        self._checked: LruCache[str, Checked] = LruCache(max_cached_logs)
 
     def keys(self, log: str) -> tuple[bytes, bytes]:
         tag = hashlib.sha256(log.encode()).hexdigest()[:32]
@@ -68,8 +76,8 @@ class RedisCommitLog:
         entry = pack_entry("commit", epoch, record)
         if not self.server_fencing:
             length = await self._conditional_push(log, entry, expected)
-            self._checked[log] = await check_after_append(
-                self, log, expected, epoch, self._checked.get(log, Checked()))
+            self._checked.put(log, await check_after_append(
+                self, log, expected, epoch, self._checked.get(log, Checked())))
             return length
         status, value = await self._call(
             self._script(keys=self.keys(log), args=["c", epoch, expected, entry]))

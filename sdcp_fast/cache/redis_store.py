@@ -31,7 +31,11 @@ def connect(url: str, timeout_s: float) -> aioredis.Redis:
 
 
 async def bounded(awaitable, timeout_s: float):
-    """Await a Redis call under `timeout_s`, mapping Redis errors to the cache's types."""
+    """Await a Redis call under `timeout_s`, mapping Redis errors to the cache's types.
+
+    A `StoreTimeout` means the reply was late, not that the command did not run: Redis may
+    have executed it (a put stored, an append landed). Callers that must know re-read.
+    """
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
     except (TimeoutError, redis_errors.TimeoutError) as exc:

@@ -15,13 +15,13 @@ Server side (role code implements the Handler):
         .check(caller, resource) raises ProblemError(403 forbidden); "*" = any authenticated caller
     async serve(handler, *, host: str, port: int, tls: TLSConfig, http3=True, http2=True,
                 max_body=1 MiB, idle_timeout=600.0, handler_timeout=60.0,
-                handshake_timeout=10.0, max_concurrent_streams=256) -> Server
+                handshake_timeout=10.0, max_concurrent_streams=256, body_timeout=30.0) -> Server
     Server.port: int; await Server.stop(grace=5.0); also an async context manager
 
     The caller is the single URI SAN of the client certificate, verified against TLSConfig.ca
     on both protocols. The transport answers 413 (over max_body, decided from content-length
-    or as bytes arrive), 415 (POST/PUT without application/sdcp+cbor) and 400 (malformed
-    header block) itself; a ProblemError raised by the handler becomes its problem document;
+    or as bytes arrive), 415 (POST/PUT without application/sdcp+cbor), 400 (malformed
+    header block) and 408 (body not complete body_timeout seconds after the headers) itself; a ProblemError raised by the handler becomes its problem document;
     any other exception a logged 500. It never decodes CBOR.
 
 Client side:
@@ -31,7 +31,8 @@ Client side:
     await Client.request(method, url, body: bytes | None = None,
                          content_type="application/sdcp+cbor", *, idempotent=False,
                          timeout=None) -> ClientResponse(status, headers, body)
-        # raises TransportError(sent=...) / RequestTimeout; retries only when safe
+        # raises TransportError(sent=...) / RequestTimeout; retries only when safe;
+        # each attempt, connection set-up included, ends within `timeout` seconds
     ClientResponse.problem() -> Problem | None;  await Client.close()
 
 Certificates and TLS:

@@ -1,7 +1,9 @@
 """The one HTTP client every role uses: HTTP/2 (httpx) or HTTP/3 (aioquic), with mutual TLS 1.3.
 
 Connections are kept per origin and reused; requests on one connection run as concurrent
-streams. Every attempt is bounded by `timeout`. A failed attempt is retried (up to `retries`
+streams. Every attempt, connection set-up and whole response included, ends within
+`timeout` seconds (asyncio.timeout around it): httpx's own timeouts bound each read, so a
+server trickling a byte at a time would otherwise hold a request forever. A failed attempt is retried (up to `retries`
 times, short exponential backoff) only when that is safe: always when the request certainly
 never reached the server (connect failure, stream refused by a closing server), and otherwise
 only when the caller says the request is idempotent (`idempotent=True`: proposals are
@@ -111,9 +113,7 @@ class Client:
         limit = self.timeout if timeout is None else timeout
         for attempt in range(self.retries + 1):
             try:
-                if self.protocol == "h2":
-                    return await self._request_h2(method, url, body, content_type, limit)
-                return await self._request_h3(method, url, body, content_type, limit)
+                return await self._attempt(method, url, body, content_type, limit)
             except TransportError as exc:
                 if attempt == self.retries or not (idempotent or not exc.sent):
                     raise
@@ -133,6 +133,23 @@ class Client:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+    async def _attempt(self, method: str, url: str, body: bytes | None,
+                       content_type: str | None, limit: float) -> ClientResponse:
+        """One try, all of it within `limit` seconds."""
+        # httpx does not say how far a request got when it is cancelled: assume it was sent.
+        sent = self.protocol == "h2"
+        try:
+            async with asyncio.timeout(limit):
+                if self.protocol == "h2":
+                    return await self._request_h2(method, url, body, content_type, limit)
+                connection, authority, target = await self._h3_target(url)
+                sent = True
+                return await connection.request(method, authority, target, body, content_type,
+                                                limit, self._max_response)
+        except TimeoutError as exc:
+            raise RequestTimeout(f"no complete answer to {method} {url} within {limit}s",
+                                 sent=sent) from exc
 
     # ---- HTTP/2 -----------------------------------------------------------------------
     async def _request_h2(self, method: str, url: str, body: bytes | None,
@@ -164,17 +181,15 @@ class Client:
                               bytes(data))
 
     # ---- HTTP/3 -----------------------------------------------------------------------
-    async def _request_h3(self, method: str, url: str, body: bytes | None,
-                          content_type: str | None, limit: float) -> ClientResponse:
+    async def _h3_target(self, url: str):
+        """(connection to the URL's origin, :authority, :path) for an HTTP/3 request."""
         parts = urlsplit(url)
         if parts.scheme != "https" or not parts.hostname:
             raise ValueError(f"not an https URL: {url!r}")
         origin = (parts.hostname, parts.port or 443)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         connection = await self._h3_connection(origin)
-        authority = parts.netloc.rpartition("@")[2]
-        return await connection.request(method, authority, target, body, content_type, limit,
-                                        self._max_response)
+        return connection, parts.netloc.rpartition("@")[2], target
 
     async def _h3_connection(self, origin: tuple[str, int]):
         from .client_h3 import connect_h3

@@ -146,6 +146,10 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         protocol.close()
         transport.close()
         raise TransportError(f"QUIC handshake with {host}:{port} failed: {exc or 'timeout'}", sent=False) from exc
+    except asyncio.CancelledError:  # the caller's overall deadline: do not leak the socket
+        protocol.close()
+        transport.close()
+        raise
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:

@@ -9,6 +9,7 @@ handler. Resources (404/405) and body contents (400/422/...) are the handler's b
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -47,6 +48,14 @@ class Handler(Protocol):
 def problem_response(problem: Problem, headers: Iterable[tuple[str, str]] = ()) -> Response:
     """RFC 9457 document for `problem`, status from its kind."""
     return Response(problem.status, problem.to_json(), PROBLEM_MEDIA_TYPE, tuple(headers))
+
+
+def body_timeout_response(timeout: float) -> Response:
+    """408: the request body did not arrive in time (no SDCP problem kind: plain RFC 9457)."""
+    body = json.dumps({"type": "about:blank", "title": "Request Timeout", "status": 408,
+                       "detail": f"request body not received within {timeout:g}s"},
+                      sort_keys=True, separators=(",", ":")).encode()
+    return Response(408, body, PROBLEM_MEDIA_TYPE)
 
 
 def internal_error_response() -> Response:

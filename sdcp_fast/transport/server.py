@@ -17,6 +17,9 @@ log = logging.getLogger("sdcp_fast.transport")
 
 DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a proposal is a few hundred bytes, a session-open a prompt
 DEFAULT_IDLE_TIMEOUT = 600.0  # long-lived drafter connections: close only after 10 idle minutes
+# A request body must be complete this long after its headers: a stalled upload must not pin
+# a connection and up to max_body of memory per stream forever (it is answered 408).
+DEFAULT_BODY_TIMEOUT = 30.0
 
 
 class Server:
@@ -36,11 +39,14 @@ class Server:
         handler_timeout: float | None = 60.0,
         handshake_timeout: float = 10.0,
         max_concurrent_streams: int = 256,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ):
         if not (http2 or http3):
             raise ValueError("enable http2, http3 or both")
         if max_body < 0:
             raise ValueError("max_body must be >= 0")
+        if not body_timeout > 0:
+            raise ValueError("body_timeout must be > 0")
         self.handler = handler
         self.host = host
         self.tls = tls
@@ -51,6 +57,7 @@ class Server:
         self.handler_timeout = handler_timeout
         self.handshake_timeout = handshake_timeout
         self.max_concurrent_streams = max_concurrent_streams
+        self.body_timeout = body_timeout
         self.ssl_context = tls.server_ssl_context()
         self.client_verifier = ClientCertificateVerifier(tls.ca)
         self.connections: set[Any] = set()  # live H2ServerProtocol / H3ServerProtocol
@@ -157,7 +164,7 @@ class Server:
 async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3: bool = True,
                 http2: bool = True, max_body: int = DEFAULT_MAX_BODY, **options: Any) -> Server:
     """Start serving `handler`; options: idle_timeout, handler_timeout, handshake_timeout,
-    max_concurrent_streams (see `Server`)."""
+    max_concurrent_streams, body_timeout (see `Server`)."""
     server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3,
                     max_body=max_body, **options)
     await server.start()

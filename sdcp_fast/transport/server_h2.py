@@ -22,7 +22,7 @@ import h2.settings
 from sdcp_fast.core.problems import Problem
 
 from .exchange import IncomingRequest, respond_to, response_headers
-from .http import Response, problem_response
+from .http import Response, body_timeout_response, problem_response
 from .identity import CertificateRejected, uri_identity_der
 
 if TYPE_CHECKING:
@@ -92,6 +92,7 @@ class H2ServerProtocol(asyncio.Protocol):
             h2.config.H2Configuration(client_side=False, header_encoding=None)
         )
         self._pending: dict[int, IncomingRequest] = {}  # streams whose body is still arriving
+        self._body_deadlines: dict[int, asyncio.TimerHandle] = {}  # one per pending stream
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
         self._window_open = asyncio.Event()  # flow-control credit arrived
@@ -150,7 +151,8 @@ class H2ServerProtocol(asyncio.Protocol):
         self._server.connections.discard(self)
         for task in self._tasks.values():
             task.cancel()
-        self._pending.clear()
+        for stream_id in list(self._pending):
+            self._take_pending(stream_id)
         self._window_open.set()
         self._writable.set()
         if self._idle_timer is not None:
@@ -179,11 +181,11 @@ class H2ServerProtocol(asyncio.Protocol):
                 self._discard(event.stream_id, len(event.data))
         elif isinstance(event, h2.events.StreamEnded):
             self._discarding.pop(event.stream_id, None)
-            incoming = self._pending.pop(event.stream_id, None)
+            incoming = self._take_pending(event.stream_id)
             if incoming is not None:
                 self._start(event.stream_id, incoming)
         elif isinstance(event, h2.events.StreamReset):
-            self._pending.pop(event.stream_id, None)
+            self._take_pending(event.stream_id)
             self._discarding.pop(event.stream_id, None)
             task = self._tasks.pop(event.stream_id, None)
             if task is not None:
@@ -207,6 +209,35 @@ class H2ServerProtocol(asyncio.Protocol):
             self._start(stream_id, incoming)
         else:
             self._pending[stream_id] = incoming
+            self._body_deadlines[stream_id] = asyncio.get_running_loop().call_later(
+                self._server.body_timeout, self._body_overdue, stream_id)
+
+    def _take_pending(self, stream_id: int) -> IncomingRequest | None:
+        """The stream's body is no longer awaited: forget it and its deadline."""
+        deadline = self._body_deadlines.pop(stream_id, None)
+        if deadline is not None:
+            deadline.cancel()
+        return self._pending.pop(stream_id, None)
+
+    def _body_overdue(self, stream_id: int) -> None:
+        """The body is still incomplete `body_timeout` after the headers: 408, then reset.
+
+        A stalled client gets its answer and the stream ends (RST_STREAM(NO_ERROR) after a
+        complete response, RFC 9113 8.1), freeing its buffer and its concurrency slot.
+        """
+        self._body_deadlines.pop(stream_id, None)
+        if self._pending.pop(stream_id, None) is None or self._transport is None:
+            return
+        log.info("h2: stream %d from %s -> 408: body not complete within %ss",
+                 stream_id, self.caller, self._server.body_timeout)
+        response = body_timeout_response(self._server.body_timeout)
+        try:
+            self._conn.send_headers(stream_id, response_headers(response))
+            self._conn.send_data(stream_id, response.body, end_stream=True)
+            self._conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        except h2.exceptions.H2Error as exc:  # the stream ended meanwhile
+            log.debug("h2: could not answer stream %d: %s", stream_id, exc)
+        self._flush()
 
     def _refuse(self, stream_id: int, problem: Problem, *, request_complete: bool) -> None:
         """Answer from the transport, before the upload (if any) has ended.
@@ -216,7 +247,7 @@ class H2ServerProtocol(asyncio.Protocol):
         times out instead of reading the answer. So the rest of the upload is read and dropped
         (never stored) up to DISCARD_LIMIT bytes, and only a longer one is reset.
         """
-        self._pending.pop(stream_id, None)
+        self._take_pending(stream_id)
         log.info("h2: stream %d from %s -> %d %s", stream_id, self.caller, problem.status, problem.detail)
         response = problem_response(problem)
         self._conn.send_headers(stream_id, response_headers(response))
