@@ -24,6 +24,8 @@ def test_demo_runs_and_cleans_up(tmp_path, protocol):
     assert "outputs identical to the target's greedy decoding: 2/2" in out
     assert re.search(r"speedup \(wall clock, all prompts\): \d+\.\d\dx over batched", out)
     assert re.search(r"^\s+all\s+48\s", out, re.MULTILINE)           # 2 prompts x 24 tokens
+    # the plot of accepted tokens and m_cap per round (matplotlib is in the dev extra)
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # every instance wrote its ready file and its log, and none is left running
     for name in ("router", "verifier", "drafter-1", "drafter-2"):
         assert (workdir / f"{name}.ready").is_file()
