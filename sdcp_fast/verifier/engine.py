@@ -50,7 +50,8 @@ class _Queued:
 @dataclass(frozen=True)
 class EngineConfig:
     max_batch: int = 64           # jobs per forward pass
-    max_wait_ms: float = 2.0      # how long the first job of a batch waits for company
+    max_wait_ms: float = 2.0      # how long the first job of a batch waits for company (it
+                                  # stops waiting once no other session could add a job)
     batching: bool = True         # False: one job per pass (the benchmark's baseline)
     append_timeout_s: float = 5.0
     q_buffer_bytes: int = 256 << 20   # largest q-row buffer kept between batches
@@ -60,7 +61,8 @@ class Engine:
     def __init__(self, backend, store, commit_log, *, config: EngineConfig = EngineConfig(),
                  device: torch.device | str = "cpu", metrics: Metrics | None = None,
                  on_commit: Callable[[VerifierSession], None] = lambda s: None,
-                 on_refuse: Callable[[VerifierSession, int, Problem], None] = lambda s, r, p: None):
+                 on_refuse: Callable[[VerifierSession, int, Problem], None] = lambda s, r, p: None,
+                 may_propose: Callable[[], int] = lambda: 1 << 30):
         self.backend = backend
         self.store = store
         self.commit_log = commit_log
@@ -69,6 +71,7 @@ class Engine:
         self.metrics = metrics or Metrics()
         self.on_commit = on_commit
         self.on_refuse = on_refuse
+        self.may_propose = may_propose   # sessions that could still add a job to this batch
         self.log_positions: dict[bytes, int] = {}     # records in each session's commit log
         self.model_lock = asyncio.Lock()              # the backend is not thread-safe
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
@@ -131,6 +134,8 @@ class Engine:
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0 and self._queue.empty():
                         break
+                    if self._queue.empty() and self.may_propose() == 0:
+                        break   # every session that could add a job already has: go now
                     try:
                         batch.append(self._queue.get_nowait() if self._queue.qsize()
                                      else await asyncio.wait_for(self._queue.get(), max(remaining, 0)))

@@ -100,9 +100,10 @@ class VerifierService:
         self._background: set[asyncio.Task] = set()
         self._refusals: dict[bytes, tuple[int, Problem]] = {}   # last refused round per session
         self._touched: dict[bytes, float] = {}    # loop time of each session's last activity
-        self._open_lock = asyncio.Lock()   # opens of one session id must not interleave
+        self._open_locks: dict[bytes, asyncio.Lock] = {}   # opens of one session id never interleave
         self.engine = Engine(backend, store, commit_log, config=engine_config, device=device,
-                             metrics=self.metrics, on_commit=self._on_commit, on_refuse=self._on_refuse)
+                             metrics=self.metrics, on_commit=self._on_commit, on_refuse=self._on_refuse,
+                             may_propose=self._may_propose)
         routers = set(config.routers)
         self.router = Router(authorizer=Authorizer({
             "sessions": routers, "drafter": routers, "policy": routers, "output": routers,
@@ -140,11 +141,15 @@ class VerifierService:
 
     async def open_session(self, request: Request) -> Response:
         msg = SessionOpen.from_cbor(request.body)
-        async with self._open_lock:   # a retried open waits for the first and gets its answer
-            try:
+        lock = self._open_locks.setdefault(msg.session, asyncio.Lock())
+        try:
+            async with lock:   # a retried open waits for the first and gets its answer
                 return await self._open(msg)
-            except CacheError as exc:
-                raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
+        except CacheError as exc:
+            raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
+        finally:
+            if not lock.locked():   # nobody else waiting on it: bounded memory
+                self._open_locks.pop(msg.session, None)
 
     async def _open(self, msg: SessionOpen) -> Response:
         existing = self.sessions.get(msg.session)
@@ -254,6 +259,11 @@ class VerifierService:
             self._spawn(self._forget_later(session))
         elif self.config.publish_kv_every and (session.round % self.config.publish_kv_every == 0 or session.closed):
             self._spawn(self._publish_kv(session))
+
+    def _may_propose(self) -> int:
+        """Sessions with no job in flight that could add one now (a drafter proposing, or
+        the verifier self-decoding): the engine stops waiting for company at zero."""
+        return sum(1 for s in self.sessions.values() if s.state in (State.SERVING, State.SELF_DECODING))
 
     def _on_refuse(self, session: VerifierSession, round: int, prob: Problem) -> None:
         """Remember why a round was refused, for identical retries waiting on it."""
