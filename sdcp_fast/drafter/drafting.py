@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
+from ..aio import cancel_and_wait
 from ..core.messages import RULE_GREEDY, Sampling
 
 log = logging.getLogger("sdcp_fast.drafter.drafting")
@@ -75,13 +76,8 @@ class DraftBatcher:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="draft-batcher")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def draft(self, request: DraftRequest) -> DraftRequest:
         """Resolve when `request.want` tokens (and rows) are drafted."""

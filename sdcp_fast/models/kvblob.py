@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import KVImportError
+from .base import KVImportError, SessionExists, check_tokens
 
 MAGIC = b"SDCPKV1\n"
 
@@ -104,3 +104,17 @@ def unpack(data: bytes, *, backend: str, model_digest: bytes) -> SessionBlob:
     elif payload:
         raise KVImportError("KV blob carries a payload but no shape")
     return SessionBlob(backend, model_digest, header["vocab_size"], committed, kv_tokens, kv)
+
+
+def unpack_for(backend, session: bytes, data: bytes) -> tuple[SessionBlob, list[int]]:
+    """What every backend checks before importing a session's blob: the session id is free,
+    the blob is this backend's and this model's, and its committed tokens are valid and fit
+    the backend's length cap (`backend._check_length`). Returns the blob and those tokens."""
+    if session in backend._sessions:
+        raise SessionExists(f"session {session!r} is already open")
+    blob = unpack(data, backend=backend.kind, model_digest=backend.digest)
+    committed = check_tokens(blob.committed, backend.vocab_size, "imported committed")
+    if not committed:
+        raise KVImportError("imported session has an empty committed sequence")
+    backend._check_length(len(committed))
+    return blob, committed

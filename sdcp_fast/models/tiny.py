@@ -275,13 +275,7 @@ class TinyBackend:
         return kvblob.pack(self.kind, self.digest, self.vocab_size, s.committed, kv, n)
 
     def import_kv(self, session: bytes, data: bytes) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        blob = kvblob.unpack(data, backend=self.kind, model_digest=self.digest)
-        committed = check_tokens(blob.committed, self.vocab_size, "imported committed")
-        if not committed:
-            raise KVImportError("imported session has an empty committed sequence")
-        self._check_length(len(committed))
+        blob, committed = kvblob.unpack_for(self, session, data)
         cfg = self.cfg
         expect = [cfg.n_layer, 2, cfg.n_head, blob.kv_tokens, cfg.head_dim]
         if blob.kv is not None and list(blob.kv.shape) != expect:

@@ -10,7 +10,6 @@ from . import kvblob
 from .base import (
     InvalidTokens,
     KVCapacityError,
-    KVImportError,
     SessionExists,
     UnknownSession,
     check_tokens,
@@ -54,13 +53,7 @@ class TokenListSessions:
         return kvblob.pack(self.kind, self.digest, self.vocab_size, self._get(session), None, 0)
 
     def import_kv(self, session: bytes, data: bytes) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        blob = kvblob.unpack(data, backend=self.kind, model_digest=self.digest)
-        committed = check_tokens(blob.committed, self.vocab_size, "imported committed")
-        if not committed:
-            raise KVImportError("imported session has an empty committed sequence")
-        self._check_length(len(committed))
+        _, committed = kvblob.unpack_for(self, session, data)
         self._sessions[session] = committed
 
     def _check_length(self, n: int) -> None:

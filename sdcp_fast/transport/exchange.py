@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sdcp_fast.core.problems import Kind, Problem
@@ -98,3 +99,45 @@ def response_headers(response: Response) -> HeaderList:
     headers.append((b"content-length", str(len(response.body)).encode()))
     headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
+
+
+class PendingBodies:
+    """Requests whose body is still arriving, each with a deadline: `on_overdue(stream_id)`
+    runs if the body is not complete `timeout` seconds after the headers (both servers
+    answer 408 then). Shared by the HTTP/2 and HTTP/3 servers."""
+
+    def __init__(self, timeout: float, on_overdue: Callable[[int], None]):
+        self._timeout = timeout
+        self._on_overdue = on_overdue
+        self._requests: dict[int, IncomingRequest] = {}
+        self._deadlines: dict[int, asyncio.TimerHandle] = {}
+
+    def add(self, stream_id: int, incoming: IncomingRequest) -> None:
+        self._requests[stream_id] = incoming
+        self._deadlines[stream_id] = asyncio.get_running_loop().call_later(
+            self._timeout, self._overdue, stream_id)
+
+    def get(self, stream_id: int) -> IncomingRequest | None:
+        return self._requests.get(stream_id)
+
+    def take(self, stream_id: int) -> IncomingRequest | None:
+        """The stream's body is no longer awaited: forget it and its deadline."""
+        deadline = self._deadlines.pop(stream_id, None)
+        if deadline is not None:
+            deadline.cancel()
+        return self._requests.pop(stream_id, None)
+
+    def clear(self) -> None:
+        for stream_id in list(self._requests):
+            self.take(stream_id)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self):
+        return iter(list(self._requests))
+
+    def _overdue(self, stream_id: int) -> None:
+        self._deadlines.pop(stream_id, None)
+        if self._requests.pop(stream_id, None) is not None:
+            self._on_overdue(stream_id)

@@ -21,7 +21,7 @@ import h2.settings
 
 from sdcp_fast.core.problems import Problem
 
-from .exchange import IncomingRequest, respond_to, response_headers
+from .exchange import IncomingRequest, PendingBodies, respond_to, response_headers
 from .http import Response, body_timeout_response, problem_response
 from .identity import CertificateRejected, uri_identity_der
 
@@ -91,8 +91,7 @@ class H2ServerProtocol(asyncio.Protocol):
         self._conn = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=False, header_encoding=None)
         )
-        self._pending: dict[int, IncomingRequest] = {}  # streams whose body is still arriving
-        self._body_deadlines: dict[int, asyncio.TimerHandle] = {}  # one per pending stream
+        self._pending = PendingBodies(server.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
         self._window_open = asyncio.Event()  # flow-control credit arrived
@@ -151,8 +150,7 @@ class H2ServerProtocol(asyncio.Protocol):
         self._server.connections.discard(self)
         for task in self._tasks.values():
             task.cancel()
-        for stream_id in list(self._pending):
-            self._take_pending(stream_id)
+        self._pending.clear()
         self._window_open.set()
         self._writable.set()
         if self._idle_timer is not None:
@@ -181,11 +179,11 @@ class H2ServerProtocol(asyncio.Protocol):
                 self._discard(event.stream_id, len(event.data))
         elif isinstance(event, h2.events.StreamEnded):
             self._discarding.pop(event.stream_id, None)
-            incoming = self._take_pending(event.stream_id)
+            incoming = self._pending.take(event.stream_id)
             if incoming is not None:
                 self._start(event.stream_id, incoming)
         elif isinstance(event, h2.events.StreamReset):
-            self._take_pending(event.stream_id)
+            self._pending.take(event.stream_id)
             self._discarding.pop(event.stream_id, None)
             task = self._tasks.pop(event.stream_id, None)
             if task is not None:
@@ -208,16 +206,7 @@ class H2ServerProtocol(asyncio.Protocol):
         elif ended:
             self._start(stream_id, incoming)
         else:
-            self._pending[stream_id] = incoming
-            self._body_deadlines[stream_id] = asyncio.get_running_loop().call_later(
-                self._server.body_timeout, self._body_overdue, stream_id)
-
-    def _take_pending(self, stream_id: int) -> IncomingRequest | None:
-        """The stream's body is no longer awaited: forget it and its deadline."""
-        deadline = self._body_deadlines.pop(stream_id, None)
-        if deadline is not None:
-            deadline.cancel()
-        return self._pending.pop(stream_id, None)
+            self._pending.add(stream_id, incoming)
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: 408, then reset.
@@ -225,8 +214,7 @@ class H2ServerProtocol(asyncio.Protocol):
         A stalled client gets its answer and the stream ends (RST_STREAM(NO_ERROR) after a
         complete response, RFC 9113 8.1), freeing its buffer and its concurrency slot.
         """
-        self._body_deadlines.pop(stream_id, None)
-        if self._pending.pop(stream_id, None) is None or self._transport is None:
+        if self._transport is None:
             return
         log.info("h2: stream %d from %s -> 408: body not complete within %ss",
                  stream_id, self.caller, self._server.body_timeout)
@@ -247,7 +235,7 @@ class H2ServerProtocol(asyncio.Protocol):
         times out instead of reading the answer. So the rest of the upload is read and dropped
         (never stored) up to DISCARD_LIMIT bytes, and only a longer one is reset.
         """
-        self._take_pending(stream_id)
+        self._pending.take(stream_id)
         log.info("h2: stream %d from %s -> %d %s", stream_id, self.caller, problem.status, problem.detail)
         response = problem_response(problem)
         self._conn.send_headers(stream_id, response_headers(response))

@@ -19,7 +19,7 @@ from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEv
 
 from sdcp_fast.core.problems import Problem
 
-from .exchange import IncomingRequest, respond_to, response_headers
+from .exchange import IncomingRequest, PendingBodies, respond_to, response_headers
 from .http import Request, Response, body_timeout_response, problem_response
 from .quic_mtls import rejection, require_client_certificate, verified_identity
 
@@ -37,8 +37,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self._server = server
         self._h3: H3Connection | None = None
         self.caller: str | None = None
-        self._pending: dict[int, IncomingRequest] = {}
-        self._body_deadlines: dict[int, asyncio.TimerHandle] = {}  # one per pending stream
+        self._pending = PendingBodies(server.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._closing = False
 
@@ -55,7 +54,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         elif isinstance(event, ConnectionTerminated):
             self._on_terminated(event)
         elif isinstance(event, StreamReset):
-            self._take_pending(event.stream_id)
+            self._pending.take(event.stream_id)
             task = self._tasks.pop(event.stream_id, None)
             if task is not None:
                 task.cancel()
@@ -67,8 +66,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self._server.connections.discard(self)
         for task in self._tasks.values():
             task.cancel()
-        for stream_id in list(self._pending):
-            self._take_pending(stream_id)
+        self._pending.clear()
         refused = rejection(self._quic)
         if self.caller is None:
             reason = refused or event.reason_phrase or f"error {event.error_code:#x}"
@@ -89,9 +87,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
             elif event.stream_ended:
                 self._start(event.stream_id, incoming)
             else:
-                self._pending[event.stream_id] = incoming
-                self._body_deadlines[event.stream_id] = asyncio.get_running_loop().call_later(
-                    self._server.body_timeout, self._body_overdue, event.stream_id)
+                self._pending.add(event.stream_id, incoming)
         elif isinstance(event, DataReceived):
             incoming = self._pending.get(event.stream_id)
             if incoming is None:
@@ -100,21 +96,11 @@ class H3ServerProtocol(QuicConnectionProtocol):
             if refusal is not None:
                 self._refuse(event.stream_id, refusal, request_complete=event.stream_ended)
             elif event.stream_ended:
-                self._take_pending(event.stream_id)
+                self._pending.take(event.stream_id)
                 self._start(event.stream_id, incoming)
-
-    def _take_pending(self, stream_id: int) -> IncomingRequest | None:
-        """The stream's body is no longer awaited: forget it and its deadline."""
-        deadline = self._body_deadlines.pop(stream_id, None)
-        if deadline is not None:
-            deadline.cancel()
-        return self._pending.pop(stream_id, None)
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: STOP_SENDING, 408."""
-        self._body_deadlines.pop(stream_id, None)
-        if self._pending.pop(stream_id, None) is None:
-            return
         log.info("h3: stream %d from %s -> 408: body not complete within %ss",
                  stream_id, self.caller, self._server.body_timeout)
         try:
@@ -125,7 +111,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
 
     def _refuse(self, stream_id: int, problem: Problem, *, request_complete: bool) -> None:
         """Answer from the transport; stop the client's upload (RFC 9114 4.1.1: H3_NO_ERROR)."""
-        self._take_pending(stream_id)
+        self._pending.take(stream_id)
         log.info("h3: stream %d from %s -> %d %s", stream_id, self.caller, problem.status, problem.detail)
         if not request_complete:
             self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)

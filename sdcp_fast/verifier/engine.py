@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..aio import cancel_and_wait
 from ..cache import Fenced
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem, ProblemError
@@ -104,13 +105,8 @@ class Engine:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-engine")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if not item.future.done():
