@@ -17,6 +17,7 @@ NaN, is refused without consuming its round; the rest of the batch goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -62,7 +63,7 @@ class Engine:
     def __init__(self, backend, store, commit_log, *, config: EngineConfig = EngineConfig(),
                  device: torch.device | str = "cpu", metrics: Metrics | None = None,
                  on_commit: Callable[[VerifierSession], None] = lambda s: None,
-                 on_refuse: Callable[[VerifierSession, int, Problem], None] = lambda s, r, p: None,
+                 on_refuse: Callable[[VerifierSession, Job, Problem], None] = lambda s, j, p: None,
                  may_propose: Callable[[], int] = lambda: 1 << 30):
         self.backend = backend
         self.store = store
@@ -126,12 +127,15 @@ class Engine:
             batch = [await self._queue.get()]
             if self.config.batching:
                 deadline = time.perf_counter() + self.config.max_wait_ms / 1000
+                # sessions that could still add a job (those with one queued are not counted):
+                # once that many more have arrived, nobody else can come, so go at once
+                could_come = self.may_propose() + self._queue.qsize()
                 while len(batch) < self.config.max_batch:
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0 and self._queue.empty():
                         break
-                    if self._queue.empty() and self.may_propose() == 0:
-                        break   # every session that could add a job already has: go now
+                    if self._queue.empty() and len(batch) - 1 >= could_come:
+                        break
                     try:
                         batch.append(self._queue.get_nowait() if self._queue.qsize()
                                      else await asyncio.wait_for(self._queue.get(), max(remaining, 0)))
@@ -170,7 +174,12 @@ class Engine:
         outcomes = await asyncio.to_thread(   # keep the event loop free for requests
             verify_jobs, [item.job for item in batch], logits.to(self.device), q, starts, problems)
         self.metrics.observe("kernel_seconds", time.perf_counter() - t1)
-        await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)))
+        results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)),
+                                       return_exceptions=True)
+        for item, result in zip(batch, results, strict=True):
+            if isinstance(result, Exception):   # a bug: that job alone is answered 503
+                log.error("commit of round %d failed", item.job.round, exc_info=result)
+                self._fail(item, Problem(Kind.UNAVAILABLE, f"commit failed: {result}"))
 
     async def _score(self, batch: list[_Queued]) -> tuple[list[_Queued], torch.Tensor | None]:
         """One forward pass for the batch. If the backend refuses it (a session over its KV
@@ -243,11 +252,16 @@ class Engine:
         appended = await self._append(session, data, position)
         if appended is _NOT_APPENDED:
             session.commit_failed()
-            self._fail(item, Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed"))
+            prob = Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed")
+            self.on_refuse(session, job, prob)
+            self._fail(item, prob)
             return
         if appended is _SUPERSEDED:
             # a newer epoch fenced the log, or it holds a record this verifier did not
-            # write at this position: it may never again commit or release output here
+            # write at this position (possibly its own from an attempt whose ack was lost):
+            # it may never again commit or release output here. The router notices (output
+            # and assignments answer sdcp-stale-epoch) and resumes the session from the log,
+            # which is the one source of truth, whichever record it holds.
             log.warning("session %s: commit of round %d refused by the log; no longer served",
                         session.id.hex(), job.round)
             session.commit_result(False)
@@ -256,14 +270,34 @@ class Engine:
             self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"))
             return
         self.log_positions[session.id] = position + 1
-        verdict = session.commit_result(True)
-        async with self.model_lock:
-            self.backend.commit(session.id, record.emitted)
+        verdict = session.commit_result(True)   # durable: the round stands whatever follows
+        await self._follow_in_model(session, record.emitted)
         self.metrics.inc("verdicts_total", action=verdict.action.name.lower() if verdict else "self")
         self.metrics.observe("accepted_tokens", outcome.accepted)
         self.on_commit(session)
         if not item.future.done():
             item.future.set_result(verdict)
+
+    async def _follow_in_model(self, session: VerifierSession, emitted) -> None:
+        """Bring the model's session up to the committed tokens. If it cannot take them
+        (its length or KV cap), it is rebuilt from the committed sequence; if even that
+        fails, later rounds of the session are refused alone (see _score) while the
+        committed round and its verdict stand."""
+        async with self.model_lock:
+            try:
+                self.backend.commit(session.id, emitted)
+                return
+            except ModelError as exc:
+                log.warning("session %s: model could not follow the commit (%s): rebuilding",
+                            session.id.hex(), exc)
+            try:
+                with contextlib.suppress(ModelError):
+                    self.backend.release(session.id)
+                await asyncio.to_thread(self.backend.open, session.id,
+                                        [*session.prompt, *session.output_tokens])
+            except ModelError as exc:
+                log.error("session %s: the model cannot hold the committed sequence: %s",
+                          session.id.hex(), exc)
 
     async def _append(self, session: VerifierSession, data: bytes, position: int):
         """Append one commit record at `position`: _APPENDED, _SUPERSEDED (fenced, or another
@@ -302,7 +336,7 @@ class Engine:
                 item.session.refuse(item.job, prob)
             except Exception:   # the job already left VERIFYING (a failure mid-commit)
                 log.exception("could not roll back round %d", item.job.round)
-        self.on_refuse(item.session, item.job.round, prob)
+        self.on_refuse(item.session, item.job, prob)
         self._fail(item, prob)
 
     def _fail(self, item: _Queued, prob: Problem) -> None:

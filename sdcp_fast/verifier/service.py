@@ -36,7 +36,7 @@ from ..core.messages import (
     Status,
 )
 from ..core.problems import Kind, Problem, ProblemError, problem
-from ..core.session import Replay, State, VerifierSession, Wait
+from ..core.session import Replay, State, VerifierSession, Wait, request_key
 from ..models.base import KVCapacityError, ModelError
 from ..transport import Authorizer, Request, Response, Router
 from .engine import Engine, EngineConfig
@@ -98,9 +98,9 @@ class VerifierService:
         self._changed: dict[bytes, asyncio.Event] = {}
         self._self_tasks: dict[bytes, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
-        self._refusals: dict[bytes, tuple[int, Problem]] = {}   # last refused round per session
+        self._refusals: dict[bytes, tuple[tuple | None, Problem]] = {}   # last refused request per session
         self._touched: dict[bytes, float] = {}    # loop time of each session's last activity
-        self._open_locks: dict[bytes, asyncio.Lock] = {}   # opens of one session id never interleave
+        self._open_locks: dict[bytes, list] = {}   # [lock, users]: opens of one id never interleave
         self.engine = Engine(backend, store, commit_log, config=engine_config, device=device,
                              metrics=self.metrics, on_commit=self._on_commit, on_refuse=self._on_refuse,
                              may_propose=self._may_propose)
@@ -141,15 +141,17 @@ class VerifierService:
 
     async def open_session(self, request: Request) -> Response:
         msg = SessionOpen.from_cbor(request.body)
-        lock = self._open_locks.setdefault(msg.session, asyncio.Lock())
+        entry = self._open_locks.setdefault(msg.session, [asyncio.Lock(), 0])   # [lock, users]
+        entry[1] += 1
         try:
-            async with lock:   # a retried open waits for the first and gets its answer
+            async with entry[0]:   # a retried open waits for the first and gets its answer
                 return await self._open(msg)
         except CacheError as exc:
             raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
         finally:
-            if not lock.locked():   # nobody else waiting on it: bounded memory
-                self._open_locks.pop(msg.session, None)
+            entry[1] -= 1
+            if entry[1] == 0 and self._open_locks.get(msg.session) is entry:
+                del self._open_locks[msg.session]   # nobody else uses it: bounded memory
 
     async def _open(self, msg: SessionOpen) -> Response:
         existing = self.sessions.get(msg.session)
@@ -176,6 +178,7 @@ class VerifierService:
             self._cancel_self_decoding(existing)
             self._wake(existing)
         self.sessions[msg.session] = session
+        self._refusals.pop(msg.session, None)
         self._touch(msg.session)
         self.engine.log_positions[msg.session] = len(entries)
         self._changed[msg.session] = asyncio.Event()
@@ -210,7 +213,7 @@ class VerifierService:
         if isinstance(step, Replay):
             return cbor_response(step.verdict)
         if isinstance(step, Wait):
-            return cbor_response(await self._wait_for_verdict(session, step.round))
+            return cbor_response(await self._wait_for_verdict(session, step.round, request_key(msg)))
         bad = [t for t in step.tokens if t >= self.backend.vocab_size]
         if bad:
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
@@ -227,12 +230,14 @@ class VerifierService:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.output_wait_s
         while True:
-            event = self._changed[session.id]
+            event = self._changed.get(session.id)
             out = session.output(start)
             if out is not None:
                 return cbor_response(out)
             remaining = deadline - loop.time()
             if remaining <= 0:
+                return cbor_response(Output(session.id, session.epoch, start, (), False))
+            if event is None:   # retired meanwhile: answer what there is
                 return cbor_response(Output(session.id, session.epoch, start, (), False))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), remaining)
@@ -265,9 +270,9 @@ class VerifierService:
         the verifier self-decoding): the engine stops waiting for company at zero."""
         return sum(1 for s in self.sessions.values() if s.state in (State.SERVING, State.SELF_DECODING))
 
-    def _on_refuse(self, session: VerifierSession, round: int, prob: Problem) -> None:
-        """Remember why a round was refused, for identical retries waiting on it."""
-        self._refusals[session.id] = (round, prob)
+    def _on_refuse(self, session: VerifierSession, job, prob: Problem) -> None:
+        """Remember why a request was refused, for identical retries waiting on it."""
+        self._refusals[session.id] = (job.request_key, prob)
         self._wake(session)
 
     async def _self_decode(self, session: VerifierSession) -> None:
@@ -286,11 +291,12 @@ class VerifierService:
                     break
                 self._send_events(session)
         finally:
-            self._self_tasks.pop(session.id, None)
+            if self._self_tasks.get(session.id) is asyncio.current_task():
+                del self._self_tasks[session.id]
             self._send_events(session)
             self._wake(session)
 
-    async def _wait_for_verdict(self, session: VerifierSession, round: int):
+    async def _wait_for_verdict(self, session: VerifierSession, round: int, key: tuple):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_s * 4
         while loop.time() < deadline:
@@ -299,14 +305,16 @@ class VerifierService:
                 return verdict
             if session.inflight is None or session.inflight.round != round:
                 break   # refused or fenced: the retry gets the current answer
-            event = self._changed[session.id]
+            event = self._changed.get(session.id)
+            if event is None:
+                break   # the session was retired meanwhile
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), 0.5)
         verdict = session.verdicts.get(round)
         if verdict is not None:
             return verdict
         refused = self._refusals.get(session.id)
-        if refused is not None and refused[0] == round:
+        if refused is not None and refused[0] == key:
             raise ProblemError(refused[1])
         if session.state == State.FENCED:
             raise problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch")

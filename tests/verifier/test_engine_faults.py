@@ -248,3 +248,33 @@ def test_idle_sessions_are_dropped(tmp_path):
             await h.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class CommitFailsOnce:
+    """A backend that cannot take one commit (as if the accepted tokens hit its cap)."""
+
+    def __init__(self, inner):
+        self.inner, self.failed = inner, False
+
+    def commit(self, session, emitted):
+        if not self.failed:
+            self.failed = True
+            raise KVCapacityError("no room for the accepted tokens")
+        return self.inner.commit(session, emitted)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@harness_test
+async def test_a_durable_round_stands_when_the_model_cannot_follow_it(h):
+    contract, sid, state = await opened(h)
+    h.service.engine.backend = CommitFailsOnce(h.backend)
+    tokens = greedy(h.backend, [1, 2, 3], 2)
+    r = await h.propose(sid, state, tokens)
+    assert r.status == 200                                    # the append happened: verdict stands
+    v = Verdict.from_cbor(r.body)
+    assert h.backend.committed(sid) == [1, 2, 3, *v.emitted]  # the model was rebuilt from it
+    state = SessionState(sid, 1, v.round, v.committed, v.digest)
+    r = await h.propose(sid, state, greedy(h.backend, [1, 2, 3, *v.emitted], 1))
+    assert r.status == 200 and Verdict.from_cbor(r.body).round == 2
