@@ -82,6 +82,17 @@ def _load_row_block(row_ptr, offs, V):
 
 
 @triton.jit
+def _narrow(piv, ok, j, hi, NPIV: tl.constexpr):
+    """One step of a pivot search: the new [lo, hi] is [the last pivot that still satisfies
+    the search, the next pivot - 1] (pivot 0 always does)."""
+    top = tl.max(tl.where(ok, j, 0), axis=0)
+    nxt = tl.sum(tl.where(j == top + 1, piv, 0), axis=0)
+    new_hi = tl.where(top == NPIV - 1, hi, tl.minimum(nxt - 1, hi))
+    lo = tl.sum(tl.where(j == top, piv, 0), axis=0)
+    return lo, new_hi
+
+
+@triton.jit
 def _search_by_count(row_ptr, V, lo, hi, k, BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """Largest key v in [lo, hi] with count(key >= v) >= k; count(key >= lo) >= k holds."""
     j = tl.arange(0, NPIV)
@@ -95,12 +106,7 @@ def _search_by_count(row_ptr, V, lo, hi, k, BLOCK: tl.constexpr, NPIV: tl.conste
             key = _ordered_key(_load_row_block(row_ptr, offs, V))
             hit = (key[:, None] >= piv32[None, :]) & (offs < V)[:, None]
             cnt += tl.sum(hit.to(tl.int32), axis=0)
-        ok = ((cnt >= k) & (piv <= hi)) | (j == 0)
-        top = tl.max(tl.where(ok, j, 0), axis=0)
-        nxt = tl.sum(tl.where(j == top + 1, piv, 0), axis=0)
-        new_hi = tl.where(top == NPIV - 1, hi, tl.minimum(nxt - 1, hi))
-        lo = tl.sum(tl.where(j == top, piv, 0), axis=0)
-        hi = new_hi
+        lo, hi = _narrow(piv, ((cnt >= k) & (piv <= hi)) | (j == 0), j, hi, NPIV)
     return lo
 
 
@@ -121,12 +127,7 @@ def _search_by_mass(row_ptr, V, lo, hi, target, m, T, BLOCK: tl.constexpr, NPIV:
             e = tl.exp((x - m) / T)
             hit = (key[:, None] >= piv32[None, :]) & (offs < V)[:, None]
             mass += tl.sum(tl.where(hit, e[:, None], 0.0), axis=0).to(tl.float64)
-        ok = ((mass >= target) & (piv <= hi)) | (j == 0)
-        top = tl.max(tl.where(ok, j, 0), axis=0)
-        nxt = tl.sum(tl.where(j == top + 1, piv, 0), axis=0)
-        new_hi = tl.where(top == NPIV - 1, hi, tl.minimum(nxt - 1, hi))
-        lo = tl.sum(tl.where(j == top, piv, 0), axis=0)
-        hi = new_hi
+        lo, hi = _narrow(piv, ((mass >= target) & (piv <= hi)) | (j == 0), j, hi, NPIV)
     return lo
 
 
