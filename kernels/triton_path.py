@@ -334,6 +334,22 @@ def _draw_weights(row_ptr, qrow_ptr, offs, V, tau, tie_last, m, T, kept_mass, re
 
 
 @triton.jit
+def _draw_row(logits_ptr, q_ptr, row_start_ptr, q_start_ptr, rmax_ptr, tau_ptr, tie_ptr,
+              mass_ptr, b, a, t_milli, V):
+    """What both passes of the draw need about proposal b's draw row (position a + 1):
+    its logits and q row, temperature, top-k/top-p threshold and tie cut-off, max, kept mass."""
+    row = tl.load(row_start_ptr + b) + a
+    row_ptr = logits_ptr + row * V
+    qrow_ptr = q_ptr + (tl.load(q_start_ptr + b) + a) * V
+    T = t_milli.to(tl.float32) / 1000.0
+    tau = tl.load(tau_ptr + row)
+    tie_last = tl.load(tie_ptr + row)
+    m = tl.load(rmax_ptr + row)
+    kept_mass = tl.load(mass_ptr + row).to(tl.float32)
+    return row_ptr, qrow_ptr, T, tau, tie_last, m, kept_mass
+
+
+@triton.jit
 def _draw_partial_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, row_start_ptr,
                          q_start_ptr, rmax_ptr, tau_ptr, tie_ptr, mass_ptr, accepted_ptr,
                          extra_ptr, cw_ptr, cp_ptr, V, CHUNK, SPLITS, BLOCK: tl.constexpr):
@@ -346,14 +362,9 @@ def _draw_partial_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, r
     if eligible:
         a = tl.load(accepted_ptr + b)
         residual = a < tl.load(num_draft_ptr + b)
-        row = tl.load(row_start_ptr + b) + a
-        row_ptr = logits_ptr + row * V
-        qrow_ptr = q_ptr + (tl.load(q_start_ptr + b) + a) * V
-        T = t_milli.to(tl.float32) / 1000.0
-        tau = tl.load(tau_ptr + row)
-        tie_last = tl.load(tie_ptr + row)
-        m = tl.load(rmax_ptr + row)
-        kept_mass = tl.load(mass_ptr + row).to(tl.float32)
+        row_ptr, qrow_ptr, T, tau, tie_last, m, kept_mass = _draw_row(
+            logits_ptr, q_ptr, row_start_ptr, q_start_ptr, rmax_ptr, tau_ptr, tie_ptr, mass_ptr,
+            b, a, t_milli, V)
         lo = c * CHUNK
         for start in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
             offs = start + tl.arange(0, BLOCK)
@@ -387,14 +398,9 @@ def _draw_final_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, row
         chunk = tl.minimum(tl.min(tl.where((cum > target) & cmask, cs, SPLITS_P), axis=0), last_nonempty)
         running = tl.sum(tl.where(cs == chunk, cum - weights, 0.0), axis=0)
 
-        row = tl.load(row_start_ptr + b) + a
-        row_ptr = logits_ptr + row * V
-        qrow_ptr = q_ptr + (tl.load(q_start_ptr + b) + a) * V
-        T = t_milli.to(tl.float32) / 1000.0
-        tau = tl.load(tau_ptr + row)
-        tie_last = tl.load(tie_ptr + row)
-        m = tl.load(rmax_ptr + row)
-        kept_mass = tl.load(mass_ptr + row).to(tl.float32)
+        row_ptr, qrow_ptr, T, tau, tie_last, m, kept_mass = _draw_row(
+            logits_ptr, q_ptr, row_start_ptr, q_start_ptr, rmax_ptr, tau_ptr, tie_ptr, mass_ptr,
+            b, a, t_milli, V)
         found = tl.full([], 0, tl.int64) + V
         last_positive = tl.full([], -1, tl.int64)
         lo = chunk * CHUNK
