@@ -1,12 +1,7 @@
 """The built-in backend: `gpt.Transformer` with a per-session KV cache.
 
-Per session we hold
-  * `committed`: the committed sequence C (prompt + committed output);
-  * `cached`: the tokens whose K/V sits in the session's buffer, positions 0..len-1. It is a
-    prefix of C, possibly extended by the last scored proposal (speculative positions);
-  * `rows`: next-token logits after cached positions rows_start..len(cached)-1, kept only for
-    positions >= len(C) - 1, so a drafter that scores a growing proposal step by step gets the
-    earlier rows back without recomputing them (at most len(proposal) + 1 rows of V floats).
+Per session we hold the committed sequence, the tokens whose K/V sits in the session's
+buffer and the logits rows kept for a growing proposal (prefix_cache.py, shared with hf.py).
 
 `score` finds, per session, the longest prefix of C + x it already holds, truncates the rest,
 and feeds only the missing tokens; all sessions' missing tokens go through one packed forward.
@@ -19,7 +14,7 @@ Memory: each buffer is [n_layer, 2, H, capacity, Dh] fp32 and grows by doubling 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,9 +28,9 @@ from .base import (
     UnknownSession,
     check_distinct_sessions,
     check_tokens,
-    common_prefix_length,
 )
 from .gpt import RaggedBatch, Transformer
+from .prefix_cache import CachedSession, Plan, collect_rows, plan
 from .tokenizer import ByteTokenizer
 from .weights import load_tiny
 
@@ -43,37 +38,10 @@ DEFAULT_MAX_KV_BYTES = 1 << 30
 MIN_CAPACITY = 64
 
 
-@dataclass
-class _Session:
-    committed: list[int]
-    cached: list[int] = field(default_factory=list)
-    buffer: torch.Tensor | None = None  # [n_layer, 2, H, capacity, Dh] fp32
-    rows_start: int = 0
-    rows: torch.Tensor | None = None  # [len(cached) - rows_start, V] fp32
-
-    def truncate(self, n: int) -> None:
-        """Forget cached positions >= n (their K/V and logits rows)."""
-        if n >= len(self.cached):
-            return
-        del self.cached[n:]
-        if self.rows is not None:
-            keep = max(0, n - self.rows_start)
-            self.rows = self.rows[:keep]
-
-    def drop_rows_before(self, pos: int) -> None:
-        if self.rows is None or pos <= self.rows_start:
-            return
-        self.rows = self.rows[pos - self.rows_start :]
-        self.rows_start = pos
-
-
-@dataclass(frozen=True)
-class _Plan:
-    session: _Session
-    full: list[int]  # C + x
-    first_row: int  # position of the first requested row: len(C) - 1
-    start: int  # first position to compute (cached K/V kept below it)
-    reuse_rows: bool  # whether rows for positions first_row..start-1 come from the cache
+@dataclass(eq=False)
+class _Session(CachedSession):
+    buffer: torch.Tensor | None = None  # [n_layer, 2, H, capacity, Dh] fp32; K/V beyond
+    # len(cached) is stale and overwritten by the next forward, so truncate keeps it
 
 
 class TinyBackend:
@@ -151,16 +119,9 @@ class TinyBackend:
 
     def commit(self, session: bytes, emitted: Sequence[int]) -> None:
         s = self._get(session)
-        emitted = check_tokens(emitted, self.vocab_size, "emitted")
-        new_committed = s.committed + emitted
+        new_committed = s.committed + check_tokens(emitted, self.vocab_size, "emitted")
         self._check_length(len(new_committed))
-        h = common_prefix_length(s.cached, new_committed)
-        if h < min(len(s.cached), len(new_committed)):
-            s.truncate(h)  # rejected positions: their K/V contradicts the committed sequence
-        s.committed = new_committed
-        s.drop_rows_before(len(new_committed) - 1)
-        if s.rows is not None and s.rows_start + len(s.rows) <= len(new_committed) - 1:
-            s.rows, s.rows_start = None, len(s.cached)
+        s.commit(new_committed)
 
     # -- scoring ----------------------------------------------------------------------------
     @torch.no_grad()  # not inference_mode: cached tensors are written again later
@@ -168,46 +129,22 @@ class TinyBackend:
         check_distinct_sessions(items)
         if not items:
             return torch.empty(0, self.vocab_size)
-        plans = [
-            self._plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
-            for sid, x in items
-        ]
+        plans = []
+        for sid, x in items:
+            p = plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
+            self._check_length(len(p.full))
+            plans.append(p)
         self._reserve(plans)  # may raise KVCapacityError; nothing changed yet
         for p in plans:
             # Before the forward overwrites them: if it fails, the state stays consistent.
             p.session.truncate(p.start)
-        todo = [p for p in plans if p.start < len(p.full)]
+        todo = [p for p in plans if p.new_tokens]
         computed = self._forward(todo) if todo else []
-        out = []
-        by_plan = dict(zip(map(id, todo), computed, strict=True))
-        for p in plans:
-            s = p.session
-            new_rows = by_plan.get(id(p))
-            if new_rows is not None:
-                s.cached.extend(p.full[p.start :])
-            if p.reuse_rows:
-                s.drop_rows_before(p.first_row)
-                old = s.rows if s.rows is not None else torch.empty(0, self.vocab_size)
-                s.rows = old if new_rows is None else torch.cat([old, new_rows])
-            else:  # computed from p.start <= first_row; keep rows from first_row on
-                s.rows_start = p.first_row
-                s.rows = new_rows[p.first_row - p.start :]
-            out.append(s.rows[: len(p.full) - p.first_row])
-        return torch.cat(out)
+        return collect_rows(
+            plans, {id(p): rows for p, rows in zip(todo, computed, strict=True)}, self.vocab_size
+        )
 
-    def _plan(self, s: _Session, x: list[int]) -> _Plan:
-        full = s.committed + x
-        self._check_length(len(full))
-        first_row = len(s.committed) - 1
-        h = common_prefix_length(s.cached, full)
-        rows_end = s.rows_start + (len(s.rows) if s.rows is not None else 0)
-        rows_end = min(rows_end, h)
-        if s.rows is not None and s.rows_start <= first_row < rows_end:
-            # rows for first_row..rows_end-1 are cached; compute from rows_end on
-            return _Plan(s, full, first_row, rows_end, True)
-        return _Plan(s, full, first_row, min(h, first_row), False)
-
-    def _forward(self, plans: list[_Plan]) -> list[torch.Tensor]:
+    def _forward(self, plans: list[Plan]) -> list[torch.Tensor]:
         tokens, positions, starts, pasts, caches = [], [], [0], [], []
         for p in plans:
             new = p.full[p.start :]
@@ -226,7 +163,10 @@ class TinyBackend:
             )
         ).float()
         # Copies: a session's cached rows must not pin the whole batch's logits in memory.
-        return [logits[starts[b] : starts[b + 1]].clone() for b in range(len(plans))]
+        return [
+            logits[starts[b] + p.first_kept_row : starts[b + 1]].clone()
+            for b, p in enumerate(plans)
+        ]
 
     # -- memory -----------------------------------------------------------------------------
     def _check_length(self, n: int) -> None:
@@ -242,7 +182,7 @@ class TinyBackend:
             cap *= 2
         return min(cap, limit)
 
-    def _reserve(self, plans: list[_Plan]) -> None:
+    def _reserve(self, plans: list[Plan]) -> None:
         extra = 0
         for p in plans:
             have = p.session.buffer.shape[3] if p.session.buffer is not None else 0
@@ -270,7 +210,7 @@ class TinyBackend:
     def export_kv(self, session: bytes) -> bytes:
         """The committed sequence and the K/V of its cached prefix (speculative K/V dropped)."""
         s = self._get(session)
-        n = common_prefix_length(s.cached, s.committed)
+        n = s.committed_kv_tokens()
         kv = s.buffer[:, :, :, :n] if s.buffer is not None and n else None
         return kvblob.pack(self.kind, self.digest, self.vocab_size, s.committed, kv, n)
 

@@ -1,0 +1,117 @@
+"""What a K/V-caching backend knows about each session, and what a `score` must compute.
+
+Shared by the built-in backend (tiny.py, K/V in one buffer per session) and the Hugging Face
+backend (hf.py, K/V in a transformers `DynamicCache` per session); each keeps its K/V its
+own way and subclasses `CachedSession` to drop K/V in `truncate`.
+
+Per session:
+  * `committed`: the committed sequence C (prompt + committed output);
+  * `cached`: the tokens whose K/V the session holds, positions 0..len-1. A prefix of C,
+    possibly extended by the last scored proposal (speculative positions);
+  * `rows`: next-token logits after cached positions rows_start..len(cached)-1, kept only for
+    positions >= len(C) - 1, so a drafter that scores a growing proposal step by step gets
+    the earlier rows back without recomputing them (at most len(proposal) + 1 rows of V).
+
+`plan` finds the longest prefix of C + x the session already holds (K/V, and rows when the
+first requested row is among the kept ones) and so the first position to compute; after the
+backend's forward over the plans' `new_tokens`, `collect_rows` records what was computed
+and returns the requested rows [sum(len(x_b) + 1), V] in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import common_prefix_length
+
+
+@dataclass(eq=False)
+class CachedSession:
+    committed: list[int]
+    cached: list[int] = field(default_factory=list)
+    rows_start: int = 0
+    rows: torch.Tensor | None = None  # [len(cached) - rows_start, V] fp32
+
+    def truncate(self, n: int) -> None:
+        """Forget cached positions >= n (their K/V and logits rows). Subclasses drop K/V."""
+        if n >= len(self.cached):
+            return
+        del self.cached[n:]
+        if self.rows is not None:
+            self.rows = self.rows[: max(0, n - self.rows_start)]
+
+    def drop_rows_before(self, pos: int) -> None:
+        if self.rows is None or pos <= self.rows_start:
+            return
+        self.rows = self.rows[pos - self.rows_start :]
+        self.rows_start = pos
+
+    def commit(self, new_committed: list[int]) -> None:
+        """C := new_committed (already checked); K/V and rows that contradict it go."""
+        h = common_prefix_length(self.cached, new_committed)
+        if h < min(len(self.cached), len(new_committed)):
+            self.truncate(h)  # rejected positions: their K/V contradicts the committed sequence
+        self.committed = new_committed
+        self.drop_rows_before(len(new_committed) - 1)
+        if self.rows is not None and self.rows_start + len(self.rows) <= len(new_committed) - 1:
+            self.rows, self.rows_start = None, len(self.cached)
+
+    def committed_kv_tokens(self) -> int:
+        """How many leading committed tokens the cached K/V covers (what an export carries)."""
+        return common_prefix_length(self.cached, self.committed)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    session: CachedSession
+    full: list[int]  # C + x
+    first_row: int  # position of the first requested row: len(C) - 1
+    start: int  # first position to compute (cached K/V kept below it)
+    reuse_rows: bool  # whether rows for positions first_row..start-1 come from the cache
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return self.full[self.start :]
+
+    @property
+    def first_kept_row(self) -> int:
+        """Index into the computed rows of the first one the score returns or keeps."""
+        return max(0, self.first_row - self.start)
+
+
+def plan(s: CachedSession, x: list[int]) -> Plan:
+    full = s.committed + x
+    first_row = len(s.committed) - 1
+    h = common_prefix_length(s.cached, full)
+    rows_end = s.rows_start + (len(s.rows) if s.rows is not None else 0)
+    rows_end = min(rows_end, h)
+    if s.rows is not None and s.rows_start <= first_row < rows_end:
+        # rows for first_row..rows_end-1 are cached; compute from rows_end on
+        return Plan(s, full, first_row, rows_end, True)
+    return Plan(s, full, first_row, min(h, first_row), False)
+
+
+def collect_rows(
+    plans: Sequence[Plan], computed: dict[int, torch.Tensor], vocab_size: int, device=None
+) -> torch.Tensor:
+    """`computed[id(plan)]`: fp32 rows for positions max(start, first_row)..len(full)-1 of
+    each plan that had new tokens (its K/V is already stored). Updates every session and
+    returns the requested rows of all plans, in order."""
+    out = []
+    for p in plans:
+        s = p.session
+        new_rows = computed.get(id(p))
+        if new_rows is not None:
+            s.cached.extend(p.new_tokens)
+        if p.reuse_rows:
+            s.drop_rows_before(p.first_row)
+            old = s.rows if s.rows is not None else torch.empty(0, vocab_size, device=device)
+            s.rows = old if new_rows is None else torch.cat([old, new_rows])
+        else:  # computed from p.start <= first_row; rows from first_row on
+            s.rows_start = p.first_row
+            s.rows = new_rows
+        out.append(s.rows[: len(p.full) - p.first_row])
+    return torch.cat(out)
