@@ -13,6 +13,10 @@ over its whole cache, with a causal mask offset by its cached length.
     model(input_ids=[1, T], position_ids=[1, T], use_cache=False,
           sdcp_ragged=RaggedLayout(spans))      # the layout travels in the model's kwargs
 
+For a packed call transformers still builds its own causal mask over the packed row (it
+sees no cache; a [1, 1, T, T] bool tensor, negligible next to the pass); the attention
+function ignores it and applies each span's mask.
+
 `supports_ragged(model)` says whether a model can take this path: its attention must go
 through the interface (`_supports_attention_backend`) and be plain causal softmax attention
 (no sliding window, logit soft-capping or attention sinks, which the per-session SDPA here
@@ -71,9 +75,13 @@ def ragged_attention(module, query, key, value, attention_mask, *, sdcp_ragged=N
 
 
 def register() -> None:
+    """Register the attention function, and SDPA's mask builder under the same name, so
+    that an ordinary call of the model (no layout) behaves exactly as "sdpa"."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(NAME, ragged_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 def supports_ragged(model) -> bool:

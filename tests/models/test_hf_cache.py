@@ -246,3 +246,20 @@ def test_spec_options(llama_dir):
             load_backend(f"hf:{llama_dir}?{bad}")
     with pytest.raises(BackendSpecError, match=r"known: none"):
         load_backend("tiny:demo-target?threads=2")
+
+
+def test_the_backends_model_still_serves_ordinary_calls(llama_dir, reference):
+    """The registered attention behaves as transformers' SDPA when called without a layout
+    (e.g. by `generate`), masks included."""
+    be = HFBackend(llama_dir)
+    assert be.model.config._attn_implementation == "sdcp_ragged"
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        cache = transformers.DynamicCache()
+        be.model(input_ids=ids[:, :3], cache=cache, use_cache=True)
+        got = be.model(input_ids=ids[:, 3:], cache=cache, use_cache=True).logits[0]
+        want = reference(input_ids=ids).logits[0, 3:]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    out = be.model.generate(ids, max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids))
+    ref = reference.generate(ids, max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids))
+    assert torch.equal(out, ref)
