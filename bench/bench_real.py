@@ -126,7 +126,8 @@ def start_sdcp(workdir: Path, target_spec: str, draft_spec: str, draft_digest: s
     shutil.rmtree(workdir / "cluster", ignore_errors=True)  # a kept workdir: no old logs
     cluster = Cluster(workdir / "cluster", protocol="h2")
     # the verifier's own torch threads; the router loads the target only to tokenize
-    cluster.verifier("verifier", model=f"{target_spec}?threads={threads}", max_wait_ms=1.0,
+    verifier_spec = f"{target_spec}{'&' if '?' in target_spec else '?'}threads={threads}"
+    cluster.verifier("verifier", model=verifier_spec, max_wait_ms=1.0,
                      ttl_ms=5000, status_interval_s=0.5)
     cluster.drafter("drafter", model=draft_spec, ttl_ms=5000, status_interval_s=0.5)
     cluster.router(model=target_spec, drafter_models={"drafter": draft_digest}, m_init=m,
