@@ -65,15 +65,10 @@ import torch
 
 from . import hf_ragged, kvblob
 from .base import (
-    InvalidTokens,
     KVCapacityError,
     KVImportError,
-    SessionExists,
-    UnknownSession,
-    check_distinct_sessions,
-    check_tokens,
 )
-from .prefix_cache import CachedSession, Plan, collect_rows, plan
+from .prefix_cache import CachedSession, CachingBackend, Plan
 from .spec import choice, positive_int
 from .tokenizer import canonical_json_digest
 from .weights import canonical_digest
@@ -118,7 +113,7 @@ class _Chunk:
     keep_from: int  # index into tokens of the first row to return
 
 
-class HFBackend:
+class HFBackend(CachingBackend):
     kind = "hf"
 
     def __init__(
@@ -146,7 +141,7 @@ class HFBackend:
             path = converted_dir(path)
         elif not path.is_dir():
             raise FileNotFoundError(f"hf: model directory or .gguf file not found: {path}")
-        self.device = torch.device(device)
+        self.device = self.rows_device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=self.dtype, local_files_only=True
@@ -200,70 +195,29 @@ class HFBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
-    # -- sessions ---------------------------------------------------------------------------
-    def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt: the model needs a previous token")
-        self._check_length(len(prompt))
-        self._check_kv(len(prompt))
-        self._sessions[session] = _Session(committed=prompt, cache=self._new_cache())
-        try:
-            self.score([(session, [])])  # prefill; keeps the row after the prompt
-        except BaseException:
-            self._sessions.pop(session, None)
-            raise
+    # -- sessions (open, commit, score: prefix_cache.CachingBackend) ------------------------
+    def _new_session(self, prompt: list[int]) -> _Session:
+        from transformers import DynamicCache
 
-    def committed(self, session: bytes) -> list[int]:
-        return list(self._get(session).committed)
-
-    def cached_tokens(self, session: bytes) -> list[int]:
-        """Tokens whose K/V the session holds (for tests and diagnostics)."""
-        return list(self._get(session).cached)
-
-    def commit(self, session: bytes, emitted: Sequence[int]) -> None:
-        s = self._get(session)
-        new_committed = s.committed + check_tokens(emitted, self.vocab_size, "emitted")
-        self._check_length(len(new_committed))
-        s.commit(new_committed)
-
-    def release(self, session: bytes) -> None:
-        if self._sessions.pop(session, None) is None:
-            raise UnknownSession(session)
-
-    def sessions(self) -> list[bytes]:
-        return list(self._sessions)
+        return _Session(committed=prompt, cache=DynamicCache())
 
     def kv_bytes(self) -> int:
         """Bytes of K/V all sessions hold (what `max_kv_bytes` caps)."""
         return self.bytes_per_token * sum(len(s.cached) for s in self._sessions.values())
 
-    # -- scoring ----------------------------------------------------------------------------
-    @torch.no_grad()  # not inference_mode: cached tensors are extended again later
-    def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
-        check_distinct_sessions(items)
-        if not items:
-            return torch.empty(0, self.vocab_size)
-        plans = []
-        for sid, x in items:
-            p = plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
-            self._check_length(len(p.full))
-            plans.append(p)
+    def _reserve(self, plans: list[Plan]) -> None:
         self._check_kv(sum(len(p.full) - len(p.session.cached) for p in plans))
-        for p in plans:  # nothing changed before this point
-            p.session.truncate(p.start)
-        todo = [p for p in plans if p.new_tokens]
+
+    # -- scoring ----------------------------------------------------------------------------
+    def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
         try:
-            computed = self._compute(todo)
-        except BaseException:
-            for p in todo:
+            return self._compute_passes(plans)
+        except BaseException:  # layers a failed pass extended are cropped back
+            for p in plans:
                 p.session.restore()
             raise
-        return collect_rows(plans, computed, self.vocab_size, self.device)
 
-    def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
+    def _compute_passes(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
         """fp32 rows from each plan's first kept row on, keyed by id(plan); K/V stored.
         Passes of at most max_batch_tokens new tokens; a long prefill spans several."""
         rows: dict[int, list[torch.Tensor]] = {id(p): [] for p in plans}
@@ -344,24 +298,14 @@ class HFBackend:
             if blob.kv.dtype != self.dtype:
                 raise KVImportError(f"KV dtype {blob.kv.dtype} is not the model's {self.dtype}")
         self._check_kv(n)
-        cache = self._new_cache()
+        s = self._new_session(committed)
         if n:
             for i, layer in enumerate(blob.kv.to(self.device)):  # [2, kv_heads, n, head_dim]
-                cache.update(layer[0][None].contiguous(), layer[1][None].contiguous(), i)
-        self._sessions[session] = _Session(
-            committed=committed, cached=committed[:n], rows_start=n, cache=cache
-        )
+                s.cache.update(layer[0][None].contiguous(), layer[1][None].contiguous(), i)
+        s.cached, s.rows_start = committed[:n], n
+        self._sessions[session] = s
 
     # -- memory -----------------------------------------------------------------------------
-    def _new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache()
-
-    def _check_length(self, n: int) -> None:
-        if self.max_seq_len is not None and n > self.max_seq_len:
-            raise KVCapacityError(f"sequence of {n} tokens exceeds max_seq_len {self.max_seq_len}")
-
     def _check_kv(self, more_tokens: int) -> None:
         want = self.kv_bytes() + more_tokens * self.bytes_per_token
         if want > self.max_kv_bytes:
@@ -369,9 +313,3 @@ class HFBackend:
                 f"K/V would grow to {want} bytes, over max_kv_bytes={self.max_kv_bytes}; "
                 "release sessions"
             )
-
-    def _get(self, session: bytes) -> _Session:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(session) from None

@@ -16,6 +16,11 @@ Per session:
 first requested row is among the kept ones) and so the first position to compute; after the
 backend's forward over the plans' `new_tokens`, `collect_rows` records what was computed
 and returns the requested rows [sum(len(x_b) + 1), V] in order.
+
+`CachingBackend` is the session half of such a backend (open with prefill, commit, score's
+steps); a backend adds its K/V storage through three hooks: `_new_session(prompt)`,
+`_reserve(plans)` (raise KVCapacityError before any change) and `_compute(plans)` (one
+forward over the plans' new tokens, storing their K/V; rows keyed by id(plan)).
 """
 
 from __future__ import annotations
@@ -25,7 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .base import common_prefix_length
+from .base import (
+    UnknownSession,
+    check_distinct_sessions,
+    check_length,
+    check_new_session,
+    check_tokens,
+    common_prefix_length,
+)
 
 
 @dataclass(eq=False)
@@ -115,3 +127,82 @@ def collect_rows(
             s.rows = new_rows
         out.append(s.rows[: len(p.full) - p.first_row])
     return torch.cat(out)
+
+
+class CachingBackend:
+    """Mixin: `open`, `commit`, `committed`, `cached_tokens`, `sessions` and `score` over
+    `self._sessions: dict[bytes, CachedSession]`. The host sets `vocab_size`, `max_seq_len`
+    (None: no cap) and implements the hooks below."""
+
+    vocab_size: int
+    max_seq_len: int | None = None
+    rows_device = None  # where kept rows live (the model's device); None: the CPU
+    _sessions: dict[bytes, CachedSession]
+
+    def _new_session(self, prompt: list[int]) -> CachedSession:
+        raise NotImplementedError
+
+    def _reserve(self, plans: list[Plan]) -> None:
+        """Raise KVCapacityError if the plans' K/V would not fit; change nothing."""
+        raise NotImplementedError
+
+    def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
+        """Store the K/V of every plan's new tokens; fp32 rows from each plan's first kept
+        row (Plan.first_kept_row) on, keyed by id(plan). On failure the sessions' cached
+        tokens must still describe their K/V."""
+        raise NotImplementedError
+
+    def open(self, session: bytes, prompt: Sequence[int]) -> None:
+        self._sessions[session] = self._new_session(check_new_session(self, session, prompt))
+        try:
+            self.score([(session, [])])  # prefill; keeps the row after the prompt
+        except BaseException:
+            self.release(session)
+            raise
+
+    def release(self, session: bytes) -> None:
+        if self._sessions.pop(session, None) is None:
+            raise UnknownSession(session)
+
+    def committed(self, session: bytes) -> list[int]:
+        return list(self._get(session).committed)
+
+    def cached_tokens(self, session: bytes) -> list[int]:
+        """Tokens whose K/V the session holds (for tests and diagnostics)."""
+        return list(self._get(session).cached)
+
+    def sessions(self) -> list[bytes]:
+        return list(self._sessions)
+
+    def commit(self, session: bytes, emitted: Sequence[int]) -> None:
+        s = self._get(session)
+        new_committed = s.committed + check_tokens(emitted, self.vocab_size, "emitted")
+        self._check_length(len(new_committed))
+        s.commit(new_committed)
+
+    @torch.no_grad()  # not inference_mode: cached tensors are written again later
+    def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
+        check_distinct_sessions(items)
+        if not items:
+            return torch.empty(0, self.vocab_size)
+        plans = []
+        for sid, x in items:
+            p = plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
+            self._check_length(len(p.full))
+            plans.append(p)
+        self._reserve(plans)  # may raise KVCapacityError; nothing changed yet
+        for p in plans:
+            # Before the forward overwrites them: if it fails, the state stays consistent.
+            p.session.truncate(p.start)
+        todo = [p for p in plans if p.new_tokens]
+        computed = self._compute(todo) if todo else {}
+        return collect_rows(plans, computed, self.vocab_size, self.rows_device)
+
+    def _check_length(self, n: int) -> None:
+        check_length(n, self.max_seq_len)
+
+    def _get(self, session: bytes) -> CachedSession:
+        try:
+            return self._sessions[session]
+        except KeyError:
+            raise UnknownSession(session) from None

@@ -21,16 +21,11 @@ import torch
 
 from . import kvblob
 from .base import (
-    InvalidTokens,
     KVCapacityError,
     KVImportError,
-    SessionExists,
-    UnknownSession,
-    check_distinct_sessions,
-    check_tokens,
 )
 from .gpt import RaggedBatch, Transformer
-from .prefix_cache import CachedSession, Plan, collect_rows, plan
+from .prefix_cache import CachedSession, CachingBackend, Plan
 from .tokenizer import ByteTokenizer
 from .weights import load_tiny
 
@@ -44,7 +39,7 @@ class _Session(CachedSession):
     # len(cached) is stale and overwritten by the next forward, so truncate keeps it
 
 
-class TinyBackend:
+class TinyBackend(CachingBackend):
     kind = "tiny"
 
     def __init__(
@@ -64,6 +59,7 @@ class TinyBackend:
         self.digest = digest
         self.tokenizer_digest = self.tokenizer.digest
         self.max_kv_bytes = max_kv_bytes
+        self.max_seq_len = self.cfg.max_seq_len  # the RoPE table's length: a session's cap
         self._sessions: dict[bytes, _Session] = {}
         self._kv_bytes = 0  # sum of all sessions' buffer sizes, kept in step with them
         self._bytes_per_position = 4 * self.cfg.n_layer * 2 * self.cfg.d_model
@@ -81,68 +77,23 @@ class TinyBackend:
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(tokens)
 
-    # -- sessions ---------------------------------------------------------------------------
-    def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt: the model has no BOS token to start from")
-        self._check_length(len(prompt))
-        self._sessions[session] = _Session(committed=prompt)
-        try:
-            self.score([(session, [])])  # prefill; also caches the first row of logits
-        except BaseException:
-            self.release(session)
-            raise
-
-    def committed(self, session: bytes) -> list[int]:
-        return list(self._get(session).committed)
+    # -- sessions (open, commit, score: prefix_cache.CachingBackend) ------------------------
+    def _new_session(self, prompt: list[int]) -> _Session:
+        return _Session(committed=prompt)
 
     def release(self, session: bytes) -> None:
-        s = self._sessions.pop(session, None)
-        if s is None:
-            raise UnknownSession(session)
+        s = self._get(session)
+        super().release(session)
         if s.buffer is not None:
             self._kv_bytes -= s.buffer.numel() * 4
-
-    def sessions(self) -> list[bytes]:
-        return list(self._sessions)
 
     def kv_bytes(self) -> int:
         """Bytes currently allocated to KV buffers (what `max_kv_bytes` caps)."""
         return self._kv_bytes
 
-    def cached_tokens(self, session: bytes) -> list[int]:
-        """Tokens whose K/V the session holds (for tests and diagnostics)."""
-        return list(self._get(session).cached)
-
-    def commit(self, session: bytes, emitted: Sequence[int]) -> None:
-        s = self._get(session)
-        new_committed = s.committed + check_tokens(emitted, self.vocab_size, "emitted")
-        self._check_length(len(new_committed))
-        s.commit(new_committed)
-
     # -- scoring ----------------------------------------------------------------------------
-    @torch.no_grad()  # not inference_mode: cached tensors are written again later
-    def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
-        check_distinct_sessions(items)
-        if not items:
-            return torch.empty(0, self.vocab_size)
-        plans = []
-        for sid, x in items:
-            p = plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
-            self._check_length(len(p.full))
-            plans.append(p)
-        self._reserve(plans)  # may raise KVCapacityError; nothing changed yet
-        for p in plans:
-            # Before the forward overwrites them: if it fails, the state stays consistent.
-            p.session.truncate(p.start)
-        todo = [p for p in plans if p.new_tokens]
-        computed = self._forward(todo) if todo else []
-        return collect_rows(
-            plans, {id(p): rows for p, rows in zip(todo, computed, strict=True)}, self.vocab_size
-        )
+    def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
+        return {id(p): rows for p, rows in zip(plans, self._forward(plans), strict=True)}
 
     def _forward(self, plans: list[Plan]) -> list[torch.Tensor]:
         tokens, positions, starts, pasts, caches = [], [], [0], [], []
@@ -169,12 +120,6 @@ class TinyBackend:
         ]
 
     # -- memory -----------------------------------------------------------------------------
-    def _check_length(self, n: int) -> None:
-        if n > self.cfg.max_seq_len:
-            raise KVCapacityError(
-                f"sequence of {n} tokens exceeds the model's max_seq_len {self.cfg.max_seq_len}"
-            )
-
     @staticmethod
     def _capacity_for(n: int, limit: int) -> int:
         cap = MIN_CAPACITY
@@ -232,9 +177,3 @@ class TinyBackend:
             s.cached = committed[: blob.kv_tokens]
         s.rows_start = len(s.cached)
         self._sessions[session] = s
-
-    def _get(self, session: bytes) -> _Session:
-        try:
-            return self._sessions[session]
-        except KeyError:
-            raise UnknownSession(session) from None
