@@ -110,8 +110,8 @@ def collect_rows(
     plans: Sequence[Plan], computed: dict[int, torch.Tensor], vocab_size: int, device=None
 ) -> torch.Tensor:
     """`computed[id(plan)]`: fp32 rows for positions max(start, first_row)..len(full)-1 of
-    each plan that had new tokens (its K/V is already stored). Updates every session and
-    returns the requested rows of all plans, in order."""
+    each plan that had new tokens (its K/V is already stored; the rows may be views of the
+    pass's logits). Updates every session and returns the requested rows of all plans."""
     out = []
     for p in plans:
         s = p.session
@@ -124,7 +124,8 @@ def collect_rows(
             s.rows = old if new_rows is None else torch.cat([old, new_rows])
         else:  # computed from p.start <= first_row; rows from first_row on
             s.rows_start = p.first_row
-            s.rows = new_rows
+            # a copy: kept rows must not pin a whole pass's logits in memory
+            s.rows = new_rows.clone()
         out.append(s.rows[: len(p.full) - p.first_row])
     return torch.cat(out)
 

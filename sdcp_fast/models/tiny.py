@@ -113,11 +113,7 @@ class TinyBackend(CachingBackend):
                 caches=caches,
             )
         ).float()
-        # Copies: a session's cached rows must not pin the whole batch's logits in memory.
-        return [
-            logits[starts[b] + p.first_kept_row : starts[b + 1]].clone()
-            for b, p in enumerate(plans)
-        ]
+        return [logits[starts[b] + p.first_kept_row : starts[b + 1]] for b, p in enumerate(plans)]
 
     # -- memory -----------------------------------------------------------------------------
     @staticmethod

@@ -136,8 +136,11 @@ def test_score_computes_only_new_positions_and_commit_crops(llama_dir, reference
     assert fed[-1] == 3
     assert_rows_match(out, full_recompute(reference, prompt + [1, 2, 9], [4, 4]))
     # a drafter growing its proposal pays one position per step; earlier rows are kept
-    be.score([(b"a", [4, 4, 7])])
-    assert fed[-1] == 1
+    be.open(b"b", [3, 3])
+    be.score([(b"a", [4, 4, 7]), (b"b", [5, 6])])
+    assert fed[-1] == 1 + 3
+    for s in be._sessions.values():  # own copies, not views pinning the pass's logits
+        assert s.rows.untyped_storage().nbytes() == s.rows.numel() * 4
     be.release(b"a")
     with pytest.raises(UnknownSession):
         be.score([(b"a", [])])
