@@ -138,7 +138,7 @@ def test_score_computes_only_new_positions_and_commit_crops(llama_dir, reference
     # a drafter growing its proposal pays one position per step; earlier rows are kept
     be.open(b"b", [3, 3])
     be.score([(b"a", [4, 4, 7]), (b"b", [5, 6])])
-    assert fed[-1] == 1 + 3
+    assert fed[-1] == 1 + 2  # b: its prompt is cached with its row, so only 5 and 6
     for s in be._sessions.values():  # own copies, not views pinning the pass's logits
         assert s.rows.untyped_storage().nbytes() == s.rows.numel() * 4
     be.release(b"a")
