@@ -8,6 +8,7 @@ from model_helpers import random_model
 from safetensors.torch import save_file
 
 from sdcp_fast.models import Backend, BackendSpecError, load_backend
+from sdcp_fast.models.spec import parse_spec, spec_options
 from sdcp_fast.models.weights import CONFIG_KEY, canonical_digest, read_safetensors
 
 
@@ -17,6 +18,21 @@ def test_bad_specs():
             load_backend(spec)
     with pytest.raises(FileNotFoundError):
         load_backend("tiny:/nonexistent/model.safetensors")
+    for spec in ["tiny:demo-target?threads=2", "tiny:demo-target?=1", "nope:x?a=1", "tiny:?a=1"]:
+        with pytest.raises(BackendSpecError):
+            load_backend(spec)
+
+
+def test_spec_grammar():
+    spec = parse_spec("hf:/m/model.gguf?dtype=bfloat16&threads=4")
+    assert (spec.kind, spec.arg, spec.options) == ("hf", "/m/model.gguf", {"dtype": "bfloat16", "threads": "4"})
+    assert parse_spec("tiny:demo-target").options == {}
+    known = {"threads": int}
+    assert spec_options(parse_spec("x:y?threads=3"), known) == {"threads": 3}
+    with pytest.raises(BackendSpecError, match=r"unknown option\(s\) thread for x: \(known: threads\)"):
+        spec_options(parse_spec("x:y?thread=3"), known)
+    with pytest.raises(BackendSpecError, match="given twice"):
+        parse_spec("x:y?threads=1&threads=2")
 
 
 def test_backends_satisfy_the_protocol(tiny_path):
