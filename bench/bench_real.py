@@ -129,10 +129,12 @@ def start_sdcp(workdir: Path, target_spec: str, draft_spec: str, draft_digest: s
     verifier_spec = f"{target_spec}{'&' if '?' in target_spec else '?'}threads={threads}"
     cluster.verifier("verifier", model=verifier_spec, max_wait_ms=1.0,
                      ttl_ms=5000, status_interval_s=0.5)
-    cluster.drafter("drafter", model=draft_spec, ttl_ms=5000, status_interval_s=0.5)
+    # generous timeouts: on a busy machine a first prefill can take seconds
+    cluster.drafter("drafter", model=draft_spec, ttl_ms=5000, status_interval_s=0.5,
+                    request_timeout_s=60.0, give_up_after_s=120.0)
     cluster.router(model=target_spec, drafter_models={"drafter": draft_digest}, m_init=m,
-                   stall_s=30.0, contract={"rule": 1, "m_max": m, "max_new": max_new,
-                                           "stop": [eos]})
+                   stall_s=60.0, request_timeout_s=60.0,
+                   contract={"rule": 1, "m_max": m, "max_new": max_new, "stop": [eos]})
     try:
         cluster.start(timeout=600)  # the first start may convert the GGUF file
         front = cluster.instances["router"].frontdoor_url
