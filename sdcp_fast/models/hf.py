@@ -199,7 +199,10 @@ class HFBackend(CachingBackend):
     def _new_session(self, prompt: list[int]) -> _Session:
         from transformers import DynamicCache
 
-        return _Session(committed=prompt, cache=DynamicCache())
+        # the packed pass writes each layer directly, so its layers exist from the start
+        # (full-attention layers only: supports_ragged); otherwise the model fills them
+        cache = DynamicCache(config=self.model.config) if self.ragged else DynamicCache()
+        return _Session(committed=prompt, cache=cache)
 
     def kv_bytes(self) -> int:
         """Bytes of K/V all sessions hold (what `max_kv_bytes` caps)."""

@@ -37,7 +37,7 @@ NAME = "sdcp_ragged"
 class Span:
     lo: int  # packed rows lo:hi are this session's new tokens
     hi: int
-    cache: object  # the session's transformers DynamicCache (batch 1)
+    cache: object  # the session's transformers DynamicCache (batch 1), its layers created
     mask: torch.Tensor | None  # bool [1, 1, hi - lo, past + hi - lo]; None: one token, or
     # no past (plain causal attention, which SDPA computes without a mask)
 
@@ -70,12 +70,12 @@ def ragged_attention(module, query, key, value, attention_mask, *, sdcp_ragged=N
     scale = kwargs.get("scaling")
     outs = []
     for span in sdcp_ragged.spans:
-        keys, values = span.cache.update(
-            key[:, :, span.lo : span.hi], value[:, :, span.lo : span.hi], module.layer_idx
-        )
+        lo, hi = span.lo, span.hi
+        layer = span.cache.layers[module.layer_idx]
+        keys, values = layer.update(key[:, :, lo:hi], value[:, :, lo:hi])  # the layer's cat
         outs.append(F.scaled_dot_product_attention(
-            query[:, :, span.lo : span.hi], keys, values, attn_mask=span.mask,
-            is_causal=span.mask is None and span.hi - span.lo > 1, scale=scale, enable_gqa=gqa,
+            query[:, :, lo:hi], keys, values, attn_mask=span.mask,
+            is_causal=span.mask is None and hi - lo > 1, scale=scale, enable_gqa=gqa,
         ))  # [1, H, hi - lo, Dh]
     return torch.cat(outs, dim=2).transpose(1, 2), None
 
