@@ -8,15 +8,15 @@
 1. The target, `hf:<SmolLM2 GGUF>`, loads in this process (converted once into $SDCP_CACHE).
 2. Chat prompts (ChatML through the tokenizer's template) are decoded greedily by
    transformers `generate()` on the target's model with its stock SDPA attention, one
-   prompt at a time, stopping at `<|im_end|>` or `--max-new`: the baseline, and the
-   reference output.
+   prompt at a time, stopping at `<|im_end|>` or `--max-new`: the reference output.
 3. The draft is prepared (`DRAFTS`, one entry per kind; `replay` writes the baseline's
    continuations to a file that a `replay:` drafter plays back: a draft that costs nothing
    and is always right, so the run measures the serving path itself).
 4. A router, a verifier (`hf:` target, `--threads` torch threads) and one drafter run as
-   processes (HTTP/2 + mutual TLS on loopback; `sdcp_fast.procs.Cluster`); the same prompts
-   go one at a time through the router's front door (rule 1, greedy; m fixed at `--m`;
-   stop at `<|im_end|>`), after one untimed warm-up request.
+   processes (HTTP/2 + mutual TLS on loopback; `sdcp_fast.procs.Cluster`). Then, prompt by
+   prompt, `generate()` runs again (timed) and the prompt goes through the router's front
+   door (rule 1, greedy; m fixed at `--m`; stop at `<|im_end|>`; timed), so that the load
+   of a shared machine weighs on both alike; one untimed warm-up of each comes first.
 5. With the processes stopped, the target's pass times are measured in this process at the
    prompts' mean context: one cached step t(1) and a pass over M + 1 new tokens t(M + 1).
    An always-right draft turns one pass into M + 1 tokens, so SDCP can beat one token per
@@ -93,20 +93,21 @@ DRAFTS = {
 
 
 @torch.no_grad()
-def generate_alone(backend, prompts: list[list[int]], max_new: int, eos: int):
+def generate_alone(backend, prompts: list[list[int]], max_new: int, eos: int, *, warm_up=True):
     """transformers generate(), greedy, one prompt at a time: (continuations, seconds each)."""
     model = backend.model
     own = model.config._attn_implementation
     model.set_attn_implementation("sdpa")  # the target alone, as transformers ships it
     try:
         outputs, seconds = [], []
-        for n, prompt in enumerate([prompts[0][:8]] + prompts):  # the first is a warm-up
+        for n, prompt in enumerate([prompts[0][:8]] * warm_up + prompts):
+            warming = warm_up and n == 0
             ids = torch.tensor([prompt])
             started = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new if n else 4, eos_token_id=eos,
+                                 max_new_tokens=4 if warming else max_new, eos_token_id=eos,
                                  pad_token_id=eos)
-            if n:
+            if not warming:
                 seconds.append(time.perf_counter() - started)
                 outputs.append(out[0, len(prompt):].tolist())
         return outputs, seconds
@@ -161,24 +162,42 @@ def wait_live(front: str, count: int, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def sdcp_generate(front: str, prompts: list[list[int]], max_new: int, eos: int):
+def sdcp_generate(front: str, prompts: list[list[int]], max_new: int, eos: int, *, warm_up=True):
     """Each prompt through the front door, one at a time: (continuations, seconds each)."""
     import httpx
 
     outputs, seconds = [], []
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as http:
-        for n, prompt in enumerate([prompts[0]] + prompts):  # the first is a warm-up
+        for n, prompt in enumerate([prompts[0]] * warm_up + prompts):
+            warming = warm_up and n == 0
             started = time.perf_counter()
             r = http.post(f"{front}/v1/generate", json={
-                "tokens": prompt, "max_new": max_new if n else 4, "stop": [eos], "stream": False})
+                "tokens": prompt, "max_new": 4 if warming else max_new, "stop": [eos],
+                "stream": False})
             elapsed = time.perf_counter() - started
             if r.status_code != 200:
                 raise RuntimeError(f"front door answered {r.status_code}: {r.text[:300]}")
-            if n:  # the end summary counts tokens; the generation's record lists them
+            if not warming:  # the end summary counts tokens; the generation's record lists them
                 info = http.get(f"{front}/v1/generations/{r.json()['id']}").json()
                 outputs.append(info["tokens"])
                 seconds.append(elapsed)
     return outputs, seconds
+
+
+def side_by_side(target, front: str, prompts: list[list[int]], max_new: int, eos: int):
+    """Per prompt, generate() and then SDCP, so that a machine whose load drifts weighs on
+    both alike: (generate outputs, generate seconds, SDCP outputs, SDCP seconds)."""
+    sdcp_generate(front, prompts[:1], 4, eos, warm_up=False)  # warm-ups, untimed
+    generate_alone(target, prompts[:1], 4, eos, warm_up=False)
+    alone, alone_s, sdcp, sdcp_s = [], [], [], []
+    for prompt in prompts:
+        out, seconds = generate_alone(target, [prompt], max_new, eos, warm_up=False)
+        alone += out
+        alone_s += seconds
+        out, seconds = sdcp_generate(front, [prompt], max_new, eos, warm_up=False)
+        sdcp += out
+        sdcp_s += seconds
+    return alone, alone_s, sdcp, sdcp_s
 
 
 def rounds_per_session(cluster) -> dict[str, list[dict]]:
@@ -258,9 +277,9 @@ def main() -> int:
         for text in PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
     ]
 
-    print(f"\ngenerate(), greedy, {len(prompts)} prompts one at a time, max {args.max_new} new tokens ...",
-          flush=True)
-    reference, alone_s = generate_alone(target, prompts, args.max_new, eos)
+    print(f"\ngenerate(), greedy, {len(prompts)} prompts one at a time, max {args.max_new} new tokens "
+          "(the reference output) ...", flush=True)
+    reference, _ = generate_alone(target, prompts, args.max_new, eos)
 
     keep = args.workdir is not None
     workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="sdcp-real-", dir=fast_tmp()))
@@ -275,9 +294,9 @@ def main() -> int:
         cluster, front = start_sdcp(workdir, target_spec, draft_spec, draft_digest, args.m,
                                     args.max_new, eos, args.threads)
         try:
-            print(f"serving after {time.perf_counter() - started:.1f} s; decoding the same prompts ...",
-                  flush=True)
-            outputs, sdcp_s = sdcp_generate(front, prompts, args.max_new, eos)
+            print(f"serving after {time.perf_counter() - started:.1f} s; each prompt by generate() "
+                  "again, then by SDCP ...", flush=True)
+            again, alone_s, outputs, sdcp_s = side_by_side(target, front, prompts, args.max_new, eos)
             rounds = rounds_per_session(cluster)
         finally:
             cluster.stop()
@@ -291,7 +310,9 @@ def main() -> int:
 
     header = f"{'prompt':>6} {'tokens':>6} {'generate tok/s':>14} {'SDCP tok/s':>10} {'speedup':>7} {'same':>4}"
     print("\n" + header + "\n" + "-" * len(header))
-    identical = True
+    if again != reference:
+        print("generate() gave different outputs on its second run", file=sys.stderr)
+    identical = again == reference
     for n, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
         same = ref == out
         identical &= same
