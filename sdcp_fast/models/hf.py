@@ -23,18 +23,19 @@ for a drafter's growing proposal) is prefix_cache.py, shared with the built-in b
 Batches: all sessions of a `score` go through ONE forward pass as a packed ragged batch
 (hf_ragged.py): the new tokens of every session in one row, each with its own position id,
 attention per session over its own cache through an attention function registered with
-transformers' AttentionInterface. No padding and no copy of any session's past. Measured
-against the alternatives on SmolLM2-135M (fp32, context 200, 1 thread, shared 2-core CPU,
-bench/RESULTS.md): one forward per session costs 4 to 7 times a batched pass at 4 and 8
-sessions; a left-padded batch over stacked per-session caches (`DynamicCache` rebuilt per
-pass) needs two extra copies of every session's K/V per pass, 15-23 ms at 8 sessions; the
-packed ragged pass ran within noise of transformers' own batched forward over one shared
-cache of equal lengths (profiled: 0.88 s against 1.09 s of CPU for 3 passes of 8 x 1
-token). So every shape the verifier (B x M + 1 rows) and the drafter (B x 1) use takes the
-packed pass; models whose attention cannot take it (sliding window, soft-capping, no
-AttentionInterface) are run one session per forward with their own attention, and so is
-nothing else. transformers' continuous-batching `PagedAttentionCache` was not used: it
-belongs to its own generation loop and has no crop for rejected positions.
+transformers' AttentionInterface. No padding and no copy of any session's past. Measured on
+SmolLM2-135M (fp32, context 200, 1 thread, shared 2-core CPU; bench/RESULTS.md, issue 13):
+one forward per session cost 3 to 7 times a batched pass at 4 and 8 sessions; a left-padded
+batch over per-session caches stacked into one `DynamicCache` cost up to 2.2 times
+transformers' own batched forward (two extra copies of every session's K/V per pass); the
+packed pass stayed within 10% of transformers' own cached forward over one shared cache at
+every shape the verifier (B x M + 1 rows) and the drafter (B x 1) use, 1 to 8 sessions x 1
+to 9 tokens (bench/bench_models.py). So every shape takes the packed pass. Models whose
+attention it cannot reproduce (sliding window, soft-capping, no AttentionInterface) run one
+session per forward with their own attention. transformers' continuous-batching
+`PagedAttentionCache` was not used: it is driven by its own request scheduler and block
+tables, and has no crop to drop rejected positions from one request.
+
 A pass computes at most `max_batch_tokens` (default 4096) new tokens; longer prefills run
 in chunks of that size, which bounds activation memory.
 
