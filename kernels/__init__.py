@@ -4,8 +4,9 @@ Public API:
 - `verify(batch, path=None) -> VerifyResult` over a ragged batch (see `batch.py` for layout).
 - `target_probs(logits, temperature_milli=None, top_k=None, top_p_milli=None, path=None)`.
 - `build_batch(logits, proposals, q=None)` from `ProposalInput` values.
-Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | triton), else
-Triton for CUDA tensors when triton imports, the CPU path otherwise.
+Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | native | triton),
+else Triton for CUDA tensors when triton imports; on CPU tensors the native op (csrc/, see
+native.py) when it is built, the torch CPU path (cpu.py) otherwise.
 """
 
 from .batch import (
