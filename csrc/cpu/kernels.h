@@ -142,7 +142,8 @@ struct IsaKernels {
 constexpr int kLadder = 12;  // thresholds of mass_below
 
 const IsaKernels& scalar_kernels();
-const IsaKernels* avx2_kernels();  // null where the AVX2 loops are not compiled (not x86-64)
+const IsaKernels* avx2_kernels();    // null where the AVX2 loops are not compiled (not x86-64)
+const IsaKernels* avx512_kernels();  // likewise
 
 // The one residual rule of every path (reference.py: finite q and p > q give p - q, else 0).
 inline double residual(double p, double q) { return (q - q == 0.0 && p - q > 0.0) ? p - q : 0.0; }

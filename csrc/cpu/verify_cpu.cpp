@@ -1,6 +1,5 @@
-// The CPU implementation of the sdcp ops: input checks, the two parallel phases, and the
-// choice of row loops (AVX2 when the CPU has it, the portable loops otherwise; the
-// environment variable SDCP_NATIVE_ISA=scalar forces the portable ones, for tests).
+// The CPU implementation of the sdcp ops: input checks, the schedules, and the choice of row
+// loops at run time (AVX-512 or AVX2 when the CPU has them, the portable loops otherwise).
 //
 // verify: one streaming pass per logits row gives its max, argmax and bad-row flag and, for
 // rows of rule-2 proposals with T > 0 up to the first rejection, the target distribution's
@@ -28,20 +27,27 @@ const IsaKernels& best_isa() {
   static const IsaKernels* best = [] {
 #if defined(__x86_64__) || defined(_M_X64)
     __builtin_cpu_init();
-    if (avx2_kernels() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-      return avx2_kernels();
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                      __builtin_cpu_supports("f16c");
+    if (avx512_kernels() && avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return avx512_kernels();
     }
+    if (avx2_kernels() && avx2) return avx2_kernels();
 #endif
     return &scalar_kernels();
   }();
   return *best;
 }
 
+// SDCP_NATIVE_ISA=scalar or =avx2 caps the loops (tests, and CPUs that slow down on AVX-512)
 const IsaKernels& choose_isa() {
+  const IsaKernels& best = best_isa();
   const char* force = std::getenv("SDCP_NATIVE_ISA");
   if (force && std::strcmp(force, "scalar") == 0) return scalar_kernels();
-  return best_isa();
+  if (force && std::strcmp(force, "avx2") == 0 && &best != &scalar_kernels()) return *avx2_kernels();
+  return best;
 }
 
 std::string cpu_capability() { return choose_isa().name; }
