@@ -3,6 +3,7 @@ of the same bytes, side by side in one run.
 
     .venv/bin/python bench/bench_kernels.py            # the grid below (a few minutes)
     .venv/bin/python bench/bench_kernels.py --quick    # the goal points only (B 8, M 8)
+    .venv/bin/python bench/bench_kernels.py --isa avx2 # the native op on its AVX2 loops
 
 What is timed: `sdcp_fast.kernels.verify(batch, path)` for path "native" and "cpu" on B
 proposals of M draft tokens, all rule 2, fp32 logits (randn * 2), drafts drawn from q near p
@@ -102,7 +103,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32_768, 131_072])
     ap.add_argument("--no-cpu", action="store_true", help="skip kernels/cpu.py (faster)")
+    ap.add_argument("--isa", choices=["auto", "avx2", "scalar"], default="auto",
+                    help="cap the native op's row loops (SDCP_NATIVE_ISA); auto = the best the CPU has")
     args = ap.parse_args()
+    if args.isa != "auto":
+        os.environ["SDCP_NATIVE_ISA"] = args.isa
     if not native.available():
         raise SystemExit(f"native op unavailable: {native.unavailable_reason()}")
 
@@ -142,7 +147,7 @@ def main() -> None:
     speedups = [r[5] for r in results if r[5] == r[5]]
     scalings = [r[6] for r in results]
     print(f"[kernels] load average at the end {os.getloadavg()[0]:.2f}")
-    print("SUMMARY bench_kernels: native/memcpy at B8 M8 default "
+    print(f"SUMMARY bench_kernels ({native.capability()} loops): native/memcpy at B8 M8 default "
           + " ".join(f"V{v}={r:.2f}" for v, r in goal.items()) + " (goal >= 0.5), filtered "
           + " ".join(f"V{v}={r:.2f}" for v, r in goal_f.items()) + " (goal >= 0.3); "
           + (f"native vs cpu.py median {statistics.median(speedups):.1f}x; " if speedups else "")

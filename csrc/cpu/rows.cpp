@@ -7,13 +7,14 @@
 //   row records the max of every group of kGroup tokens. Top-k: at least k tokens lie at or
 //   above the k-th largest group max, so only tokens above it (just below, for ties) can be
 //   among the k best; they are gathered from the groups whose max exceeds it, and the k best
-//   are picked by counting (kth_largest_key; ties keep smaller ids). Top-p without top-k: only
-//   tokens whose weight is at least (1 - p) / 2 * S / V can be in the top-p prefix (the tokens
-//   below hold less than (1 - p) S together), so they are gathered the same way. Weights
-//   and the prefix's cumulative mass are computed in double (exp per candidate), the prefix
-//   is found by a selection on mass (select_prefix); only the top-p target p * S of a row
-//   without top-k uses the float-pass S, and a decision within kSumRel of it is redone with
-//   S summed in double.
+//   are picked by counting (kth_largest_key; ties keep smaller ids). Top-p without top-k:
+//   whatever ranks below the top-p prefix holds at most (1 - p) S, so a logit below which the
+//   row holds less than that (top_p_floor: the highest of a ladder of thresholds, masses from
+//   one float pass with margin) bounds the candidates, gathered the same way. Candidate
+//   weights and the prefix's cumulative mass are computed in double, the prefix is found by a
+//   radix selection on mass (select_prefix); only the top-p target p * S of a row without
+//   top-k uses the float-pass S, and a decision within kSumRel of it is redone with S summed
+//   in double (on flat rows, where the boundary token weighs little, that is most rows).
 // - Acceptance: p(x) = exp((x - max) / T) / S with the numerator in double. For kept sets with
 //   S from the float pass, |S_float / S - 1| <= 6.2e-6 (exp: 1.9e-7 + 1.8e-7 u per term, with
 //   E_p[u] <= ln V; block sums: 40 * 2^-24); a uniform within kSumRel = 2.5e-5 (4x that) of
@@ -25,8 +26,8 @@
 #include "rows.h"
 
 #include <algorithm>
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <limits>
 

@@ -17,16 +17,7 @@ namespace sdcp::cpu::avx2 {
 namespace sdcp::cpu {
 
 const IsaKernels* avx2_kernels() {
-  static const IsaKernels k{"avx2",
-                            avx2::scan_impl,
-                            avx2::collect_above_impl,
-                            avx2::kth_largest_key,
-                            avx2::row_weights_impl,
-                            avx2::block_sums_impl,
-                            avx2::write_probs_impl,
-                            avx2::any_finite_negative_impl,
-                            avx2::mass_below_impl,
-                            avx2::weights_of_impl};
+  static const IsaKernels k = avx2::kernels_table("avx2");
   return &k;
 }
 

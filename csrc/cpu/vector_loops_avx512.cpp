@@ -10,6 +10,7 @@
 
 // GCC 12 warns about its own AVX-512 intrinsics headers (an undefined first operand)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include "simd_avx512.h"
 
 namespace sdcp::cpu::avx512 {
@@ -19,16 +20,7 @@ namespace sdcp::cpu::avx512 {
 namespace sdcp::cpu {
 
 const IsaKernels* avx512_kernels() {
-  static const IsaKernels k{"avx512",
-                            avx512::scan_impl,
-                            avx512::collect_above_impl,
-                            avx512::kth_largest_key,
-                            avx512::row_weights_impl,
-                            avx512::block_sums_impl,
-                            avx512::write_probs_impl,
-                            avx512::any_finite_negative_impl,
-                            avx512::mass_below_impl,
-                            avx512::weights_of_impl};
+  static const IsaKernels k = avx512::kernels_table("avx512");
   return &k;
 }
 

@@ -13,16 +13,7 @@ namespace sdcp::cpu::scalar {
 namespace sdcp::cpu {
 
 const IsaKernels& scalar_kernels() {
-  static const IsaKernels k{"scalar",
-                            scalar::scan_impl,
-                            scalar::collect_above_impl,
-                            scalar::kth_largest_key,
-                            scalar::row_weights_impl,
-                            scalar::block_sums_impl,
-                            scalar::write_probs_impl,
-                            scalar::any_finite_negative_impl,
-                            scalar::mass_below_impl,
-                            scalar::weights_of_impl};
+  static const IsaKernels k = scalar::kernels_table("scalar");
   return k;
 }
 
