@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import NotFound, object_uri
+from ..cache import NotFound
 from ..core.control import AcceptanceEstimate, choose_m, clamp_m_init
 from ..core.digest import chain, extend_digest, prefix_digest
 from ..core.messages import (
@@ -44,6 +44,7 @@ from ..core.messages import (
 )
 from ..core.problems import Kind
 from ..models.base import ModelError
+from ..refs import draft_kv_ref, q_rows_ref
 from ..transport import TransportError
 from .drafting import DraftRequest
 
@@ -158,7 +159,7 @@ class DraftSession:
                 backend.release(self.id)
         blob = None
         with contextlib.suppress(NotFound, Exception):
-            blob = await self.service.store.get(self.service.draft_kv_ref(self))
+            blob = await self.service.store.get(draft_kv_ref(self.id, self.contract.scope))
         async with lock:
             if blob is not None:
                 try:
@@ -237,8 +238,7 @@ class DraftSession:
         try:
             if self.rule == RULE_SPECULATIVE:
                 rows_tensor = torch.stack(rows).contiguous()            # [M, V]
-                q_ref = object_uri(f"q/{self.id.hex()}/{self.epoch}/{self.round + 1}/{self.seq}",
-                                   self.contract.scope)
+                q_ref = q_rows_ref(self.id, self.epoch, self.round + 1, self.seq, self.contract.scope)
                 leased.append(q_ref)      # before the put: a put cut short may have stored it
                 await self.service.put_leased(q_ref, rows_tensor.numpy().tobytes())
             if self.service.config.publish_draft_kv:

@@ -48,17 +48,19 @@ from .http import (
     ANY_CALLER,
     SDCP_MEDIA_TYPE,
     Authorizer,
+    Call,
     Handler,
     Request,
     Response,
     Router,
+    message_response,
     problem_response,
 )
 from .server import Server, serve
 from .tlsconfig import TLSConfig
 
 __all__ = [
-    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "CertPaths", "Client", "ClientResponse",
+    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Client", "ClientResponse",
     "Handler", "Request", "RequestTimeout", "Response", "Router", "Server", "TLSConfig",
-    "TransportError", "make_certs", "problem_response", "serve",
+    "TransportError", "make_certs", "message_response", "problem_response", "serve",
 ]
