@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from .core.messages import Event, Status
 from .refs import encode_instance_id
+from .transport import call
 
 log = logging.getLogger("sdcp_fast.reports")
 
@@ -30,8 +31,7 @@ class RouterLink:
         url = f"{self.router_uri}/instances/{encode_instance_id(self.instance_uri)}/status"
         while True:
             try:
-                await self.client.request("PUT", url, status().to_cbor(), idempotent=True,
-                                          timeout=self.timeout_s)
+                await call(self.client, "PUT", url, status(), timeout=self.timeout_s)
             except Exception as exc:
                 log.debug("status report failed: %s", exc)
             await asyncio.sleep(interval_s)
@@ -42,9 +42,8 @@ class RouterLink:
         url = f"{self.router_uri}/events"
         for attempt in range(attempts):
             try:
-                response = await self.client.request("POST", url, event.to_cbor(), idempotent=True,
-                                                     timeout=self.timeout_s)
-                if response.status < 500:
+                reply = await call(self.client, "POST", url, event, timeout=self.timeout_s)
+                if reply.status < 500:
                     return
             except Exception as exc:
                 log.warning("event to router failed (attempt %d): %s", attempt + 1, exc)

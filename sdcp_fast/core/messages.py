@@ -453,7 +453,7 @@ class Status(Message):
 @dataclass(frozen=True)
 class Proposal(Message):
     """M proposed tokens. M == 0 decodes here and is refused by the session as sdcp-limit
-    (NOTES.md), so that a drafter learns which limit it broke rather than a bare 400."""
+    (../shared/spec/NOTES.md), so that a drafter learns which limit it broke rather than a bare 400."""
 
     session: bytes
     epoch: int

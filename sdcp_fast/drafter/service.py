@@ -183,7 +183,7 @@ class DrafterService:
 
     # ------------------------------------------------------------------ verdict bookkeeping
 
-    def drop_verdict(self, session: DraftSession, verdict: Verdict, body: bytes) -> bool:
+    def drop_verdict(self, session: DraftSession, verdict: Verdict) -> bool:
         """Test hook: drop the first `drop_verdicts` verdicts as if lost in transit."""
         if self._drops_left <= 0:
             return False

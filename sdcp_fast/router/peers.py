@@ -21,7 +21,7 @@ from typing import TypeVar
 from ..core.messages import Assignment, Output, Policy, SessionOpen, SessionState
 from ..core.problems import Kind
 from ..refs import encode_session_id
-from ..transport import ClientResponse, TransportError
+from ..transport import TransportError, call
 
 log = logging.getLogger("sdcp_fast.router.peers")
 M = TypeVar("M")
@@ -68,24 +68,13 @@ class Peers:
 
     async def _call(self, method: str, target: str, msg, answer: type[M] | None, *,
                     timeout: float | None = None) -> M | None | Refused:
-        body = msg.to_cbor() if msg is not None else None
         try:
-            response: ClientResponse = await self.client.request(
-                method, target, body, idempotent=True, timeout=timeout or self.timeout_s)
+            reply = await call(self.client, method, target, msg, answer, timeout=timeout or self.timeout_s)
         except TransportError as exc:
             log.info("%s %s: %s", method, target, exc)
             return Refused(None, f"no answer: {exc}")
-        expected = 200 if answer is not None else 204
-        if response.status != expected:
-            problem = response.problem()
-            if problem is not None:
-                detail = f"{problem.kind.suffix}: {problem.detail}" if problem.detail else problem.kind.suffix
-                return Refused(problem.kind, detail)
-            return Refused(None, f"HTTP {response.status}")
-        if answer is None:
-            return None
-        try:
-            return answer.from_cbor(response.body)   # type: ignore[attr-defined]
-        except Exception as exc:   # a peer that answers garbage is as good as none
-            log.warning("%s %s: bad %s: %s", method, target, answer.__name__, exc)
-            return Refused(None, f"bad {answer.__name__}: {exc}")
+        if not reply.ok:
+            if reply.problem is None and reply.status == (200 if answer else 204):
+                log.warning("%s %s: %s", method, target, reply.detail)   # an undecodable answer
+            return Refused(reply.kind, reply.detail)
+        return reply.message
