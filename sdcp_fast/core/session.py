@@ -2,7 +2,8 @@
 
 Every transition is in `TRANSITIONS`, and `_move` is the only code that changes `state`:
 every method either moves the session along one row of that table or refuses with a
-`ProblemError` (tests/core/test_session_table.py walks every (state, event) pair). The caller (the verifier role) does all IO:
+`ProblemError` (tests/core/test_session_table.py walks every (state, event) pair). The
+caller (the verifier role) does all IO:
 
     session = VerifierSession.open(msg, model_digest=..., prompt=[...])
     session.assign(assignment)                                   -> SessionState
@@ -10,6 +11,7 @@ every method either moves the session along one row of that table or refuses wit
     record = session.complete(job, accepted, extra, load)        -> CommitRecord
       (or session.refuse(job, problem) when q rows were unavailable or bad)
     verdict = session.commit_result(appended=True)               -> Verdict | None (self round)
+      (or session.commit_failed() when nothing could be appended)
     job = session.next_self_job(load)                            -> Job | None
     session.output(start)                                        -> Output | None (wait)
     session.take_events()                                        -> [Event] for the router

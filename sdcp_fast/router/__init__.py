@@ -10,8 +10,8 @@ and serves clients through its front door.
 from .frontdoor import FrontDoor
 from .peers import Peers, Refused
 from .registry import Registry
-from .service import LADDER_NAMES, ContractDefaults, RouterConfig, RouterService
+from .service import ContractDefaults, RouterConfig, RouterService
 from .sessions import RouterSession
 
-__all__ = ["LADDER_NAMES", "ContractDefaults", "FrontDoor", "Peers", "Refused", "Registry", "RouterConfig",
+__all__ = ["ContractDefaults", "FrontDoor", "Peers", "Refused", "Registry", "RouterConfig",
            "RouterService", "RouterSession"]

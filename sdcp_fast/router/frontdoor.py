@@ -39,7 +39,7 @@ from .service import RouterService
 from .sessions import RouterSession
 
 log = logging.getLogger("sdcp_fast.router.frontdoor")
-HEARTBEAT_S = 15.0
+RECHECK_S = 15.0      # a stream looks again at least this often, changed or not
 
 
 class HTTPError(Exception):
@@ -145,7 +145,7 @@ class FrontDoor:
                 yield _event("end", self._end(s, decode(s.tokens)))
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), HEARTBEAT_S)
+                await asyncio.wait_for(changed.wait(), RECHECK_S)
 
     def _end(self, s: RouterSession, text: str) -> dict:
         return {"id": s.id.hex(), "finish": s.finish.name.lower() if s.finish else None,

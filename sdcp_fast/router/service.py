@@ -72,10 +72,6 @@ from .sessions import RouterSession
 
 log = logging.getLogger("sdcp_fast.router")
 
-LADDER_NAMES = {"reduce": Action.REDUCE, "switch": Action.SWITCH,
-                "self_decode": Action.SELF_DECODE, "fail": Action.FAIL}
-
-
 @dataclass(frozen=True)
 class ContractDefaults:
     """Contract members a generation request may leave out."""

@@ -286,9 +286,12 @@ class VerifierService:
     # ------------------------------------------------------------------ retiring sessions
 
     async def _retire(self, served: ServedSession) -> None:
-        """Drop the session's record and its backend state (if it is still the one served)."""
-        if self.sessions.drop(served):
-            await self.target.release(served.id)
+        """Drop the session's record and its backend state (if it is still the one served).
+        Under the id's open lock: an open of the same id waits, so the release can never hit
+        the model state of the session that open creates."""
+        async with self.sessions.open_locks.hold(served.id):
+            if self.sessions.drop(served):
+                await self.target.release(served.id)
 
     async def _forget_later(self, served: ServedSession) -> None:
         await asyncio.sleep(self.config.closed_keep_s)
