@@ -15,8 +15,9 @@ buffers (one thread); every GB/s counts each byte once, so ratio = native GB/s /
 = memcpy time / native time. Goals (issue 15): ratio >= 0.5 for the default profile and
 >= 0.3 for the filtered one at B 8, M 8, V 32k and 128k, one thread.
 Threads: native, cpu and memcpy run interleaved round by round at torch.set_num_threads(1)
-(medians over --repeats rounds, after one warm-up); native runs again at 2 threads for the
-scaling column. The load average is printed at start and end: the development machine is
+(medians over --repeats rounds, after one warm-up; --clock thread times them by the calling
+thread's CPU time, which a busy machine disturbs less); the scaling column is native's wall
+time at 1 thread over 2 threads. The load average is printed at start and end: the development machine is
 shared, so a busy second core shows up in the 2-thread figures first.
 The last line (SUMMARY) is meant for scripts.
 """
@@ -61,14 +62,20 @@ def needed_bytes(batch) -> int:
     return rows * vocab * batch.logits.element_size() + batch.num_proposals * vocab * 4
 
 
+CLOCK = {"wall": time.perf_counter, "thread": time.thread_time}
+clock = CLOCK["wall"]
+
+
 def timed(fn) -> float:
-    start = time.perf_counter()
+    start = clock()
     fn()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def measure(batch, repeats: int, with_cpu: bool) -> dict[str, float]:
-    """Median seconds per call: native, cpu (optional), memcpy at 1 thread; native at 2."""
+    """Seconds per call: medians of native, cpu (optional) and memcpy at 1 thread on the chosen
+    clock, interleaved round by round; then native at 1 and 2 threads on the wall clock (a
+    thread clock misses the second thread), for the scaling column."""
     nbytes = needed_bytes(batch)
     src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
@@ -76,12 +83,9 @@ def measure(batch, repeats: int, with_cpu: bool) -> dict[str, float]:
     def memcpy():
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
 
-    def run(path):
-        return lambda: verify(batch, path)
-
-    fns = {"native": run("native"), "memcpy": memcpy}
+    fns = {"native": lambda: verify(batch, "native"), "memcpy": memcpy}
     if with_cpu:
-        fns["cpu"] = run("cpu")
+        fns["cpu"] = lambda: verify(batch, "cpu")
     times: dict[str, list[float]] = {k: [] for k in fns}
     torch.set_num_threads(1)
     for fn in fns.values():
@@ -90,9 +94,13 @@ def measure(batch, repeats: int, with_cpu: bool) -> dict[str, float]:
         for name, fn in fns.items():
             times[name].append(timed(fn))
     out = {name: statistics.median(ts) for name, ts in times.items()}
-    torch.set_num_threads(2)
-    fns["native"]()
-    out["native2"] = statistics.median(timed(fns["native"]) for _ in range(repeats))
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        fns["native"]()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fns["native"]()
+        out[f"wall{threads}"] = (time.perf_counter() - start) / repeats
     torch.set_num_threads(1)
     return out
 
@@ -105,7 +113,11 @@ def main() -> None:
     ap.add_argument("--no-cpu", action="store_true", help="skip kernels/cpu.py (faster)")
     ap.add_argument("--isa", choices=["auto", "avx2", "scalar"], default="auto",
                     help="cap the native op's row loops (SDCP_NATIVE_ISA); auto = the best the CPU has")
+    ap.add_argument("--clock", choices=sorted(CLOCK), default="wall",
+                    help="thread: CPU time of the calling thread, steadier on a shared machine")
     args = ap.parse_args()
+    global clock
+    clock = CLOCK[args.clock]
     if args.isa != "auto":
         os.environ["SDCP_NATIVE_ISA"] = args.isa
     if not native.available():
@@ -119,8 +131,8 @@ def main() -> None:
         if not args.quick:
             points += [("top-p 0.9", vocab, 8, 8)]
 
-    print(f"[kernels] native loops: {native.capability()}; torch {torch.__version__}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"[kernels] native loops: {native.capability()}; {args.clock} clock; torch "
+          f"{torch.__version__}; load average {os.getloadavg()[0]:.2f}")
     print(f"{'profile':<26}{'V':>7}{'B':>4}{'M':>3} {'MB':>6} | {'native ms':>9} {'GB/s':>6} "
           f"{'ratio':>6} | {'cpu.py ms':>9} {'GB/s':>6} {'ratio':>6} | {'memcpy GB/s':>11} | "
           f"{'native x cpu':>12} | {'2 thr ms':>8} {'scaling':>7}")
@@ -134,10 +146,10 @@ def main() -> None:
         cpu_cols = (f"{t['cpu'] * 1e3:9.2f} {gbps['cpu']:6.2f} {t['memcpy'] / t['cpu']:6.3f}"
                     if "cpu" in t else f"{'-':>9} {'-':>6} {'-':>6}")
         speedup = t["cpu"] / t["native"] if "cpu" in t else float("nan")
-        scaling = t["native"] / t["native2"]
+        scaling = t["wall1"] / t["wall2"]
         print(f"{profile:<26}{vocab:>7}{b:>4}{m:>3} {nbytes / 2**20:6.1f} | "
               f"{t['native'] * 1e3:9.3f} {gbps['native']:6.2f} {ratio:6.3f} | {cpu_cols} | "
-              f"{gbps['memcpy']:11.2f} | {speedup:11.1f}x | {t['native2'] * 1e3:8.3f} "
+              f"{gbps['memcpy']:11.2f} | {speedup:11.1f}x | {t['wall2'] * 1e3:8.3f} "
               f"{scaling:6.2f}x", flush=True)
         results.append((profile, vocab, b, m, ratio, speedup, scaling))
 
@@ -147,7 +159,8 @@ def main() -> None:
     speedups = [r[5] for r in results if r[5] == r[5]]
     scalings = [r[6] for r in results]
     print(f"[kernels] load average at the end {os.getloadavg()[0]:.2f}")
-    print(f"SUMMARY bench_kernels ({native.capability()} loops): native/memcpy at B8 M8 default "
+    print(f"SUMMARY bench_kernels ({native.capability()} loops, {args.clock} clock): "
+          "native/memcpy at B8 M8 default "
           + " ".join(f"V{v}={r:.2f}" for v, r in goal.items()) + " (goal >= 0.5), filtered "
           + " ".join(f"V{v}={r:.2f}" for v, r in goal_f.items()) + " (goal >= 0.3); "
           + (f"native vs cpu.py median {statistics.median(speedups):.1f}x; " if speedups else "")
