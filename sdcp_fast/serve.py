@@ -247,7 +247,8 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
         built.closers.insert(0, page.stop)
         built.ready["frontdoor_port"] = page.port
         built.ready["model_name"] = name
-        built.urls.insert(0, f"OpenAI API at {web_url(host, page.port, '/v1', r.frontdoor_tls)}")
+        built.urls[:0] = [f"OpenAI API at {web_url(host, page.port, '/v1', r.frontdoor_tls)}",
+                          f"metrics {web_url(host, page.port, '/metrics', r.frontdoor_tls)}"]
     return built
 
 
