@@ -75,6 +75,7 @@ class TextStream:
     def _tokens_to(self, tokens: Sequence[int], chars: int) -> int:
         """The fewest tokens whose text holds the first `chars` characters."""
         for n in range(1, len(tokens) + 1):
-            if len(self.text_of(tokens[:n])) >= chars:
+            # a character still incomplete decodes as U+FFFD: it does not count yet
+            if len(self.text_of(tokens[:n]).rstrip("\ufffd")) >= chars:
                 return n
         return len(tokens)

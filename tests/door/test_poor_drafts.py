@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import openai
 import pytest
-from door_support import MODEL_NAME, demo_cluster, greedy_text, metrics_url, never_agreeing_draft, scrape, wait_live
+from door_support import (
+    MODEL_NAME,
+    demo_cluster,
+    greedy_text,
+    metrics_url,
+    never_agreeing_draft,
+    scrape,
+    wait_live,
+)
 
 from sdcp_fast.models import load_backend
 
