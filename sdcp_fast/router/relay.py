@@ -45,7 +45,7 @@ class OutputRelay:
                     await fetch
                 continue
             out = fetch.result()
-            if s.done:                  # cancelled meanwhile: nothing more is taken
+            if s.cancelled is not None:   # cancelled meanwhile: nothing more is taken
                 return
             if isinstance(out, Refused):
                 if out.kind == Kind.STALE_EPOCH:
