@@ -66,7 +66,7 @@ def _dequantise(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
     out = {}
     for name in names:
         t = tensors[name]
-        values = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
         shape = [int(s) for s in reversed(t.shape)]  # ggml lists dimensions innermost first
-        out[name] = torch.from_numpy(np.ascontiguousarray(values).reshape(shape)).clone()
+        out[name] = torch.from_numpy(values.reshape(shape))
     return out

@@ -121,12 +121,16 @@ class TinyBackend:
         if not prompt:
             raise InvalidTokens("empty prompt: the model has no BOS token to start from")
         self._check_length(len(prompt))
-        self._sessions[session] = _Session(committed=prompt)
+        self._sessions[session] = self._new_session(prompt)
         try:
             self.score([(session, [])])  # prefill; also caches the first row of logits
         except BaseException:
             self.release(session)
             raise
+
+    def _new_session(self, committed: list[int]) -> _Session:
+        """A session's state (a subclass may attach its own resources, or refuse)."""
+        return _Session(committed=committed)
 
     def committed(self, session: bytes) -> list[int]:
         return list(self._get(session).committed)
@@ -288,7 +292,7 @@ class TinyBackend:
             raise KVImportError(f"KV shape {list(blob.kv.shape)} does not match model {expect}")
         if blob.kv is None and blob.kv_tokens:
             raise KVImportError("KV blob claims cached tokens but carries no K/V")
-        s = _Session(committed=committed)
+        s = self._new_session(committed)
         if blob.kv_tokens:
             need = self._capacity_for(blob.kv_tokens, cfg.max_seq_len) * self._bytes_per_position
             if self.kv_bytes() + need > self.max_kv_bytes:
