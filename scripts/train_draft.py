@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -225,7 +224,7 @@ def train(args, work: Path, data: list[dict], gguf: Path, sha: str) -> None:
         model.eval()
         loss_sum, agree, n = 0.0, 0, 0
         with torch.no_grad():
-            for group in batches(val_set, args.batch, random.Random(0)):
+            for group in batches(val_set, min(args.batch, len(val_set)), random.Random(0)):
                 loss, a, m = distil_loss(model, *collate(group, index_of))
                 loss_sum += loss.item() * m
                 agree += a

@@ -39,7 +39,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np

@@ -19,13 +19,13 @@ embedding.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from .base import BackendSpecError

@@ -78,7 +78,7 @@ def test_matches_brute_force_over_random_sessions(seed):
     g = torch.Generator().manual_seed(seed)
     be = NgramBackend(ByteTokenizer(), n=3, min_n=1)
     sessions = {}
-    for step in range(60):
+    for _ in range(60):
         sid = bytes([int(torch.randint(0, 3, (), generator=g))])
         if sid not in sessions:
             sessions[sid] = torch.randint(0, 6, (5,), generator=g).tolist()
