@@ -37,9 +37,10 @@ from sdcp_fast.core.messages import (  # noqa: E402
     Verdict,
 )
 from sdcp_fast.models import load_backend  # noqa: E402
+from sdcp_fast.refs import encode_session_id  # noqa
 from sdcp_fast.transport import Request  # noqa: E402
 from sdcp_fast.transport.http import dispatch  # noqa: E402
-from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService, encode_session_id  # noqa: E402
+from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService  # noqa: E402
 
 ROUTER, DRAFTER, VERIFIER = "https://router/", "https://drafter/", "https://verifier/"
 

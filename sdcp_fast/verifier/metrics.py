@@ -1,17 +1,16 @@
 """Counters and histograms in the Prometheus text format, served on a port of their own.
 
 Kept deliberately small (no client library): labelled counters and fixed-bucket histograms,
-rendered on demand. The metrics port speaks plain HTTP/1.1 and only answers GET /metrics.
+rendered on demand. `MetricsPage` is the plain-HTTP handler that answers GET /metrics (the
+composition root serves it with `transport.asgi.serve_web`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import logging
 from collections import defaultdict
 
-log = logging.getLogger("sdcp_fast.metrics")
+from ..transport.asgi import WebRequest, WebResponse
 
 BUCKETS = {
     "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -75,23 +74,15 @@ def _labels(labels: tuple) -> str:
     return "{" + inner + "}"
 
 
-async def serve_metrics(metrics: Metrics, host: str, port: int) -> asyncio.Server:
-    """GET /metrics over plain HTTP/1.1 (scrapers rarely speak mTLS; the port is separate)."""
+class MetricsPage:
+    """GET /metrics (scrapers rarely speak mTLS: the page has a port of its own)."""
 
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            path = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
-            if head.startswith(b"GET ") and path.split(b"?")[0] == b"/metrics":
-                body, status = metrics.render().encode(), b"200 OK"
-            else:
-                body, status = b"not found\n", b"404 Not Found"
-            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; version=0.0.4\r\n"
-                         b"content-length: " + str(len(body)).encode() + b"\r\nconnection: close\r\n\r\n" + body)
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    CONTENT_TYPE = "text/plain; version=0.0.4"
 
-    return await asyncio.start_server(handle, host, port, limit=16384)
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    async def handle(self, request: WebRequest) -> WebResponse:
+        if request.method == "GET" and request.path == "/metrics":
+            return WebResponse(200, self.metrics.render().encode(), self.CONTENT_TYPE)
+        return WebResponse(404, b"not found\n", self.CONTENT_TYPE)
