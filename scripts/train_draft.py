@@ -20,7 +20,8 @@ final norm, and FR-Spec's reduced head: the `--keep` tokens most frequent in the
 Phases, each bounded in time and resumable (state under $SDCP_CACHE/train-draft/):
   1. generate: replies to the prompts, saved in shards as they finish;
   2. train: AdamW over the layers and the final norm, checkpointed every few minutes;
-  3. write sdcp_fast/models/distilled/smollm2-draft.safetensors (fp16, about 16 MB).
+  3. write the draft (fp16, about 16 MB) to $SDCP_CACHE/train-draft/smollm2-draft.safetensors,
+     where `distilled:smollm2` finds it (or --out sdcp_fast/models/distilled/... to ship it).
 The log goes to stdout and to $SDCP_CACHE/train-draft/train.log.
 """
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draft_prompts import training_prompts  # noqa: E402
 
 from sdcp_fast.models.distilled import (  # noqa: E402
-    SHIPPED,
+    DRAFT_NAME,
     build_model,
     save_draft,
     target_config,
@@ -279,7 +280,7 @@ def train(args, work: Path, data: list[dict], gguf: Path, sha: str) -> None:
                     "val_loss": round(vl, 4), "val_top1_agreement": round(va, 4), "keep": args.keep,
                     "teacher": "llama.cpp, the target's GGUF", "prompts": "scripts/draft_prompts.py"},
     }
-    out = Path(args.out)
+    out = Path(args.out) if args.out else work / DRAFT_NAME
     ensure_dir(out.parent)
     save_draft(model, meta, out)
     log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): val loss {vl:.3f}, top-1 agreement {va:.3f}")
@@ -302,7 +303,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training")
     ap.add_argument("--gen-threads", type=int, default=1,
                     help="llama.cpp threads (its OpenMP threads spin: on a shared machine 1 is faster)")
-    ap.add_argument("--out", default=str(SHIPPED[SMOLLM2]))
+    ap.add_argument("--out", default=None,
+                    help="draft file (default $SDCP_CACHE/train-draft/smollm2-draft.safetensors, "
+                         "where distilled:smollm2 finds it; sdcp_fast/models/distilled/ to ship it)")
     ap.add_argument("--work", default=None, help="state folder (default $SDCP_CACHE/train-draft)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

