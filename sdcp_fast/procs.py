@@ -11,7 +11,9 @@
 
 Every instance gets a fresh port (TCP and UDP free), a certificate whose URI SAN is
 `https://127.0.0.1:PORT/`, the shared embedded store and file commit log of the workdir,
-and a log file `<name>.log`. Children are started in their own process group and ask the
+a config written from the schema of config.py (`<name>.toml`, by tomli-w), and a log file
+`<name>.log`. Options of `verifier`, `drafter` and `router` are members of the role's table
+(config.VerifierSection, DrafterSection, RouterSection); `contract` those of ContractSection. Children are started in their own process group and ask the
 kernel to SIGTERM them if this process dies, so nothing outlives the demo or a test.
 
 `free_port` here checks UDP as well as TCP (an instance serves HTTP/3 on the same number),
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -34,6 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from . import config as schema
+from .config import (
+    ContractSection,
+    DrafterEntry,
+    DrafterSection,
+    InstanceConfig,
+    RouterSection,
+    VerifierSection,
+)
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,50 +67,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError("no free port")
 
 
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)          # a TOML basic string is JSON-compatible
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def toml_dumps(config: dict[str, Any]) -> str:
-    """Enough TOML for our configs: scalars and lists, tables, arrays of tables, nested."""
-    lines: list[str] = []
-
-    def emit(table: dict[str, Any], prefix: str) -> None:
-        for key, value in table.items():
-            if not isinstance(value, dict) and not _table_list(value):
-                lines.append(f"{key} = {toml_value(value)}")
-        for key, value in table.items():
-            name = f"{prefix}{key}"
-            if isinstance(value, dict):
-                lines.extend(["", f"[{name}]"])
-                emit(value, name + ".")
-            elif _table_list(value):
-                for item in value:
-                    lines.extend(["", f"[[{name}]]"])
-                    emit(item, name + ".")
-
-    emit(config, "")
-    return "\n".join(lines) + "\n"
-
-
-def _table_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
-
-
 @dataclass
 class Instance:
     role: str
     name: str
     port: int
-    config: dict[str, Any]
+    config: InstanceConfig
     workdir: Path
     popen: subprocess.Popen | None = None
     info: dict[str, Any] = field(default_factory=dict)
@@ -183,42 +159,46 @@ class Cluster:
     def router_uri(self) -> str:
         return f"https://127.0.0.1:{self.router_port}/"
 
-    def _common(self, role: str, name: str, port: int, model: str) -> dict[str, Any]:
-        return {"role": role, "uri": f"https://127.0.0.1:{port}/", "listen": f"127.0.0.1:{port}",
-                "certs": str(self.certs), "protocol": self.protocol, "model": model,
-                "store": self.store, "ready_file": str(self.workdir / f"{name}.ready"),
-                "log_level": self.log_level}
+    def _config(self, role: str, name: str, port: int, model: str, **members: Any) -> InstanceConfig:
+        return InstanceConfig(role=role, uri=f"https://127.0.0.1:{port}/", listen=f"127.0.0.1:{port}",
+                              certs=str(self.certs), protocol=self.protocol, model=model,
+                              store=self.store, ready_file=str(self.workdir / f"{name}.ready"),
+                              log_level=self.log_level, **members)
 
     def verifier(self, name: str, *, model: str, **options: Any) -> Instance:
         port = free_port()
-        config = self._common("verifier", name, port, model)
-        config["commit_log"] = self.commit_log
-        config["verifier"] = {"routers": [self.router_uri], "router_uri": self.router_uri,
-                              "ttl_ms": 1500, "status_interval_s": 0.25, "output_wait_s": 2.0,
-                              **options}
+        section = VerifierSection(**{"routers": [self.router_uri], "router_uri": self.router_uri,
+                                     "ttl_ms": 1500, "status_interval_s": 0.25, "output_wait_s": 2.0,
+                                     **options})
+        config = self._config("verifier", name, port, model, commit_log=self.commit_log, verifier=section)
         return self._add(Instance("verifier", name, port, config, self.workdir))
 
     def drafter(self, name: str, *, model: str, **options: Any) -> Instance:
         port = free_port()
-        config = self._common("drafter", name, port, model)
-        config["drafter"] = {"routers": [self.router_uri], "router_uri": self.router_uri,
-                             "ttl_ms": 1000, "status_interval_s": 0.2,
-                             "rounds_log": str(self.workdir / f"{name}.rounds.jsonl"), **options}
+        section = DrafterSection(**{"routers": [self.router_uri], "router_uri": self.router_uri,
+                                    "ttl_ms": 1000, "status_interval_s": 0.2,
+                                    "rounds_log": str(self.workdir / f"{name}.rounds.jsonl"), **options})
+        config = self._config("drafter", name, port, model, drafter=section)
         return self._add(Instance("drafter", name, port, config, self.workdir))
 
     def router(self, *, model: str, drafter_models: dict[str, str], contract: dict[str, Any] | None = None,
                name: str = "router", **options: Any) -> Instance:
         """`drafter_models`: drafter name -> its model's digest (hex)."""
         port = self.router_port
-        config = self._common("router", name, port, model)
-        config["commit_log"] = self.commit_log
         verifiers = [i.uri for i in self.instances.values() if i.role == "verifier"]
-        drafters = [{"uri": self.instances[n].uri, "model_digest": d} for n, d in drafter_models.items()]
-        config["router"] = {"verifiers": verifiers, "frontdoor": f"127.0.0.1:{free_port()}",
-                            "stall_s": 5.0, **options, "drafters": drafters}
-        if contract:
-            config["router"]["contract"] = contract
+        drafters = [DrafterEntry(self.instances[n].uri, model_digest=d) for n, d in drafter_models.items()]
+        section = RouterSection(**{"verifiers": verifiers, "frontdoor": f"127.0.0.1:{free_port()}",
+                                   "stall_s": 5.0, **options, "drafters": drafters,
+                                   "contract": ContractSection(**(contract or {}))})
+        config = self._config("router", name, port, model, commit_log=self.commit_log, router=section)
         return self._add(Instance("router", name, port, config, self.workdir))
+
+    def add(self, name: str, config: InstanceConfig) -> Instance:
+        """An instance from a config written elsewhere (`sdcp-fast up DIR`): it runs as
+        written, with relative paths relative to the workdir, where its ready file goes."""
+        port = urlsplit(config.uri).port or 443
+        config = dataclasses.replace(config, ready_file=str(self.workdir / f"{name}.ready"))
+        return self._add(Instance(config.role, name, port, config, self.workdir))
 
     def _add(self, instance: Instance) -> Instance:
         if instance.name in self.instances:
@@ -229,16 +209,23 @@ class Cluster:
     # ------------------------------------------------------------------ processes
 
     def start(self, timeout: float = 60.0) -> None:
-        """Certificates for every instance, configs, processes; wait until all serve."""
-        from .transport.certs import make_certs
+        """Certificates for every instance (from the CA of its certs directory, made there if
+        missing; a directory holding a CA certificate without its key is the operator's and is
+        used as it is), configs, processes; wait until all serve."""
+        from .transport.certs import CA_CERT_FILE, CA_KEY_FILE, make_certs
 
-        make_certs(self.certs, [i.uri for i in self.instances.values()])
+        by_dir: dict[Path, list[str]] = {}
+        for i in self.instances.values():
+            by_dir.setdefault(self.workdir / i.config.certs, []).append(i.uri)
+        for directory, uris in by_dir.items():
+            if (directory / CA_KEY_FILE).is_file() or not (directory / CA_CERT_FILE).is_file():
+                make_certs(directory, uris)
         for instance in self.instances.values():
             self.launch(instance)
         self.wait_ready(list(self.instances.values()), timeout)
 
     def launch(self, instance: Instance) -> None:
-        instance.config_path.write_text(toml_dumps(instance.config))
+        instance.config_path.write_text(schema.dumps(instance.config))
         instance.ready_path.unlink(missing_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads),
                "MKL_NUM_THREADS": str(self.threads)}
@@ -246,7 +233,7 @@ class Cluster:
         instance.popen = subprocess.Popen(
             [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
              str(instance.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.workdir,
             start_new_session=True, preexec_fn=die_with_parent())
         log.close()
 
@@ -263,11 +250,6 @@ class Cluster:
             if pending and time.monotonic() > deadline:
                 raise TimeoutError(f"not serving after {timeout} s: {[i.name for i in pending]}")
             time.sleep(0.05)
-
-    def restart(self, instance: Instance, timeout: float = 60.0) -> None:
-        instance.stop()
-        self.launch(instance)
-        self.wait_ready([instance], timeout)
 
     def stop(self) -> None:
         for instance in reversed(list(self.instances.values())):

@@ -1,36 +1,18 @@
 """`sdcp-fast serve ROLE --config FILE`: one verifier, drafter or router instance.
 
-One TOML file per instance. Members common to every role:
+The composition root of one process: reads the instance's TOML file (schema in config.py),
+builds the role's service over its model, cache, commit log and client, serves it over
+HTTP/2 + HTTP/3 with mutual TLS (`transport.serve`), and its plain-HTTP pages with
+`transport.asgi.serve_web`: every role's GET /metrics and GET /health (`metrics.StatusPage`
+at the role's `metrics` host:port), and the router's front door (its own API, the OpenAI
+API, /health and /metrics).
 
-    uri        = "https://127.0.0.1:9201/"  # base URI; the URI SAN of the instance's certificate
-    listen     = "127.0.0.1:9201"           # host:port to bind (default: the URI's host and port)
-    certs      = "/path/certs"              # ca.pem + <name>.pem/.key (`sdcp-fast certs`)
-    protocol   = "h2"                       # how this instance calls its peers: "h2" or "h3"
-    http3      = true                       # also serve HTTP/3 on the same port (UDP)
-    model      = "tiny:demo-target"         # verifier: target; drafter: draft; router: target
-                                            # (the router uses its tokenizer and digests)
-    store      = "embedded:/dev/shm/x"      # object store (cache references)
-    commit_log = "file:/var/lib/sdcp/log"   # verifier and router
-    ready_file = "/tmp/v1.ready"            # optional: JSON {"uri", "port", "pid"} once serving
-    log_level  = "info"
+The status page starts first, so /health answers 503 while the model loads; it answers 200
+once the instance serves and its object store and commit log answer. Once serving, the
+instance logs one line with its URLs (the router's includes `OpenAI API at http://.../v1`).
 
-    [verifier]   routers = [URI...], router_uri, output_wait_s = 5.0, ttl_ms = 3000,
-                 status_interval_s = 1.0, publish_kv_every = 0 (rounds; 0: never),
-                 max_batch = 64,
-                 max_wait_ms = 2.0, metrics = "127.0.0.1:9300" (optional)
-    [drafter]    routers = [URI...], router_uri, ttl_ms = 2000, status_interval_s = 0.5,
-                 max_sessions = 64, max_batch = 32, publish_draft_kv = true,
-                 draft_kv_every = 8, draft_ahead = true, rounds_log = PATH,
-                 request_timeout_s = 5.0, give_up_after_s = 10.0 (no verdict: stop),
-                 max_q_republish = 3, drop_verdicts = 0 (test hook)
-    [router]     verifiers = [URI...], frontdoor = "127.0.0.1:8080", frontdoor_tls = false,
-                 m_init = 4, stall_s = 5.0, monitor_interval_s = 0.1, target_kv = true,
-                 session_load = 5
-      [[router.drafters]]  uri = URI, and model = "tiny:demo-draft" or model_digest = HEX
-      [router.contract]    rule, m_max, max_new, stop = [ids], low_rounds, low_ratio,
-                           fallback = ["reduce", "switch", "self_decode", "fail"],
-                           self_load, self_max, and a [router.contract.sampling] table
-
+Bad input is one line on stderr and exit code 2: a config error, a missing certificate
+directory, a model that cannot be loaded, a store that cannot be opened, a port in use.
 SIGTERM or SIGINT stops the instance gracefully.
 """
 
@@ -38,183 +20,236 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
-import tomllib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
+from . import logs
+from .config import ConfigError, InstanceConfig, load
+from .metrics import Health, StatusPage, log_check, store_check
+
 log = logging.getLogger("sdcp_fast.serve")
-ROLES = ("verifier", "drafter", "router")
+Closer = Callable[[], Awaitable[object]]
 
 
-class ConfigError(ValueError):
-    """A config file that is missing a member or has one of the wrong type."""
+class StartError(Exception):
+    """The instance cannot start for a reason the operator fixes (one line, exit code 2)."""
 
 
-class Section:
-    """Typed access to one TOML table, naming the member in every error."""
+@dataclass
+class Built:
+    """A role's service, what to close after it, what its ready file adds, its URLs."""
 
-    def __init__(self, data: dict[str, Any], where: str):
-        self.data, self.where = data, where
-
-    def get(self, key: str, kind: type, default: Any = ...) -> Any:
-        if key not in self.data:
-            if default is ...:
-                raise ConfigError(f"{self.where}: missing {key!r}")
-            return default
-        value = self.data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float)):
-            raise ConfigError(f"{self.where}.{key}: expected {getattr(kind, '__name__', kind)}, "
-                              f"got {type(value).__name__}")
-        return value
-
-    def table(self, key: str) -> Section:
-        value = self.data.get(key, {})
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self.where}.{key}: expected a table")
-        return Section(value, f"{self.where}.{key}")
-
-    def uris(self, key: str, default: Any = ...) -> tuple[str, ...]:
-        value = self.get(key, list, default)
-        if not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{self.where}.{key}: expected a list of URIs")
-        return tuple(value)
+    service: object
+    closers: list[Closer] = field(default_factory=list)
+    ready: dict[str, object] = field(default_factory=dict)
+    urls: list[str] = field(default_factory=list)       # "what URL" pieces of the ready line
 
 
-def load_config(path: str | Path) -> Section:
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: {exc}") from None
-    return Section(data, Path(path).name)
+def host_port(text: str, what: str = "address") -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not port.isdecimal():
+        raise ConfigError(f"{what}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def listen_address(cfg: Section) -> tuple[str, int]:
-    listen = cfg.get("listen", str, "")
-    if listen:
-        host, _, port = listen.rpartition(":")
-        return host.strip("[]"), int(port)
-    parts = urlsplit(cfg.get("uri", str))
+def listen_address(cfg: InstanceConfig) -> tuple[str, int]:
+    if cfg.listen:
+        return host_port(cfg.listen, "listen")
+    parts = urlsplit(cfg.uri)
     return parts.hostname or "127.0.0.1", parts.port or 443
 
 
-def host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port)
+def commit_log_spec(cfg: InstanceConfig) -> str:
+    if not cfg.commit_log:
+        raise ConfigError("missing 'commit_log'")
+    return cfg.commit_log
+
+
+def web_url(host: str, port: int, path: str = "", tls: bool = False) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}{path}"
+
+
+# ---------------------------------------------------------------------- what can fail at start
+
+
+def load_model(spec: str, what: str = "model"):
+    from .models import ModelError, load_backend
+
+    try:
+        return load_backend(spec)
+    except (OSError, ModelError, ValueError, KeyError, ImportError) as exc:
+        raise StartError(f"{what} {spec!r} cannot be loaded: {_reason(exc)}") from None
+
+
+async def open_stores(cfg: InstanceConfig, *, with_log: bool):
+    from .cache import CacheError, open_log, open_store
+
+    try:
+        store = await open_store(cfg.store)
+    except (CacheError, OSError, ValueError) as exc:
+        raise StartError(f"store {cfg.store!r} cannot be opened: {_reason(exc)}") from None
+    if not with_log:
+        return store, None
+    spec = commit_log_spec(cfg)
+    try:
+        return store, await open_log(spec)
+    except (CacheError, OSError, ValueError) as exc:
+        await store.close()
+        raise StartError(f"commit_log {spec!r} cannot be opened: {_reason(exc)}") from None
+
+
+async def listen_web(handler, address: str, what: str, *, tls=None):
+    """serve_web at a config's host:port; a port in use is a StartError."""
+    from .transport.asgi import serve_web
+
+    host, port = host_port(address, what)
+    try:
+        return host, await serve_web(handler, host=host, port=port, tls=tls)
+    except OSError as exc:
+        raise StartError(f"{what}: cannot listen on {host}:{port}: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+async def status_page(address: str, registry, health: Health, built: Built) -> None:
+    """The role's /metrics and /health at `address` (empty: none)."""
+    if not address:
+        return
+    host, page = await listen_web(StatusPage(registry, health), address, "metrics")
+    built.closers.insert(0, page.stop)
+    built.ready["metrics_port"] = page.port
+    built.urls.append(f"metrics {web_url(host, page.port, '/metrics')}")
+    built.urls.append(f"health {web_url(host, page.port, '/health')}")
 
 
 # ---------------------------------------------------------------------- building each role
 
 
-async def build_verifier(cfg: Section, tls, client):
-    from .cache import open_log, open_store
-    from .models import load_backend
-    from .verifier import EngineConfig, VerifierConfig, VerifierService, serve_metrics
+async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Built:
+    from .verifier import EngineConfig, Metrics, VerifierConfig, VerifierService
 
-    v = cfg.table("verifier")
+    v = cfg.section("verifier")
     config = VerifierConfig(
-        uri=cfg.get("uri", str), routers=frozenset(v.uris("routers")),
-        router_uri=v.get("router_uri", str, None), output_wait_s=v.get("output_wait_s", float, 5.0),
-        status_interval_s=v.get("status_interval_s", float, 1.0), ttl_ms=v.get("ttl_ms", int, 3000),
-        publish_kv_every=v.get("publish_kv_every", int, 0))
-    backend = load_backend(cfg.get("model", str))
-    store = await open_store(cfg.get("store", str))
-    commit_log = await open_log(cfg.get("commit_log", str))
-    service = VerifierService(config, backend, store, commit_log, client=client,
-                              engine_config=EngineConfig(max_batch=v.get("max_batch", int, 64),
-                                                         max_wait_ms=v.get("max_wait_ms", float, 2.0)))
-    closers = [store.close, commit_log.close]
-    metrics = v.get("metrics", str, "")
-    if metrics:
-        server = await serve_metrics(service.metrics, *host_port(metrics))
-
-        async def close_metrics():
-            server.close()
-        closers.append(close_metrics)
-    return service, closers
+        uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri,
+        output_wait_s=v.output_wait_s, status_interval_s=v.status_interval_s, ttl_ms=v.ttl_ms,
+        publish_kv_every=v.publish_kv_every)
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(v.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, commit_log = await open_stores(cfg, with_log=True)
+    built.closers += [store.close, commit_log.close]
+    health.add("store", store_check(store))
+    health.add("commit_log", log_check(commit_log))
+    built.service = VerifierService(config, backend, store, commit_log, client=client, metrics=metrics,
+                                    engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms))
+    return built
 
 
-async def build_drafter(cfg: Section, tls, client):
-    from .cache import open_store
+async def build_drafter(cfg: InstanceConfig, tls, client, health: Health) -> Built:
     from .drafter import DrafterConfig, DrafterService
-    from .models import load_backend
+    from .drafter.metrics import Metrics
 
-    d = cfg.table("drafter")
+    d = cfg.section("drafter")
     config = DrafterConfig(
-        uri=cfg.get("uri", str), routers=frozenset(d.uris("routers")),
-        router_uri=d.get("router_uri", str, None), ttl_ms=d.get("ttl_ms", int, 2000),
-        status_interval_s=d.get("status_interval_s", float, 0.5),
-        max_sessions=d.get("max_sessions", int, 64), max_batch=d.get("max_batch", int, 32),
-        request_timeout_s=d.get("request_timeout_s", float, 5.0),
-        give_up_after_s=d.get("give_up_after_s", float, 10.0),
-        max_q_republish=d.get("max_q_republish", int, 3),
-        publish_draft_kv=d.get("publish_draft_kv", bool, True),
-        draft_kv_every=d.get("draft_kv_every", int, 8), draft_ahead=d.get("draft_ahead", bool, True),
-        rounds_log=d.get("rounds_log", str, None), drop_verdicts=d.get("drop_verdicts", int, 0))
-    backend = load_backend(cfg.get("model", str))
-    store = await open_store(cfg.get("store", str))
-    return DrafterService(config, backend, store, client=client), [store.close]
+        uri=cfg.uri, routers=frozenset(d.routers), router_uri=d.router_uri, ttl_ms=d.ttl_ms,
+        status_interval_s=d.status_interval_s, max_sessions=d.max_sessions, max_batch=d.max_batch,
+        request_timeout_s=d.request_timeout_s, give_up_after_s=d.give_up_after_s,
+        max_q_republish=d.max_q_republish, publish_draft_kv=d.publish_draft_kv,
+        draft_kv_every=d.draft_kv_every, draft_ahead=d.draft_ahead, rounds_log=d.rounds_log,
+        drop_verdicts=d.drop_verdicts)
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(d.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, _ = await open_stores(cfg, with_log=False)
+    built.closers.append(store.close)
+    health.add("store", store_check(store))
+    built.service = DrafterService(config, backend, store, client=client, metrics=metrics)
+    return built
 
 
-def contract_defaults(c: Section):
-    from .core.messages import Sampling
-    from .router.service import LADDER_NAMES, ContractDefaults
+def contract_defaults(c):
+    """The router's ContractDefaults from a [router.contract] table (config.ContractSection)."""
+    from .core.messages import Action, Sampling
+    from .core.problems import ProblemError
+    from .router import ContractDefaults
 
-    names = c.get("fallback", list, ["reduce", "switch", "self_decode"])
-    unknown = [n for n in names if n not in LADDER_NAMES]
-    if unknown:
-        raise ConfigError(f"{c.where}.fallback: unknown actions {unknown} (reduce, switch, self_decode, fail)")
-    sampling = c.table("sampling").data
-    base = ContractDefaults()
+    try:
+        sampling = Sampling.from_obj(c.sampling) if c.sampling else None
+    except ProblemError as exc:
+        raise ConfigError(f"contract.sampling: {exc}") from None
     return ContractDefaults(
-        rule=c.get("rule", int, base.rule), m_max=c.get("m_max", int, base.m_max),
-        max_new=c.get("max_new", int, base.max_new), stop=tuple(c.get("stop", list, [])),
-        low_rounds=c.get("low_rounds", int, base.low_rounds), low_ratio=c.get("low_ratio", int, None),
-        fallback=tuple(LADDER_NAMES[n] for n in names), self_load=c.get("self_load", int, base.self_load),
-        self_max=c.get("self_max", int, base.self_max),
-        sampling=Sampling.from_obj(sampling) if sampling else None)
+        rule=c.rule, m_max=c.m_max, max_new=c.max_new, stop=tuple(c.stop), low_rounds=c.low_rounds,
+        low_ratio=c.low_ratio, fallback=tuple(Action[name.upper()] for name in c.fallback),
+        self_load=c.self_load, self_max=c.self_max, sampling=sampling)
 
 
-async def build_router(cfg: Section, tls, client):
-    from .cache import open_log, open_store
-    from .models import load_backend
-    from .router import FrontDoor, RouterConfig, RouterService, frontdoor_ssl_context
+def served_model_name(spec: str) -> str:
+    """The OpenAI API's name of a model: the demo name, or the last part of its path
+    (without the file suffix): tiny:demo-target -> demo-target, hf:/m/SmolLM2 -> SmolLM2."""
+    kind, _, arg = spec.partition(":")
+    name = Path(arg.rstrip("/")).name or arg
+    return name if kind == "hf" else Path(name).stem
 
-    r = cfg.table("router")
+
+async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Built:
+    from .core.messages import ROLE_DRAFTER, ROLE_VERIFIER
+    from .router import FrontDoor, OpenAIRoutes, RouterConfig, RouterService
+    from .router.metrics import Metrics
+
+    r = cfg.section("router")
     drafters = []
-    for n, entry in enumerate(r.get("drafters", list)):
-        d = Section(entry, f"{r.where}.drafters[{n}]")
-        digest = d.get("model_digest", str, "")
-        if not digest:
-            digest = load_backend(d.get("model", str)).digest.hex()
-        drafters.append((d.get("uri", str), bytes.fromhex(digest)))
+    for entry in r.drafters:
+        if entry.model_digest:
+            try:
+                digest = bytes.fromhex(entry.model_digest)
+            except ValueError:
+                raise ConfigError(f"router.drafters: {entry.uri}: model_digest is not hex") from None
+        elif entry.model:
+            digest = load_model(entry.model, f"router.drafters: {entry.uri}: model").digest
+        else:
+            raise ConfigError(f"router.drafters: {entry.uri} needs model or model_digest")
+        drafters.append((entry.uri, digest))
     config = RouterConfig(
-        uri=cfg.get("uri", str), verifiers=r.uris("verifiers"), drafters=tuple(drafters),
-        m_init=r.get("m_init", int, 4), monitor_interval_s=r.get("monitor_interval_s", float, 0.1),
-        stall_s=r.get("stall_s", float, 5.0), request_timeout_s=r.get("request_timeout_s", float, 5.0),
-        target_kv=r.get("target_kv", bool, True), session_load=r.get("session_load", int, 5),
-        contract=contract_defaults(r.table("contract")))
-    backend = load_backend(cfg.get("model", str))
-    store = await open_store(cfg.get("store", str))
-    commit_log = await open_log(cfg.get("commit_log", str))
-    service = RouterService(config, backend, store, commit_log, client=client)
-    closers = [store.close, commit_log.close]
-    frontdoor = r.get("frontdoor", str, "")
-    if frontdoor:
-        context = frontdoor_ssl_context(tls) if r.get("frontdoor_tls", bool, False) else None
-        door = FrontDoor(service, host=host_port(frontdoor)[0], port=host_port(frontdoor)[1],
-                         ssl_context=context)
-        service.frontdoor = door
-        await door.start()
-        closers.insert(0, door.stop)
-    return service, closers
+        uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
+        monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
+        target_kv=r.target_kv, session_load=r.session_load, contract=contract_defaults(r.contract))
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(r.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, commit_log = await open_stores(cfg, with_log=True)
+    built.closers += [store.close, commit_log.close]
+    health.add("store", store_check(store))
+    health.add("commit_log", log_check(commit_log))
+    service = built.service = RouterService(config, backend, store, commit_log, client=client, metrics=metrics)
+    health.details = lambda: {"verifiers_live": len(service.registry.live(ROLE_VERIFIER)),
+                              "drafters_live": len(service.registry.live(ROLE_DRAFTER))}
+    if r.frontdoor:
+        name = r.served_model_name or served_model_name(cfg.model)
+        door = FrontDoor(service, openai=OpenAIRoutes(service, name), status=StatusPage(metrics.registry, health))
+        host, page = await listen_web(door, r.frontdoor, "frontdoor", tls=tls if r.frontdoor_tls else None)
+        built.closers.insert(0, page.stop)
+        built.ready["frontdoor_port"] = page.port
+        built.ready["model_name"] = name
+        built.urls[:0] = [f"OpenAI API at {web_url(host, page.port, '/v1', r.frontdoor_tls)}",
+                          f"metrics {web_url(host, page.port, '/metrics', r.frontdoor_tls)}"]
+    return built
 
 
 BUILDERS = {"verifier": build_verifier, "drafter": build_drafter, "router": build_router}
@@ -223,61 +258,78 @@ BUILDERS = {"verifier": build_verifier, "drafter": build_drafter, "router": buil
 # ---------------------------------------------------------------------- running
 
 
-async def run(role: str, cfg: Section) -> int:
-    from .transport import Client, TLSConfig, serve
+def tls_for(cfg: InstanceConfig):
+    from .transport import TLSConfig
 
-    declared = cfg.get("role", str, role)
-    if declared != role:
-        raise ConfigError(f"{cfg.where} is a {declared} config, not a {role} one")
-    uri = cfg.get("uri", str)
-    tls = TLSConfig.for_instance(cfg.get("certs", str), uri)
-    protocol = cfg.get("protocol", str, "h2")
-    if protocol not in ("h2", "h3"):
-        raise ConfigError(f"{cfg.where}.protocol: 'h2' or 'h3', not {protocol!r}")
-    client = Client(tls, protocol, timeout=10.0)
-    service, closers = await BUILDERS[role](cfg, tls, client)
-    await service.start()
-    host, port = listen_address(cfg)
-    server = await serve(service, host=host, port=port, tls=tls, http3=cfg.get("http3", bool, True),
-                         http2=cfg.get("http2", bool, True))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    ready = cfg.get("ready_file", str, "")
-    if ready:
-        info = {"uri": uri, "port": server.port, "pid": os.getpid()}
-        door = getattr(service, "frontdoor", None)
-        if door is not None:
-            info["frontdoor_port"] = door.port
-        tmp = Path(ready + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(ready)
-    log.info("%s %s serving on %s:%d", role, uri, host, server.port)
-    await stop.wait()
-    log.info("%s %s stopping", role, uri)
-    await server.stop(grace=1.0)
-    await service.stop()
-    for close in closers:
+    if not Path(cfg.certs).is_dir():
+        raise StartError(f"certs: no directory {cfg.certs!r} (create it with `sdcp-fast certs`)")
+    try:
+        return TLSConfig.for_instance(cfg.certs, cfg.uri)
+    except (OSError, ValueError) as exc:
+        raise StartError(f"certs: no certificate for {cfg.uri} in {cfg.certs}: {_reason(exc)}") from None
+
+
+async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
+    from .transport import Client, serve
+
+    if cfg.role and cfg.role != role:
+        raise ConfigError(f"{where} is a {cfg.role} config, not a {role} one")
+    tls = tls_for(cfg)
+    health = Health()
+    client = Client(tls, cfg.protocol, timeout=10.0)
+    built = Built(None)
+    server = service = None
+    try:
+        try:
+            built = await BUILDERS[role](cfg, tls, client, health)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        service = built.service
+        await service.start()
+        host, port = listen_address(cfg)
+        try:
+            server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2)
+        except OSError as exc:
+            raise StartError(f"listen: cannot listen on {host}:{port}: {_reason(exc)}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        health.mark_ready()
+        if cfg.ready_file:
+            info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}
+            tmp = Path(cfg.ready_file + ".tmp")
+            tmp.write_text(json.dumps(info))
+            tmp.replace(cfg.ready_file)
+        protocols = " + ".join(p for p, on in (("HTTP/2", cfg.http2), ("HTTP/3", cfg.http3)) if on)
+        log.info("%s ready: %s", role, "; ".join(
+            [*built.urls, f"SDCP {cfg.uri} ({protocols} with mutual TLS on {host}:{server.port})"]))
+        await stop.wait()
+        log.info("%s %s stopping", role, cfg.uri)
+    finally:
+        await _shut_down(server, service, built, client)
+    return 0
+
+
+async def _shut_down(server, service, built: Built, client) -> None:
+    if server is not None:
+        await server.stop(grace=1.0)
+    if service is not None:
+        with contextlib.suppress(Exception):
+            await service.stop()
+    for close in built.closers:
         try:
             await close()
         except Exception as exc:   # closing is best effort: the process ends anyway
             log.debug("close failed: %s", exc)
     await client.close()
-    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config)
-        level = cfg.get("log_level", str, "info").upper()
-    except ConfigError as exc:
-        print(f"sdcp-fast serve: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), stream=sys.stderr,
-                        format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
-    try:
-        return asyncio.run(run(args.role, cfg))
-    except ConfigError as exc:
+        cfg = load(args.config, args.role)
+        logs.setup(cfg.log_level, cfg.log_format, args.role)
+        return asyncio.run(run(args.role, cfg, Path(args.config).name))
+    except (ConfigError, StartError) as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)
         return 2

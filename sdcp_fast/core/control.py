@@ -52,7 +52,7 @@ def is_low(accepted: int, m: int, low_ratio: int) -> bool:
 def escalate(policy: Escalation, counters: Counters, accepted: int, m: int,
              load: int) -> tuple[Counters, Action, int]:
     """One round's update: (new counters, action, low) where low is c after this round's
-    update and before the reset that an escalation causes (NOTES.md)."""
+    update and before the reset that an escalation causes (../shared/spec/NOTES.md)."""
     c, g, j = counters.c, counters.g, counters.j
     if is_low(accepted, m, policy.low_ratio):
         c, g = c + 1, 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from . import cbor
-
 CONTRACT_DOMAIN = b"SDCP-CONTRACT-1\x00"
 PREFIX_DOMAIN = b"SDCP-PREFIX-1\x00"
 UINT32_MAX = 0xFFFFFFFF
@@ -22,10 +20,6 @@ def uint32(value: int) -> bytes:
 def contract_digest_of_encoding(contract_cbor: bytes) -> bytes:
     """SHA-256 over the domain separator and the contract's deterministic encoding."""
     return hashlib.sha256(CONTRACT_DOMAIN + contract_cbor).digest()
-
-
-def contract_digest_of_obj(contract: dict) -> bytes:
-    return contract_digest_of_encoding(cbor.dumps(contract))
 
 
 def prefix_digest(contract_digest: bytes, prompt: Sequence[int]) -> bytes:

@@ -26,7 +26,6 @@ from .digest import UINT32_MAX, contract_digest_of_encoding
 from .problems import Kind, Problem, ProblemError
 
 UINT64_MAX = (1 << 64) - 1
-MEDIA_TYPE = "application/sdcp+cbor"
 
 
 class Action(enum.IntEnum):
@@ -261,6 +260,18 @@ class Sampling(Message):
     closed: ClassVar = True
     problem_kind: ClassVar = Kind.BAD_CONTRACT
 
+    def transform(self) -> dict[str, int]:
+        """The members that shape p from logits (all but the seed), as keyword arguments of
+        `kernels.target_probs` and `kernels.ProposalInput.sampling`; absent members are
+        left out, so the kernels apply their defaults (../shared/spec/NOTES.md)."""
+        return {k: v for k, v in (("temperature_milli", self.temperature_milli), ("top_k", self.top_k),
+                                  ("top_p_milli", self.top_p_milli)) if v is not None}
+
+
+def transform_of(sampling: Sampling | None) -> dict[str, int]:
+    """`Sampling.transform` of a profile that may be absent (no profile: the defaults)."""
+    return {} if sampling is None else sampling.transform()
+
 
 @dataclass(frozen=True)
 class Contract(Message):
@@ -442,7 +453,7 @@ class Status(Message):
 @dataclass(frozen=True)
 class Proposal(Message):
     """M proposed tokens. M == 0 decodes here and is refused by the session as sdcp-limit
-    (NOTES.md), so that a drafter learns which limit it broke rather than a bare 400."""
+    (../shared/spec/NOTES.md), so that a drafter learns which limit it broke rather than a bare 400."""
 
     session: bytes
     epoch: int

@@ -2,7 +2,7 @@
 
 Every refusal anywhere in sdcp-fast is one `Problem`: the core returns them, the transport
 serialises them as `application/problem+json`, clients parse them back. The `type` URI ends
-with the draft's suffix (`.../sdcp-stale-base`), as NOTES.md asks; a 409 stale-base answer
+with the draft's suffix (`.../sdcp-stale-base`), as ../shared/spec/NOTES.md asks; a 409 stale-base answer
 carries the session-state as the extension member `state`, bytes written as lowercase hex.
 """
 

@@ -1,4 +1,4 @@
-"""The verifier's random values (draft section 6.4; NOTES.md).
+"""The verifier's random values (draft section 6.4; ../shared/spec/NOTES.md).
 
 With a seed in the sampling profile, each value is HMAC-SHA-256 keyed with the seed as eight
 octets (network byte order) over "SDCP-VERIFY-1" || 0x00 || session || uint32(round) ||

@@ -1,7 +1,9 @@
 """The verifier's per-session state machine, sans-IO (draft sections 6.1 to 6.7).
 
-Every transition is in `TRANSITIONS`; every method either moves the session along one row
-of that table or refuses with a `ProblemError`. The caller (the verifier role) does all IO:
+Every transition is in `TRANSITIONS`, and `_move` is the only code that changes `state`:
+every method either moves the session along one row of that table or refuses with a
+`ProblemError` (tests/core/test_session_table.py walks every (state, event) pair). The
+caller (the verifier role) does all IO:
 
     session = VerifierSession.open(msg, model_digest=..., prompt=[...])
     session.assign(assignment)                                   -> SessionState
@@ -9,6 +11,7 @@ of that table or refuses with a `ProblemError`. The caller (the verifier role) d
     record = session.complete(job, accepted, extra, load)        -> CommitRecord
       (or session.refuse(job, problem) when q rows were unavailable or bad)
     verdict = session.commit_result(appended=True)               -> Verdict | None (self round)
+      (or session.commit_failed() when nothing could be appended)
     job = session.next_self_job(load)                            -> Job | None
     session.output(start)                                        -> Output | None (wait)
     session.take_events()                                        -> [Event] for the router
@@ -77,15 +80,19 @@ class Ev(enum.Enum):
     PROPOSE = "propose"
     SELF_STEP = "self-step"
     RESULT = "result"
-    REFUSED = "refused"
+    REFUSED = "refused"                    # the job is refused; a drafter proposes next
+    SELF_REFUSED = "self-refused"          # a self-decoded job is refused; self-decoding goes on
     COMMIT_CONTINUE = "commit-continue"
     COMMIT_SWITCH = "commit-switch"
     COMMIT_SELF = "commit-self"
     COMMIT_FINISH = "commit-finish"
     COMMIT_FAIL = "commit-fail"
+    COMMIT_REASSIGNED = "commit-reassigned"  # switch or self-decode overtaken by a new assignment
     APPEND_FENCED = "append-fenced"
-    APPEND_FAILED = "append-failed"
+    APPEND_FAILED = "append-failed"        # nothing landed; a drafter proposes next
+    SELF_APPEND_FAILED = "self-append-failed"  # nothing landed; self-decoding goes on
     SELF_END = "self-end"
+    RESUMED_FINISHED = "resumed-finished"  # a resume whose committed tokens already end it
 
 
 S = State
@@ -100,15 +107,19 @@ TRANSITIONS: dict[tuple[State, Ev], State] = {
     (S.SERVING, Ev.PROPOSE): S.VERIFYING,
     (S.SELF_DECODING, Ev.SELF_STEP): S.VERIFYING,
     (S.VERIFYING, Ev.RESULT): S.COMMITTING,
-    (S.VERIFYING, Ev.REFUSED): S.SERVING,            # self jobs go back via _resume_state
+    (S.VERIFYING, Ev.REFUSED): S.SERVING,
+    (S.VERIFYING, Ev.SELF_REFUSED): S.SELF_DECODING,
     (S.COMMITTING, Ev.COMMIT_CONTINUE): S.SERVING,
     (S.COMMITTING, Ev.COMMIT_SWITCH): S.AWAITING_DRAFTER,
     (S.COMMITTING, Ev.COMMIT_SELF): S.SELF_DECODING,
     (S.COMMITTING, Ev.COMMIT_FINISH): S.FINISHED,
     (S.COMMITTING, Ev.COMMIT_FAIL): S.FAILED,
+    (S.COMMITTING, Ev.COMMIT_REASSIGNED): S.SERVING,
     (S.COMMITTING, Ev.APPEND_FENCED): S.FENCED,
-    (S.COMMITTING, Ev.APPEND_FAILED): S.SERVING,     # self jobs go back via _resume_state
+    (S.COMMITTING, Ev.APPEND_FAILED): S.SERVING,
+    (S.COMMITTING, Ev.SELF_APPEND_FAILED): S.SELF_DECODING,
     (S.SELF_DECODING, Ev.SELF_END): S.AWAITING_DRAFTER,
+    (S.OPEN, Ev.RESUMED_FINISHED): S.FINISHED,
 }
 CLOSED = frozenset({S.FINISHED, S.FAILED, S.FENCED})
 
@@ -204,12 +215,12 @@ class VerifierSession:
         self.verdicts: OrderedDict[int, Verdict] = OrderedDict()
         self.inflight: Job | None = None
         self.pending: PendingCommit | None = None
-        self.resume_state: State = S.SERVING     # where a refused job returns to
-        self.assigned_during_job = False
+        self.assigned_during_job = False         # a refused or committed job returns to SERVING
         self.finish: Action | None = None        # FINISH or FAIL once closed
         self.events: list[Event] = []
         self._uniforms_cache: tuple[int | None, UniformSource] | None = None
         if self.committed >= contract.max_new or (self.output_tokens and self.output_tokens[-1] in contract.stop):
+            self._move(Ev.RESUMED_FINISHED)
             self._close(Action.FINISH)
 
     # ------------------------------------------------------------------ creation
@@ -321,7 +332,6 @@ class VerifierSession:
         if self.contract.rule == RULE_SPECULATIVE and p.q_rows is None:
             raise problem(Kind.BAD_PROPOSAL, "rule 2 needs q_rows")
         job = self._job(p.round, p.tokens, p.q_rows, p.draft_kv, request_key(p), self_decoded=False)
-        self.resume_state = S.SERVING
         self._move(Ev.PROPOSE)
         self.inflight = job
         return job
@@ -331,8 +341,7 @@ class VerifierSession:
         round is not consumed and nothing is committed. Returns the error to raise."""
         self._expect_inflight(job, S.VERIFYING)
         self.inflight = None
-        self._move(Ev.REFUSED)
-        self.state = self.resume_state if not self.assigned_during_job else S.SERVING
+        self._move(Ev.SELF_REFUSED if self._back_to_self_decoding(job) else Ev.REFUSED)
         self.assigned_during_job = False
         return ProblemError(prob)
 
@@ -392,9 +401,8 @@ class VerifierSession:
                 self.verdicts.popitem(last=False)
         else:
             self.self_tokens += 1
-        self._move(event)
-        if self.assigned_during_job and self.state in (S.SELF_DECODING, S.AWAITING_DRAFTER):
-            self.state = S.SERVING
+        overtaken = self.assigned_during_job and event in (Ev.COMMIT_SWITCH, Ev.COMMIT_SELF)
+        self._move(Ev.COMMIT_REASSIGNED if overtaken else event)   # the new assignment stands
         self.assigned_during_job = False
         if event == Ev.COMMIT_SELF and verdict is not None:
             self.self_tokens = 0          # a new self-decoding period starts
@@ -414,10 +422,9 @@ class VerifierSession:
         acknowledgement can never fork the output."""
         if self.state != S.COMMITTING or self.pending is None:
             raise ProtocolError("no commit is pending")
+        job, self.inflight = self.inflight, None
         self.pending = None
-        self.inflight = None
-        self._move(Ev.APPEND_FAILED)
-        self.state = self.resume_state if not self.assigned_during_job else S.SERVING
+        self._move(Ev.SELF_APPEND_FAILED if self._back_to_self_decoding(job) else Ev.APPEND_FAILED)
         self.assigned_during_job = False
 
     def next_self_job(self, load: int) -> Job | None:
@@ -430,7 +437,6 @@ class VerifierSession:
             self.end_self_decoding()
             return None
         job = self._job(self.round + 1, (), None, None, None, self_decoded=True)
-        self.resume_state = S.SELF_DECODING
         self._move(Ev.SELF_STEP)
         self.inflight = job
         return job
@@ -523,8 +529,13 @@ class VerifierSession:
             return problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch")
         return problem(Kind.SESSION_CLOSED, f"the session has {self.state.value}")
 
+    def _back_to_self_decoding(self, job: Job) -> bool:
+        """Where a job that did not commit returns: a self-decoded one to self-decoding,
+        unless the router assigned a drafter meanwhile."""
+        return job.self_decoded and not self.assigned_during_job
+
     def _close(self, how: Action) -> None:
-        self.state = S.FINISHED if how == Action.FINISH else S.FAILED
+        """The session has finished or failed (the table has already moved it there)."""
         self.finish = how
         self._emit(how)
 

@@ -11,8 +11,9 @@ Picking a token (section 6.2 and 6.4):
 - rule 1: the argmax of the draft logits (ties to the smallest id), no q rows;
 - rule 2: q = the session's sampling profile applied to the draft logits
   (`kernels.target_probs`), and the token drawn from exactly that fp32 row by inverse CDF
-  with the session's own generator (never the verifier's HMAC derivation). The row is
-  what the drafter publishes as q_rows, so q[i](x[i]) > 0 always holds.
+  (`kernels.sample`, the verifier's own rule) with a uniform from the session's own
+  generator (never the verifier's HMAC derivation). The row is what the drafter publishes
+  as q_rows, so q[i](x[i]) > 0 always holds.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from .. import kernels
 from ..aio import cancel_and_wait
-from ..core.messages import RULE_GREEDY, Sampling
+from ..core.messages import RULE_GREEDY, Sampling, transform_of
 
 log = logging.getLogger("sdcp_fast.drafter.drafting")
 
@@ -160,21 +161,12 @@ def pick(logits: torch.Tensor, rule: int, sampling: Sampling | None,
          generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
     """(token, q row or None) from one row of draft logits [V]."""
     if rule == RULE_GREEDY:
-        return int(torch.argmax(logits)), None
-    profile = {} if sampling is None else {
-        "temperature_milli": sampling.temperature_milli, "top_k": sampling.top_k,
-        "top_p_milli": sampling.top_p_milli}
-    q = kernels.target_probs(logits.float(), **profile).to(torch.float32).contiguous()   # [V]
+        return int(kernels.greedy(logits)), None
+    q = kernels.target_probs(logits.float(), **transform_of(sampling)).to(torch.float32).contiguous()   # [V]
     return sample_from(q, generator), q
 
 
 def sample_from(q: torch.Tensor, generator: torch.Generator) -> int:
-    """Inverse CDF over q [V] (ascending ids): the smallest t with cumsum(q)[t] > u * sum(q),
-    computed in float64 over the fp32 values exactly as published."""
-    cdf = torch.cumsum(q.double(), 0)
-    u = torch.rand((), dtype=torch.float64, generator=generator)
-    t = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
-    t = min(t, q.shape[0] - 1)
-    while q[t] <= 0 and t > 0:   # fp edge: never land on a zero-mass id
-        t -= 1
-    return t
+    """One token from q [V] by `kernels.sample`, with the next uniform of `generator`
+    (float64, computed over the fp32 values exactly as published)."""
+    return int(kernels.sample(q, torch.rand((), dtype=torch.float64, generator=generator)))

@@ -25,15 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cache import NotFound, object_uri
-from ..core import cbor
+from ..aio import KeyedLock, TaskSet
 from ..core.digest import chain, prefix_digest
 from ..core.messages import ROLE_DRAFTER, Assignment, Status, Verdict
 from ..core.problems import Kind, problem
 from ..models.base import ModelError
-from ..transport import Authorizer, Request, Response, Router
-from ..verifier.service import encode_uri
+from ..refs import draft_kv_ref, read_token_list
+from ..reports import RouterLink
+from ..transport import Authorizer, Call, Router
 from .drafting import DraftBatcher
+from .metrics import Metrics
 from .session import Built, DraftSession, round_record, verdict_fingerprint
 
 log = logging.getLogger("sdcp_fast.drafter")
@@ -61,8 +62,10 @@ class DrafterConfig:
 
 
 class DrafterService:
-    def __init__(self, config: DrafterConfig, backend, store, *, client=None):
+    def __init__(self, config: DrafterConfig, backend, store, *, client=None,
+                 metrics: Metrics | None = None):
         self.config = config
+        self.metrics = metrics or Metrics()
         self.backend = backend
         self.store = store
         self.client = client
@@ -72,45 +75,38 @@ class DrafterService:
         self.cache_mbps = 0.0                   # EWMA of observed write bandwidth
         self.lookahead_hits = 0
         self._drops_left = config.drop_verdicts
-        # per-session locks held by assignment handlers in flight (removed when none is)
-        self._assignment_locks: dict[bytes, tuple[asyncio.Lock, list[int]]] = {}
+        self._assignment_locks = KeyedLock()     # one assignment handler per session at a time
         self._rounds_file = open(config.rounds_log, "a") if config.rounds_log else None  # noqa: SIM115
-        self._background: set[asyncio.Task] = set()
+        self.tasks = TaskSet()
         self._busy_mark = (time.perf_counter(), 0.0)
         self._load = 0
+        self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions.values() if s.running()),
+                           load=lambda: self._load)
         self.router = Router(authorizer=Authorizer({"assignments": set(config.routers)}))
-        self.router.add("POST", "/assignments", self.post_assignment, resource="assignments")
+        self.router.add_message("POST", "/assignments", self.post_assignment, body=Assignment,
+                                resource="assignments")
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def handle(self, request: Request) -> Response:
+    async def handle(self, request):
         return await self.router.handle(request)
 
     async def start(self) -> None:
         self.batcher.start()
         if self.client is not None and self.config.router_uri:
-            self._spawn(self._report_status())
+            link = RouterLink(self.client, self.config.router_uri, self.config.uri,
+                              timeout_s=min(self.config.request_timeout_s, self.config.ttl_ms / 1000))
+            self.tasks.spawn(link.report_status_forever(self._next_status, self.config.status_interval_s))
 
     async def stop(self) -> None:
-        for session in self.sessions.values():
-            if session.task is not None:
-                session.task.cancel()
-        for task in list(self._background):
-            task.cancel()
+        await self.tasks.cancel_all()      # the session loops and the status reports
         await self.batcher.stop()
         if self._rounds_file is not None:
             self._rounds_file.close()
 
-    def _spawn(self, coro) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
-
     # ------------------------------------------------------------------ POST assignments
 
-    async def post_assignment(self, request: Request) -> Response:
-        a = Assignment.from_cbor(request.body)
+    async def post_assignment(self, call: Call, a: Assignment) -> None:
         if a.drafter.rstrip("/") != self.config.uri.rstrip("/"):
             raise problem(Kind.BAD_REQUEST, f"assignment names drafter {a.drafter}, not this one")
         if a.contract.drafters is not None and self.backend.digest not in a.contract.drafters:
@@ -120,12 +116,13 @@ class DrafterService:
         # One handler per session at a time: between reading the current loop and starting
         # the new one there are awaits, and two concurrent (or retried) assignments would
         # otherwise both replace the old loop, leaving two proposals outstanding (6.2).
-        async with self._assignment_lock(a.session):
-            return await self._take_assignment(a)
+        async with self._assignment_locks.hold(a.session):
+            await self._take_assignment(a)
 
-    async def _take_assignment(self, a: Assignment) -> Response:
-        prompt = await self._tokens(a.prompt, "prompt")
-        output = list(await self._tokens(a.committed_tokens, "committed tokens")) if a.committed else []
+    async def _take_assignment(self, a: Assignment) -> None:
+        prompt = await read_token_list(self.store, a.prompt, "prompt")
+        output = list(await read_token_list(self.store, a.committed_tokens, "committed tokens")) \
+            if a.committed else []
         if len(output) != a.committed:
             raise problem(Kind.CONFLICT, f"committed_tokens holds {len(output)} tokens, not {a.committed}")
         if chain(prefix_digest(a.contract.digest, prompt), output)[-1] != a.digest:
@@ -138,7 +135,7 @@ class DrafterService:
             # a cap that is within the verifier's whether or not it was told again (m_init)
             existing.sampling = a.sampling or a.contract.sampling
             existing.m_cap = max(1, min(existing.m_cap, a.m_init, a.contract.m_max))
-            return Response(204, content_type=None)
+            return
         if existing is not None:
             await self._end(existing)
         else:
@@ -147,22 +144,9 @@ class DrafterService:
                 raise problem(Kind.UNAVAILABLE, "drafter at max_sessions")
         session = DraftSession(self, a, prompt, output)
         self.sessions[a.session] = session
-        session.task = self._spawn(session.run())
+        session.task = self.tasks.spawn(session.run())
         log.info("session %s assigned (epoch %d, verifier %s, committed %d)", a.session.hex(), a.epoch,
                  a.verifier, a.committed)
-        return Response(204, content_type=None)
-
-    @contextlib.asynccontextmanager
-    async def _assignment_lock(self, sid: bytes):
-        lock, holders = self._assignment_locks.setdefault(sid, (asyncio.Lock(), [0]))
-        holders[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            holders[0] -= 1
-            if not holders[0]:
-                del self._assignment_locks[sid]
 
     async def _end(self, session: DraftSession) -> None:
         if session.task is not None and not session.task.done():
@@ -182,21 +166,6 @@ class DrafterService:
             with contextlib.suppress(ModelError):
                 self.backend.release(sid)
 
-    async def _tokens(self, ref_or_tokens, what: str) -> tuple[int, ...]:
-        if isinstance(ref_or_tokens, tuple):
-            return ref_or_tokens
-        try:
-            data = await self.store.get(ref_or_tokens)
-        except NotFound:
-            raise problem(Kind.CONFLICT, f"{what} {ref_or_tokens!r} is not in the cache") from None
-        try:
-            tokens = cbor.loads(data, max_size=64 << 20)
-        except cbor.DecodeError as exc:
-            raise problem(Kind.BAD_REQUEST, f"{what} object is not CBOR: {exc}") from None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):
-            raise problem(Kind.BAD_REQUEST, f"{what} object is not a list of token ids")
-        return tuple(tokens)
-
     # ------------------------------------------------------------------ the cache
 
     async def put_leased(self, ref: str, data: bytes, lease_ms: int | None = None) -> None:
@@ -206,13 +175,10 @@ class DrafterService:
         mbps = len(data) * 8 / 1e6 / seconds
         self.cache_mbps = mbps if self.cache_mbps == 0 else self.cache_mbps + 0.2 * (mbps - self.cache_mbps)
 
-    def draft_kv_ref(self, session: DraftSession) -> str:
-        return object_uri(f"draft-kv/{session.id.hex()}", session.contract.scope)
-
     async def publish_draft_kv(self, session: DraftSession) -> str | None:
         """The draft KV of the committed prefix, every `draft_kv_every` rounds (a successor
         drafter with the same model imports it instead of prefilling)."""
-        ref = self.draft_kv_ref(session)
+        ref = draft_kv_ref(session.id, session.contract.scope)
         if (session.round + 1) % max(1, self.config.draft_kv_every):
             return None
         async with self.batcher.model_lock:
@@ -222,7 +188,7 @@ class DrafterService:
 
     # ------------------------------------------------------------------ verdict bookkeeping
 
-    def drop_verdict(self, session: DraftSession, verdict: Verdict, body: bytes) -> bool:
+    def drop_verdict(self, session: DraftSession, verdict: Verdict) -> bool:
         """Test hook: drop the first `drop_verdicts` verdicts as if lost in transit."""
         if self._drops_left <= 0:
             return False
@@ -259,17 +225,10 @@ class DrafterService:
         occupancy = 100 * running / max(1, self.config.max_sessions)
         self._load = max(0, min(100, round(max(busy, occupancy))))
 
-    async def _report_status(self) -> None:
-        url = f"{self.config.router_uri.rstrip('/')}/instances/{encode_uri(self.config.uri)}/status"
-        while True:
-            self._update_load()
-            try:
-                await self.client.request("PUT", url, self.status().to_cbor(), idempotent=True,
-                                          timeout=min(self.config.request_timeout_s,
-                                                      self.config.ttl_ms / 1000))
-            except Exception as exc:
-                log.debug("status report failed: %s", exc)
-            await asyncio.sleep(self.config.status_interval_s)
+    def _next_status(self) -> Status:
+        """The status of the next report (the load over the interval since the last one)."""
+        self._update_load()
+        return self.status()
 
 
 def rounds_from_file(path: str | Path) -> list[dict]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import NotFound, object_uri
+from ..cache import NotFound
 from ..core.control import AcceptanceEstimate, choose_m, clamp_m_init
 from ..core.digest import chain, extend_digest, prefix_digest
 from ..core.messages import (
@@ -44,7 +44,8 @@ from ..core.messages import (
 )
 from ..core.problems import Kind
 from ..models.base import ModelError
-from ..transport import TransportError
+from ..refs import draft_kv_ref, q_rows_ref
+from ..transport import TransportError, call
 from .drafting import DraftRequest
 
 log = logging.getLogger("sdcp_fast.drafter")
@@ -71,10 +72,9 @@ class Timing:
 
 @dataclass
 class Built:
-    """A proposal ready to send (or re-send: the same bytes on every retry)."""
+    """A proposal ready to send (or re-send: deterministic CBOR, the same bytes every retry)."""
 
     proposal: Proposal
-    body: bytes
     rows: torch.Tensor | None       # [M, V] fp32 q rows (rule 2)
     leased: list[str]               # cache objects held until the verdict
     draft_seconds: float
@@ -158,7 +158,7 @@ class DraftSession:
                 backend.release(self.id)
         blob = None
         with contextlib.suppress(NotFound, Exception):
-            blob = await self.service.store.get(self.service.draft_kv_ref(self))
+            blob = await self.service.store.get(draft_kv_ref(self.id, self.contract.scope))
         async with lock:
             if blob is not None:
                 try:
@@ -237,8 +237,7 @@ class DraftSession:
         try:
             if self.rule == RULE_SPECULATIVE:
                 rows_tensor = torch.stack(rows).contiguous()            # [M, V]
-                q_ref = object_uri(f"q/{self.id.hex()}/{self.epoch}/{self.round + 1}/{self.seq}",
-                                   self.contract.scope)
+                q_ref = q_rows_ref(self.id, self.epoch, self.round + 1, self.seq, self.contract.scope)
                 leased.append(q_ref)      # before the put: a put cut short may have stored it
                 await self.service.put_leased(q_ref, rows_tensor.numpy().tobytes())
             if self.service.config.publish_draft_kv:
@@ -247,10 +246,11 @@ class DraftSession:
             await asyncio.shield(self._release_refs(leased))
             raise
         seconds = time.perf_counter() - started
+        self.service.metrics.draft_seconds.observe(seconds)
         proposal = Proposal(self.id, self.epoch, self.round + 1, self.service.config.uri,
                             self.committed, self.digest, tuple(tokens), self.service.status(),
                             q_rows=q_ref, draft_kv=draft_kv)
-        return Built(proposal, proposal.to_cbor(), rows_tensor, leased, seconds)
+        return Built(proposal, rows_tensor, leased, seconds)
 
     async def exchange(self, built: Built) -> Verdict | str:
         """Send the proposal until a verdict or a problem that changes what to send.
@@ -266,14 +266,17 @@ class DraftSession:
         sent_at = time.perf_counter()
         while True:
             try:
-                response = await self.service.client.request(
-                    "POST", url, built.body, idempotent=True, timeout=config.request_timeout_s)
-                failure = None if response.status < 500 else f"HTTP {response.status}"
+                reply = await call(self.service.client, "POST", url, built.proposal, Verdict,
+                                   timeout=config.request_timeout_s)
+                failure = f"HTTP {reply.status}" if reply.status >= 500 else \
+                    None if reply.ok or reply.status != 200 else reply.detail   # 200 but no verdict
             except TransportError as exc:
                 # no answer: the verdict may be lost; the same bytes get the same verdict
-                response, failure = None, str(exc)
-            problem = response.problem() if response is not None else None
+                reply, failure = None, str(exc)
+            problem = reply.problem if reply is not None else None
             kind = problem.kind if problem is not None else None
+            if not (reply is not None and reply.ok):
+                self.service.metrics.outcome(kind or "no_answer")
             if failure is not None or kind == Kind.UNAVAILABLE:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
@@ -285,12 +288,13 @@ class DraftSession:
                 await backoff.wait()
                 continue
             failing_since = None
-            if response.status == 200:
-                verdict = Verdict.from_cbor(response.body)
-                if self.service.drop_verdict(self, verdict, response.body):
+            if reply.ok:
+                verdict = reply.message
+                if self.service.drop_verdict(self, verdict):
                     built.retries += 1
                     continue   # test hook: as if the response were lost in transit
                 self.timing.observe_verify(time.perf_counter() - sent_at)
+                self.service.metrics.verdict(built.proposal.m, verdict.accepted)
                 return verdict
             if kind == Kind.Q_UNAVAILABLE and built.rows is not None:
                 republished += 1
@@ -310,7 +314,7 @@ class DraftSession:
             if kind == Kind.LIMIT:
                 self.m_cap = max(1, min(self.m_cap, built.proposal.m) - 1)
                 return "rebuild"
-            reason = kind.suffix if kind is not None else f"HTTP {response.status}"
+            reason = kind.suffix if kind is not None else f"HTTP {reply.status}"
             raise Stop(f"proposal refused: {reason}", final=kind == Kind.SESSION_CLOSED)
 
     async def on_verdict(self, built: Built, verdict: Verdict) -> Built | None:

@@ -21,7 +21,6 @@ so processes that start together (a router and a verifier) convert the file once
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -29,22 +28,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .real_tokenizer import cache_dir, file_sha256
+
 log = logging.getLogger("sdcp_fast.models.gguf_cache")
 
 MANIFEST = "sdcp-manifest.json"
 FORMAT = 1
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SDCP_CACHE") or Path.home() / ".cache" / "sdcp-fast")
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def converted_dir(gguf_path: str | Path) -> Path:
@@ -54,7 +43,7 @@ def converted_dir(gguf_path: str | Path) -> Path:
     if not gguf_path.is_file():
         raise FileNotFoundError(f"hf: GGUF file not found: {gguf_path}")
     source_sha = file_sha256(gguf_path)
-    root = cache_root() / "gguf"
+    root = cache_dir() / "gguf"
     root.mkdir(parents=True, exist_ok=True)
     entry = root / source_sha
     with open(root / f"{source_sha}.lock", "w") as lock:

@@ -1,8 +1,9 @@
 """Hugging Face transformers backend (`hf:PATH`, the `[hf]` extra; imported lazily).
 
-Loads a causal LM and its tokenizer from a local model directory or a `.gguf` file (never
-the network: `local_files_only=True`). A GGUF file is dequantised once into a cached
-safetensors copy (gguf_cache.py) and loaded from there.
+Loads a causal LM and its tokenizer from a local model directory, a `.gguf` file or
+`smollm2` (the GGUF of the [real] extra), never the network (`local_files_only=True`). A
+GGUF file is dequantised once into a cached safetensors copy (gguf_cache.py) and loaded
+from there.
 
 Spec options (`hf:PATH?dtype=bfloat16&device=cuda&threads=4`, unknown ones refused):
   dtype         float32 (default) | bfloat16 | float16: weights, K/V and computation;
@@ -52,7 +53,8 @@ tensors as loaded (their dtype included) and the config as canonical JSON withou
 transformers' bookkeeping keys (`transformers_version`, `dtype`, `torch_dtype`, keys
 starting with "_"). A GGUF file and its converted copy give the same digest on every load.
 Tokenizer digest: SHA-256 of the canonical JSON of the fast tokenizer's full description
-plus its special-token map.
+plus its special-token map (real_tokenizer.hf_tokenizer_digest, which the drafts on the same
+GGUF use too).
 """
 
 from __future__ import annotations
@@ -70,8 +72,8 @@ from .base import (
     KVImportError,
 )
 from .prefix_cache import CachedSession, CachingBackend, Plan
-from .spec import choice, positive_int
-from .tokenizer import canonical_json_digest
+from .real_tokenizer import SMOLLM2, hf_tokenizer_digest, resolve_gguf
+from .spec_options import choice, positive_int, split_options
 from .weights import canonical_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -179,15 +181,14 @@ class HFBackend(CachingBackend):
             json.dumps(config_dict, sort_keys=True, separators=(",", ":"), default=str),
             self.model.state_dict(),
         )
-        self.tokenizer_digest = canonical_json_digest(
-            {
-                "tokenizer": json.loads(self.tokenizer.backend_tokenizer.to_str())
-                if getattr(self.tokenizer, "is_fast", False)
-                else self.tokenizer.get_vocab(),
-                "special": {k: str(v) for k, v in self.tokenizer.special_tokens_map.items()},
-            }
-        )
+        self.tokenizer_digest = hf_tokenizer_digest(self.tokenizer)
         self._sessions: dict[bytes, _Session] = {}
+
+    @classmethod
+    def from_spec(cls, arg: str, **options) -> HFBackend:
+        """`hf:SOURCE?options`: SOURCE is a model directory, a .gguf file or `smollm2`."""
+        source, opts = split_options(arg, SPEC_OPTIONS, "hf")
+        return cls(resolve_gguf(source) if source == SMOLLM2 else source, **(opts | options))
 
     # -- text -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

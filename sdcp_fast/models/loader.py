@@ -4,14 +4,17 @@
     tiny:PATH      a built-in model file (safetensors + config metadata); a tokenizer.json
                    next to it is used if present, else the byte tokenizer
     table:PATH     a [V, V] table model (see table.py)
-    hf:PATH        a transformers causal LM + tokenizer from a local directory or a .gguf
-                   file (lazy import; options dtype, device, threads, max_kv_bytes,
+    hf:SOURCE      a transformers causal LM + tokenizer: a local directory, a .gguf file or
+                   `smollm2` (lazy import; options dtype, device, threads, max_kv_bytes,
                    max_seq_len: see hf.py)
+    gguf:SOURCE    the target's GGUF run by llama.cpp, a draft (llamacpp.py; [real] extra)
+    ngram:TOKENIZER  prompt-lookup drafting, no model (ngram.py)
+    distilled:NAME   a draft on the target's GGUF: trained, or its first layers (distilled.py)
     replay:PATH    a benchmark draft that plays back recorded continuations (replay.py)
 
-A spec may carry options after `?` (`hf:PATH?dtype=bfloat16&threads=2`); each kind lists the
-ones it knows and refuses the rest (spec.py). Keyword options go to the backend's
-constructor (e.g. max_kv_bytes for tiny).
+Options follow `?` (`hf:PATH?dtype=bfloat16&threads=2`); each kind reads the ones it knows
+with `spec_options.split_options`, which refuses the others naming the known ones. Keyword
+options go to the backend's constructor (e.g. max_kv_bytes for tiny).
 """
 
 from __future__ import annotations
@@ -19,50 +22,76 @@ from __future__ import annotations
 from pathlib import Path
 
 from .base import Backend, BackendSpecError
-from .spec import ModelSpec, parse_spec, spec_options
+from .spec_options import split_options
 
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_MODELS = {"demo-target": "demo-target.safetensors", "demo-draft": "demo-draft.safetensors"}
 
 
-def _tiny(spec: ModelSpec, **kw) -> Backend:
+def _tiny(arg: str, **options) -> Backend:
     from .tiny import TinyBackend
 
-    spec_options(spec, {})
-    path = DEMO_DIR / DEMO_MODELS[spec.arg] if spec.arg in DEMO_MODELS else Path(spec.arg)
+    arg, _ = split_options(arg, {}, "tiny")
+    path = DEMO_DIR / DEMO_MODELS[arg] if arg in DEMO_MODELS else Path(arg)
     tok = path.parent / "tokenizer.json"
-    return TinyBackend.from_file(path, tok if tok.is_file() else None, **kw)
+    return TinyBackend.from_file(path, tok if tok.is_file() else None, **options)
 
 
-def _table(spec: ModelSpec, **kw) -> Backend:
+def _table(arg: str, **options) -> Backend:
     from .table import TableBackend
 
-    spec_options(spec, {})
-    return TableBackend.from_file(spec.arg, **kw)
+    arg, _ = split_options(arg, {}, "table")
+    return TableBackend.from_file(arg, **options)
 
 
-def _hf(spec: ModelSpec, **kw) -> Backend:
-    from .hf import SPEC_OPTIONS, HFBackend  # transformers is imported only here
+def _hf(arg: str, **options) -> Backend:
+    from .hf import HFBackend  # transformers is imported only here
 
-    return HFBackend(spec.arg, **spec_options(spec, SPEC_OPTIONS), **kw)
+    return HFBackend.from_spec(arg, **options)
 
 
-def _replay(spec: ModelSpec, **kw) -> Backend:
+def _gguf(arg: str, **options) -> Backend:
+    from .llamacpp import LlamaCppBackend  # llama-cpp-python is imported only here
+
+    return LlamaCppBackend.from_spec(arg, **options)
+
+
+def _ngram(arg: str, **options) -> Backend:
+    from .ngram import NgramBackend
+
+    return NgramBackend.from_spec(arg, **options)
+
+
+def _distilled(arg: str, **options) -> Backend:
+    from .distilled import load_distilled
+
+    return load_distilled(arg, **options)
+
+
+def _replay(arg: str, **options) -> Backend:
     from .replay import ReplayBackend
 
-    spec_options(spec, {})
-    return ReplayBackend.from_file(spec.arg, **kw)
+    arg, _ = split_options(arg, {}, "replay")
+    return ReplayBackend.from_file(arg, **options)
 
 
-# One entry per kind: the function that builds its backend from the parsed spec.
-KINDS = {"tiny": _tiny, "table": _table, "hf": _hf, "replay": _replay}
+# One entry per kind: the function that builds its backend from the spec's argument.
+KINDS = {
+    "tiny": _tiny,
+    "table": _table,
+    "hf": _hf,
+    "gguf": _gguf,
+    "ngram": _ngram,
+    "distilled": _distilled,
+    "replay": _replay,
+}
 
 
 def load_backend(spec: str, **options) -> Backend:
-    parsed = parse_spec(spec)
-    build = KINDS.get(parsed.kind)
+    kind, sep, arg = spec.partition(":")
+    if not sep or not arg:
+        raise BackendSpecError(f"model spec must be KIND:ARG, got {spec!r}")
+    build = KINDS.get(kind)
     if build is None:
-        raise BackendSpecError(
-            f"unknown model kind {parsed.kind!r} in {spec!r} ({', '.join(KINDS)})"
-        )
-    return build(parsed, **options)
+        raise BackendSpecError(f"unknown model kind {kind!r} in {spec!r} ({', '.join(KINDS)})")
+    return build(arg, **options)

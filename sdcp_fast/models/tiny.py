@@ -78,8 +78,9 @@ class TinyBackend(CachingBackend):
         return self.tokenizer.decode(tokens)
 
     # -- sessions (open, commit, score: prefix_cache.CachingBackend) ------------------------
-    def _new_session(self, prompt: list[int]) -> _Session:
-        return _Session(committed=prompt)
+    def _new_session(self, committed: list[int]) -> _Session:
+        """A session's state (a subclass may attach its own resources, or refuse)."""
+        return _Session(committed=committed)
 
     def release(self, session: bytes) -> None:
         s = self._get(session)
@@ -96,9 +97,14 @@ class TinyBackend(CachingBackend):
         return {id(p): rows for p, rows in zip(plans, self._forward(plans), strict=True)}
 
     def _forward(self, plans: list[Plan]) -> list[torch.Tensor]:
-        tokens, positions, starts, pasts, caches = [], [], [0], [], []
+        """Feed each plan's tokens from p.start on; return, per plan, the logits rows of
+        positions max(p.start, p.first_row) onwards (earlier rows are never asked for)."""
+        tokens, positions, starts, pasts, caches, rows, row_starts = [], [], [0], [], [], [], [0]
         for p in plans:
             new = p.full[p.start :]
+            first = max(p.start, p.first_row)
+            rows.extend(range(starts[-1] + first - p.start, starts[-1] + len(new)))
+            row_starts.append(len(rows))
             tokens.extend(new)
             positions.extend(range(p.start, len(p.full)))
             starts.append(starts[-1] + len(new))
@@ -111,9 +117,10 @@ class TinyBackend(CachingBackend):
                 starts=starts,
                 past_lengths=pasts,
                 caches=caches,
-            )
+            ),
+            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long),
         ).float()
-        return [logits[starts[b] + p.first_kept_row : starts[b + 1]] for b, p in enumerate(plans)]
+        return [logits[row_starts[b] : row_starts[b + 1]] for b in range(len(plans))]
 
     # -- memory -----------------------------------------------------------------------------
     @staticmethod
@@ -163,7 +170,7 @@ class TinyBackend(CachingBackend):
             raise KVImportError(f"KV shape {list(blob.kv.shape)} does not match model {expect}")
         if blob.kv is None and blob.kv_tokens:
             raise KVImportError("KV blob claims cached tokens but carries no K/V")
-        s = _Session(committed=committed)
+        s = self._new_session(committed)
         if blob.kv_tokens:
             need = self._capacity_for(blob.kv_tokens, cfg.max_seq_len) * self._bytes_per_position
             if self.kv_bytes() + need > self.max_kv_bytes:

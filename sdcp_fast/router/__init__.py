@@ -4,13 +4,15 @@ and serves clients through its front door.
     RouterService(RouterConfig(uri, verifiers=(...), drafters=((uri, model_digest), ...)),
                   target_backend, store, commit_log, client=Client(tls, protocol))
     await service.start(); serve it with sdcp_fast.transport.serve(service, ...)
-    FrontDoor(service, host=..., port=..., ssl_context=None | frontdoor_ssl_context(tls))
+    serve_web(FrontDoor(service, openai=OpenAIRoutes(service, "model-name")), host=..., port=...)
 """
 
-from .frontdoor import FrontDoor, frontdoor_ssl_context
+from .frontdoor import FrontDoor
+from .openai_api import OpenAIRoutes
+from .peers import Peers, Refused
 from .registry import Registry
-from .service import ContractDefaults, RouterConfig, RouterService, commit_log_name
+from .service import ContractDefaults, RouterConfig, RouterService
 from .sessions import RouterSession
 
-__all__ = ["ContractDefaults", "FrontDoor", "Registry", "RouterConfig", "RouterService", "RouterSession",
-           "commit_log_name", "frontdoor_ssl_context"]
+__all__ = ["ContractDefaults", "FrontDoor", "OpenAIRoutes", "Peers", "Refused", "Registry", "RouterConfig",
+           "RouterService", "RouterSession"]

@@ -1,4 +1,5 @@
 """HTTP/2 and HTTP/3 with mutual TLS 1.3: the only part of sdcp-fast that touches sockets.
+(Plain-HTTP pages for clients and scrapers: `asgi.serve_web`, through hypercorn.)
 
 Server side (role code implements the Handler):
 
@@ -11,6 +12,9 @@ Server side (role code implements the Handler):
     problem_response(problem: Problem, headers=()) -> Response       # application/problem+json
     Router(*, prefix="", authorizer=None); .add(method, pattern, fn, *, resource=None)
         # fn: async (request, **path_params) -> Response; 404 / 405 (+ Allow) answered for you
+    Router.add_message(method, pattern, fn, *, body=MessageType | None, resource=None)
+        # fn: async (call: Call(caller, query), [message,] **path_params) -> message (200
+        # CBOR) | None (204) | Response; the body is decoded strictly before fn runs
     Authorizer(rules: Mapping[str, Iterable[str]]); .allows(caller, resource) -> bool;
         .check(caller, resource) raises ProblemError(403 forbidden); "*" = any authenticated caller
     async serve(handler, *, host: str, port: int, tls: TLSConfig, http3=True, http2=True,
@@ -21,8 +25,10 @@ Server side (role code implements the Handler):
     The caller is the single URI SAN of the client certificate, verified against TLSConfig.ca
     on both protocols. The transport answers 413 (over max_body, decided from content-length
     or as bytes arrive), 415 (POST/PUT without application/sdcp+cbor), 400 (malformed
-    header block) and 408 (body not complete body_timeout seconds after the headers) itself; a ProblemError raised by the handler becomes its problem document;
-    any other exception a logged 500. It never decodes CBOR.
+    header block) and 408 (body not complete body_timeout seconds after the headers)
+    itself; a ProblemError raised by the handler becomes its problem document; any other
+    exception a logged 500. The servers never decode CBOR; `Router.add_message` does, into
+    the message type its route declares.
 
 Client side:
 
@@ -34,6 +40,8 @@ Client side:
         # raises TransportError(sent=...) / RequestTimeout; retries only when safe;
         # each attempt, connection set-up included, ends within `timeout` seconds
     ClientResponse.problem() -> Problem | None;  await Client.close()
+    await call(client, method, url, message=None, AnswerType=None, *, timeout=None)
+        -> Reply(status, ok, message, problem, detail)      # typed: roles never see CBOR
 
 Certificates and TLS:
 
@@ -42,23 +50,27 @@ Certificates and TLS:
     TLSConfig(cert: Path, key: Path, ca: Path); TLSConfig.for_instance(directory, uri)
 """
 
+from .calls import Reply, call
 from .certs import CertPaths, make_certs
-from .client import Client, ClientResponse, RequestTimeout, TransportError
+from .client import Client
+from .client_base import ClientResponse, RequestTimeout, TransportError
 from .http import (
     ANY_CALLER,
     SDCP_MEDIA_TYPE,
     Authorizer,
+    Call,
     Handler,
     Request,
     Response,
     Router,
+    message_response,
     problem_response,
 )
 from .server import Server, serve
 from .tlsconfig import TLSConfig
 
 __all__ = [
-    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "CertPaths", "Client", "ClientResponse",
+    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client", "ClientResponse",
     "Handler", "Request", "RequestTimeout", "Response", "Router", "Server", "TLSConfig",
-    "TransportError", "make_certs", "problem_response", "serve",
+    "TransportError", "call", "make_certs", "message_response", "problem_response", "serve",
 ]

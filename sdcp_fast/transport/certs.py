@@ -1,6 +1,6 @@
 """A private CA and per-instance certificates whose URI SAN is the instance's base URI.
 
-SDCP identifies every instance by its base URI (NOTES.md, Identity): the authenticated caller
+SDCP identifies every instance by its base URI (../shared/spec/NOTES.md, Identity): the authenticated caller
 of a request is the single URI SAN of its verified client certificate. `sdcp-fast certs`
 (wired to `main`) writes, for each instance, a certificate that serves both as TLS server
 certificate (DNS/IP SANs of the URI's host plus localhost, 127.0.0.1 and ::1, so that

@@ -1,65 +1,30 @@
 """The one HTTP client every role uses: HTTP/2 (httpx) or HTTP/3 (aioquic), with mutual TLS 1.3.
 
-Connections are kept per origin and reused; requests on one connection run as concurrent
-streams. Every attempt, connection set-up and whole response included, ends within
-`timeout` seconds (asyncio.timeout around it): httpx's own timeouts bound each read, so a
-server trickling a byte at a time would otherwise hold a request forever. A failed attempt is retried (up to `retries`
-times, short exponential backoff) only when that is safe: always when the request certainly
-never reached the server (connect failure, stream refused by a closing server), and otherwise
-only when the caller says the request is idempotent (`idempotent=True`: proposals are
-idempotent per round, section 6.9; GETs are safe).
+The one place that picks the client adapter (client_h2.py or client_h3.py; both answer with
+client_base.py's types). Connections are kept per origin and reused; requests on one
+connection run as concurrent streams. Every attempt, connection set-up and whole response
+included, ends within `timeout` seconds (asyncio.timeout around it): httpx's own timeouts
+bound each read, so a server trickling a byte at a time would otherwise hold a request
+forever. A failed attempt is retried (up to `retries` times, short exponential backoff)
+only when that is safe: always when the request certainly never reached the server
+(connect failure, stream refused by a closing server), and otherwise only when the caller
+says the request is idempotent (`idempotent=True`: proposals are idempotent per round,
+section 6.9; GETs are safe).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Literal
 
-import httpx
-
-from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Problem
-
-from .http import SDCP_MEDIA_TYPE, media_type
+from .client_base import DEFAULT_MAX_RESPONSE, ClientResponse, RequestTimeout, TransportError
+from .client_h2 import H2Origins
+from .http import SDCP_MEDIA_TYPE
 from .tlsconfig import TLSConfig
 
+__all__ = ["Client", "ClientResponse", "RequestTimeout", "TransportError"]
 log = logging.getLogger("sdcp_fast.transport")
-DEFAULT_MAX_RESPONSE = 16 << 20
-
-
-class TransportError(Exception):
-    """No HTTP response. `sent` is False when the server certainly did not process the request."""
-
-    def __init__(self, message: str, *, sent: bool):
-        super().__init__(message)
-        self.sent = sent
-
-
-class RequestTimeout(TransportError):
-    pass
-
-
-@dataclass(frozen=True)
-class ClientResponse:
-    status: int
-    headers: dict[str, str]  # lower-case names; the last value of a repeated header
-    body: bytes
-
-    @property
-    def content_type(self) -> str | None:
-        return media_type(self.headers.get("content-type"))
-
-    def problem(self) -> Problem | None:
-        """The RFC 9457 document of an error answer, or None."""
-        if self.status < 400 or self.content_type != PROBLEM_MEDIA_TYPE:
-            return None
-        try:
-            return Problem.from_json(self.body)
-        except ValueError:
-            return None
 
 
 class Client:
@@ -79,23 +44,13 @@ class Client:
         self.protocol = protocol
         self.timeout = timeout
         self.retries = retries
-        self._tls = tls
-        self._connect_timeout = connect_timeout
-        self._idle_timeout = idle_timeout
-        self._max_response = max_response
-        self._httpx: httpx.AsyncClient | None = None
-        self._h3: dict[tuple[str, int], Any] = {}  # origin -> _H3ClientConnection
-        self._h3_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        options = dict(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_response=max_response)
         if protocol == "h2":
-            self._httpx = httpx.AsyncClient(
-                http1=False,
-                http2=True,
-                verify=tls.client_ssl_context(),
-                timeout=httpx.Timeout(timeout, connect=connect_timeout),
-                limits=httpx.Limits(max_connections=16, max_keepalive_connections=16,
-                                    keepalive_expiry=idle_timeout),
-                trust_env=False,
-            )
+            self._origins = H2Origins(tls, timeout=timeout, **options)
+        else:
+            from .client_h3 import H3Origins  # aioquic is the optional h3 extra
+
+            self._origins = H3Origins(tls, **options)
 
     async def request(
         self,
@@ -122,11 +77,7 @@ class Client:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        if self._httpx is not None:
-            await self._httpx.aclose()
-        for connection in list(self._h3.values()):
-            await connection.aclose()
-        self._h3.clear()
+        await self._origins.aclose()
 
     async def __aenter__(self) -> Client:
         return self
@@ -137,82 +88,14 @@ class Client:
     async def _attempt(self, method: str, url: str, body: bytes | None,
                        content_type: str | None, limit: float) -> ClientResponse:
         """One try, all of it within `limit` seconds."""
-        # httpx does not say how far a request got when it is cancelled: assume it was sent.
-        sent = self.protocol == "h2"
+        # a request may have reached the server once its connection exists (httpx connects
+        # inside `send` and does not say how far it got: assume sent)
+        sent = False
         try:
             async with asyncio.timeout(limit):
-                if self.protocol == "h2":
-                    return await self._request_h2(method, url, body, content_type, limit)
-                connection, authority, target = await self._h3_target(url)
+                target = await self._origins.open(url)
                 sent = True
-                return await connection.request(method, authority, target, body, content_type,
-                                                limit, self._max_response)
+                return await self._origins.send(target, method, body, content_type, limit)
         except TimeoutError as exc:
             raise RequestTimeout(f"no complete answer to {method} {url} within {limit}s",
                                  sent=sent) from exc
-
-    # ---- HTTP/2 -----------------------------------------------------------------------
-    async def _request_h2(self, method: str, url: str, body: bytes | None,
-                          content_type: str | None, limit: float) -> ClientResponse:
-        assert self._httpx is not None
-        headers = {"content-type": content_type} if body is not None and content_type else {}
-        try:
-            request = self._httpx.build_request(method, url, content=body, headers=headers,
-                                                timeout=httpx.Timeout(limit, connect=self._connect_timeout))
-            response = await self._httpx.send(request, stream=True)
-            try:
-                data = bytearray()
-                async for chunk in response.aiter_raw():
-                    data += chunk
-                    if len(data) > self._max_response:
-                        raise TransportError(f"response over {self._max_response} bytes", sent=True)
-            finally:
-                await response.aclose()
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise RequestTimeout(f"{type(exc).__name__} to {url}", sent=False) from exc
-        except httpx.TimeoutException as exc:
-            raise RequestTimeout(f"{type(exc).__name__} on {method} {url}", sent=True) from exc
-        except httpx.ConnectError as exc:
-            raise TransportError(f"cannot connect to {url}: {exc}", sent=False) from exc
-        except httpx.TransportError as exc:
-            raise TransportError(f"{type(exc).__name__} on {method} {url}: {exc}",
-                                 sent=not _refused_stream(exc)) from exc
-        return ClientResponse(response.status_code, {k.lower(): v for k, v in response.headers.items()},
-                              bytes(data))
-
-    # ---- HTTP/3 -----------------------------------------------------------------------
-    async def _h3_target(self, url: str):
-        """(connection to the URL's origin, :authority, :path) for an HTTP/3 request."""
-        parts = urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
-            raise ValueError(f"not an https URL: {url!r}")
-        origin = (parts.hostname, parts.port or 443)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        connection = await self._h3_connection(origin)
-        return connection, parts.netloc.rpartition("@")[2], target
-
-    async def _h3_connection(self, origin: tuple[str, int]):
-        from .client_h3 import connect_h3
-
-        lock = self._h3_locks.setdefault(origin, asyncio.Lock())
-        async with lock:
-            connection = self._h3.get(origin)
-            if connection is not None and connection.usable:
-                return connection
-            if connection is not None:
-                with contextlib.suppress(Exception):
-                    await connection.aclose()
-            configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
-            connection = await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
-                                          ca_file=self._tls.ca)
-            self._h3[origin] = connection
-            return connection
-
-
-def _refused_stream(exc: httpx.TransportError) -> bool:
-    """RST_STREAM(REFUSED_STREAM): the server did not process the request (RFC 9113 8.7)."""
-    import h2.errors
-    import h2.events
-
-    event = exc.__cause__.args[0] if exc.__cause__ is not None and exc.__cause__.args else None
-    return isinstance(event, h2.events.StreamReset) and event.error_code == h2.errors.ErrorCodes.REFUSED_STREAM

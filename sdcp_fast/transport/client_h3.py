@@ -1,4 +1,5 @@
-"""HTTP/3 client connections on aioquic (QuicConnectionProtocol + H3Connection)."""
+"""HTTP/3 client adapter on aioquic (QuicConnectionProtocol + H3Connection): one QUIC
+connection per origin, kept and reused, our certificate presented, the server's checked."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import ErrorCode, H3Connection
@@ -15,9 +17,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
-from .client import ClientResponse, RequestTimeout, TransportError
+from .client_base import ClientResponse, RequestTimeout, TransportError
 from .identity import CertificateRejected, verify_server
 from .quic_mtls import check_aioquic, peer_certificates
+from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
 
@@ -159,3 +162,49 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         await protocol.aclose()
         raise TransportError(f"refusing server {host}:{port}: {exc}", sent=False) from exc
     return protocol
+
+
+class H3Origins:
+    """The HTTP/3 connections of one client, one per origin."""
+
+    def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
+        self._tls = tls
+        self._connect_timeout = connect_timeout
+        self._idle_timeout = idle_timeout
+        self._max_response = max_response
+        self._connections: dict[tuple[str, int], H3ClientConnection] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    async def open(self, url: str) -> tuple[H3ClientConnection, str, str]:
+        """(connection to the URL's origin, :authority, :path)."""
+        parts = urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError(f"not an https URL: {url!r}")
+        origin = (parts.hostname, parts.port or 443)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return await self._connection(origin), parts.netloc.rpartition("@")[2], target
+
+    async def send(self, target: tuple[H3ClientConnection, str, str], method: str, body: bytes | None,
+                   content_type: str | None, limit: float) -> ClientResponse:
+        connection, authority, path = target
+        return await connection.request(method, authority, path, body, content_type, limit, self._max_response)
+
+    async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
+        lock = self._locks.setdefault(origin, asyncio.Lock())
+        async with lock:
+            connection = self._connections.get(origin)
+            if connection is not None and connection.usable:
+                return connection
+            if connection is not None:
+                with contextlib.suppress(Exception):
+                    await connection.aclose()
+            configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
+            connection = await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
+                                          ca_file=self._tls.ca)
+            self._connections[origin] = connection
+            return connection
+
+    async def aclose(self) -> None:
+        for connection in list(self._connections.values()):
+            await connection.aclose()
+        self._connections.clear()

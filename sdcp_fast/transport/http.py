@@ -1,10 +1,17 @@
 """What a transport server hands to role code and takes back: Request, Response, Handler.
 
-The transport moves bytes; it never decodes CBOR. It answers on its own only what it can
+The servers move bytes; they never decode CBOR. They answer on their own only what they can
 know without the role: 413 (body over the limit), 415 (a body that is not
 application/sdcp+cbor on POST/PUT), and problem documents for `ProblemError`s that escape a
-handler. Resources (404/405) and body contents (400/422/...) are the handler's business;
-`Router` does the former and `Authorizer` who-may-call-what.
+handler. Resources (404/405) are `Router`'s business, who may call what `Authorizer`'s.
+
+`Router.add_message` is the typed layer the roles use: the route declares the message type
+of its body, the router decodes it strictly (a bad body is the message type's 400 or 422)
+and encodes what the role returns, so roles receive and return messages, never CBOR:
+
+    router.add_message("POST", "/proposals", propose, body=Proposal, resource="proposals")
+    async def propose(call: Call, proposal: Proposal) -> Verdict: ...   # -> 200 CBOR
+    async def put_status(call: Call, status: Status, iid: str) -> None: ...  # -> 204
 """
 
 from __future__ import annotations
@@ -43,6 +50,32 @@ class Response:
 
 class Handler(Protocol):
     async def handle(self, request: Request) -> Response: ...
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a message route receives besides its message and path parameters."""
+
+    caller: str | None  # URI SAN of the verified client certificate
+    query: dict[str, str]
+
+
+class Message(Protocol):
+    """A core message type (sdcp_fast.core.messages): strict decode, deterministic encode."""
+
+    @classmethod
+    def from_cbor(cls, data: bytes) -> Message: ...
+
+    def to_cbor(self) -> bytes: ...
+
+
+def message_response(result: Message | Response | None) -> Response:
+    """A message -> 200 application/sdcp+cbor; None -> 204; a Response as it is."""
+    if result is None:
+        return Response(204, content_type=None)
+    if isinstance(result, Response):
+        return result
+    return Response(200, result.to_cbor(), SDCP_MEDIA_TYPE)
 
 
 def problem_response(problem: Problem, headers: Iterable[tuple[str, str]] = ()) -> Response:
@@ -163,6 +196,18 @@ class Router:
         if method.upper() in route.methods:
             raise ValueError(f"duplicate route {method} {full}")
         route.methods[method.upper()] = (fn, resource)
+
+    def add_message(self, method: str, pattern: str, fn: Callable[..., Awaitable[Message | Response | None]],
+                    *, body: type[Message] | None = None, resource: str | None = None) -> None:
+        """A typed route: `fn(call, [message,] **path_params)` returns a message (200), None
+        (204) or a Response. `body` is the message type of the request body (None: none)."""
+
+        async def route(request: Request, **params: str) -> Response:
+            call = Call(request.caller, request.query)
+            args = (call,) if body is None else (call, body.from_cbor(request.body))
+            return message_response(await fn(*args, **params))
+
+        self.add(method, pattern, route, resource=resource)
 
     async def handle(self, request: Request) -> Response:
         for route in self._routes.values():

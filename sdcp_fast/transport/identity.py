@@ -1,6 +1,6 @@
 """Who is calling: verify a client certificate chain and read its URI SAN.
 
-The caller's identity is the single URI SAN of its verified certificate (NOTES.md, Identity).
+The caller's identity is the single URI SAN of its verified certificate (../shared/spec/NOTES.md, Identity).
 A certificate with no URI SAN, or with several, names nobody unambiguously and is refused.
 HTTP/2 relies on OpenSSL for the chain check and reads the identity here; HTTP/3 has no
 OpenSSL in the loop, so `ClientCertificateVerifier` checks the chain with cryptography's

@@ -1,4 +1,10 @@
-"""`serve()`: one handler on HTTP/2 (TLS 1.3/TCP) and HTTP/3 (QUIC/UDP) at one host and port."""
+"""`serve()`: one handler on HTTP/2 (TLS 1.3/TCP) and HTTP/3 (QUIC/UDP) at one host and port.
+
+The one place that picks the protocol adapters: imports run one way, from here to the
+adapters (server_h2.py, server_h3.py) and from them to the shared pieces below (serving.py,
+exchange.py, http.py). The HTTP/3 adapter is imported only when HTTP/3 is served: aioquic
+is an optional extra.
+"""
 
 from __future__ import annotations
 
@@ -6,66 +12,35 @@ import asyncio
 import functools
 import logging
 import socket
-from collections.abc import Coroutine
 from typing import Any
 
 from .http import Handler
-from .identity import ClientCertificateVerifier
+from .server_h2 import TLSAcceptor
+from .serving import Serving
 from .tlsconfig import TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
 
-DEFAULT_MAX_BODY = 1 << 20  # 1 MiB: a proposal is a few hundred bytes, a session-open a prompt
-DEFAULT_IDLE_TIMEOUT = 600.0  # long-lived drafter connections: close only after 10 idle minutes
-# A request body must be complete this long after its headers: a stalled upload must not pin
-# a connection and up to max_body of memory per stream forever (it is answered 408).
-DEFAULT_BODY_TIMEOUT = 30.0
-
 
 class Server:
-    """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`."""
+    """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`.
 
-    def __init__(
-        self,
-        handler: Handler,
-        *,
-        host: str,
-        port: int,
-        tls: TLSConfig,
-        http2: bool = True,
-        http3: bool = True,
-        max_body: int = DEFAULT_MAX_BODY,
-        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
-        handler_timeout: float | None = 60.0,
-        handshake_timeout: float = 10.0,
-        max_concurrent_streams: int = 256,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT,
-    ):
+    `limits` are `Serving`'s: max_body, idle_timeout, handler_timeout, handshake_timeout,
+    max_concurrent_streams, body_timeout."""
+
+    def __init__(self, handler: Handler, *, host: str, port: int, tls: TLSConfig, http2: bool = True,
+                 http3: bool = True, **limits: Any):
         if not (http2 or http3):
             raise ValueError("enable http2, http3 or both")
-        if max_body < 0:
-            raise ValueError("max_body must be >= 0")
-        if not body_timeout > 0:
-            raise ValueError("body_timeout must be > 0")
-        self.handler = handler
+        self.serving = Serving(handler, tls=tls, **limits)
         self.host = host
         self.tls = tls
         self.http2 = http2
         self.http3 = http3
-        self.max_body = max_body
-        self.idle_timeout = idle_timeout
-        self.handler_timeout = handler_timeout
-        self.handshake_timeout = handshake_timeout
-        self.max_concurrent_streams = max_concurrent_streams
-        self.body_timeout = body_timeout
-        self.ssl_context = tls.server_ssl_context()
-        self.client_verifier = ClientCertificateVerifier(tls.ca)
-        self.connections: set[Any] = set()  # live H2ServerProtocol / H3ServerProtocol
         self._requested_port = port
         self._port: int | None = None
         self._tcp: asyncio.Server | None = None
         self._quic: Any = None  # aioquic QuicServer
-        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def port(self) -> int:
@@ -73,12 +48,10 @@ class Server:
             raise RuntimeError("server not started")
         return self._port
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Tasks are kept referenced (asyncio holds only weak references) and cancelled on stop."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    @property
+    def connections(self) -> set[Any]:
+        """Live HTTP/2 and HTTP/3 connections."""
+        return self.serving.connections
 
     async def start(self) -> None:
         if self.http3:
@@ -98,29 +71,27 @@ class Server:
             raise OSError("no port free for both TCP and UDP")
         log.info("serving %s on %s port %d (max_body=%d, idle_timeout=%ss)",
                  "+".join(p for p, on in (("h2", self.http2), ("h3", self.http3)) if on),
-                 self.host, self.port, self.max_body, self.idle_timeout)
+                 self.host, self.port, self.serving.max_body, self.serving.idle_timeout)
 
     async def _bind(self, port: int) -> None:
         loop = asyncio.get_running_loop()
         if self.http2:
-            from .server_h2 import TLSAcceptor
-
             self._tcp = await loop.create_server(
-                lambda: TLSAcceptor(self), self.host, port, reuse_address=True, backlog=256
+                lambda: TLSAcceptor(self.serving), self.host, port, reuse_address=True, backlog=256
             )
             port = self._tcp.sockets[0].getsockname()[1]
         if self.http3:
-            from aioquic.asyncio.server import serve as quic_serve
+            from aioquic.asyncio.server import serve as quic_serve  # the optional h3 extra
 
             from .server_h3 import H3ServerProtocol
 
             if port == 0:  # HTTP/3 only: let UDP choose
                 port = _free_udp_port(self.host)
-            configuration = self.tls.quic_configuration(is_client=False, idle_timeout=self.idle_timeout)
+            configuration = self.tls.quic_configuration(is_client=False, idle_timeout=self.serving.idle_timeout)
             # No session-ticket store: resumption would skip the client certificate.
             self._quic = await quic_serve(
                 self.host, port, configuration=configuration,
-                create_protocol=functools.partial(H3ServerProtocol, server=self),
+                create_protocol=functools.partial(H3ServerProtocol, serving=self.serving),
                 retry=False,
             )
         self._port = port
@@ -139,10 +110,7 @@ class Server:
             connection.abort()
         await asyncio.sleep(0)  # let aioquic send its CONNECTION_CLOSE frames
         await self._close_listeners()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=grace)
+        await self.serving.cancel_tasks(grace)
         log.info("stopped serving on port %s", self._port)
 
     async def _close_listeners(self) -> None:
@@ -162,11 +130,10 @@ class Server:
 
 
 async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3: bool = True,
-                http2: bool = True, max_body: int = DEFAULT_MAX_BODY, **options: Any) -> Server:
-    """Start serving `handler`; options: idle_timeout, handler_timeout, handshake_timeout,
-    max_concurrent_streams, body_timeout (see `Server`)."""
-    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3,
-                    max_body=max_body, **options)
+                http2: bool = True, **limits: Any) -> Server:
+    """Start serving `handler`; limits: max_body (default 1 MiB), idle_timeout,
+    handler_timeout, handshake_timeout, max_concurrent_streams, body_timeout (see `Serving`)."""
+    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3, **limits)
     await server.start()
     return server
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from typing import TYPE_CHECKING
 
 import h2.config
 import h2.connection
@@ -24,9 +23,7 @@ from sdcp_fast.core.problems import Problem
 from .exchange import IncomingRequest, PendingBodies, respond_to, response_headers
 from .http import Response, body_timeout_response, problem_response
 from .identity import CertificateRejected, uri_identity_der
-
-if TYPE_CHECKING:
-    from .server import Server
+from .serving import Serving
 
 log = logging.getLogger("sdcp_fast.transport")
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
@@ -35,22 +32,22 @@ DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before res
 class TLSAcceptor(asyncio.Protocol):
     """Raw TCP connection until the TLS 1.3 handshake with a client certificate completes."""
 
-    def __init__(self, server: Server):
-        self._server = server
+    def __init__(self, serving: Serving):
+        self._serving = serving
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         transport.pause_reading()  # the ClientHello must reach the TLS layer, not this protocol
-        self._server.spawn(self._handshake(transport))
+        self._serving.spawn(self._handshake(transport))
 
     async def _handshake(self, raw: asyncio.Transport) -> None:
         peer = raw.get_extra_info("peername")
-        protocol = H2ServerProtocol(self._server, peer)
+        protocol = H2ServerProtocol(self._serving, peer)
         loop = asyncio.get_running_loop()
         try:
             tls_transport = await loop.start_tls(
-                raw, protocol, self._server.ssl_context, server_side=True,
-                ssl_handshake_timeout=self._server.handshake_timeout,
+                raw, protocol, self._serving.ssl_context, server_side=True,
+                ssl_handshake_timeout=self._serving.handshake_timeout,
             )
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as exc:
             log.info("h2: refused TLS from %s: %s", peer, _reason(exc))
@@ -83,15 +80,15 @@ def _reason(exc: BaseException) -> str:
 
 
 class H2ServerProtocol(asyncio.Protocol):
-    def __init__(self, server: Server, peer: object):
-        self._server = server
+    def __init__(self, serving: Serving, peer: object):
+        self._serving = serving
         self._peer = peer
         self.caller: str | None = None
         self._transport: asyncio.Transport | None = None
         self._conn = h2.connection.H2Connection(
             h2.config.H2Configuration(client_side=False, header_encoding=None)
         )
-        self._pending = PendingBodies(server.body_timeout, self._body_overdue)  # bodies arriving
+        self._pending = PendingBodies(serving.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
         self._window_open = asyncio.Event()  # flow-control credit arrived
@@ -111,11 +108,11 @@ class H2ServerProtocol(asyncio.Protocol):
             return
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        self._server.connections.add(self)
+        self._serving.connections.add(self)
         self._conn.local_settings = h2.settings.Settings(
             client=False,
             initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._server.max_concurrent_streams,
+                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._serving.max_concurrent_streams,
                 h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 16384,
                 h2.settings.SettingCodes.ENABLE_PUSH: 0,
             },
@@ -147,7 +144,7 @@ class H2ServerProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._transport is None:  # the handshake failed; TLSAcceptor logged why
             return
-        self._server.connections.discard(self)
+        self._serving.connections.discard(self)
         for task in self._tasks.values():
             task.cancel()
         self._pending.clear()
@@ -200,7 +197,7 @@ class H2ServerProtocol(asyncio.Protocol):
         if self._closing:  # not processed: the client may safely retry elsewhere (RFC 9113 8.7)
             self._conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
             return
-        incoming = IncomingRequest.from_headers(headers, self._server.max_body)
+        incoming = IncomingRequest.from_headers(headers, self._serving.max_body)
         if isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended)
         elif ended:
@@ -217,8 +214,8 @@ class H2ServerProtocol(asyncio.Protocol):
         if self._transport is None:
             return
         log.info("h2: stream %d from %s -> 408: body not complete within %ss",
-                 stream_id, self.caller, self._server.body_timeout)
-        response = body_timeout_response(self._server.body_timeout)
+                 stream_id, self.caller, self._serving.body_timeout)
+        response = body_timeout_response(self._serving.body_timeout)
         try:
             self._conn.send_headers(stream_id, response_headers(response))
             self._conn.send_data(stream_id, response.body, end_stream=True)
@@ -253,12 +250,12 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
-        task = self._server.spawn(self._answer(stream_id, request))
+        task = self._serving.spawn(self._answer(stream_id, request))
         self._tasks[stream_id] = task
 
     async def _answer(self, stream_id: int, request) -> None:
         try:
-            response = await respond_to(self._server.handler, request, self._server.handler_timeout)
+            response = await respond_to(self._serving.handler, request, self._serving.handler_timeout)
             await self._send(stream_id, response)
         except h2.exceptions.StreamClosedError:
             pass  # the client reset the stream meanwhile
@@ -296,12 +293,12 @@ class H2ServerProtocol(asyncio.Protocol):
         """One timer per connection, re-armed only when it fires (not per packet)."""
         loop = asyncio.get_running_loop()
         self._last_activity = loop.time()
-        self._idle_timer = loop.call_later(self._server.idle_timeout, self._idle_check)
+        self._idle_timer = loop.call_later(self._serving.idle_timeout, self._idle_check)
 
     def _idle_check(self) -> None:
         idle_for = asyncio.get_running_loop().time() - self._last_activity
-        if self._tasks or self._pending or idle_for < self._server.idle_timeout:
-            remaining = self._server.idle_timeout - idle_for
+        if self._tasks or self._pending or idle_for < self._serving.idle_timeout:
+            remaining = self._serving.idle_timeout - idle_for
             self._idle_timer = asyncio.get_running_loop().call_later(
                 max(remaining, 0.05), self._idle_check)
             return

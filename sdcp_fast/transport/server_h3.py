@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, H3Connection
@@ -22,22 +21,20 @@ from sdcp_fast.core.problems import Problem
 from .exchange import IncomingRequest, PendingBodies, respond_to, response_headers
 from .http import Request, Response, body_timeout_response, problem_response
 from .quic_mtls import rejection, require_client_certificate, verified_identity
-
-if TYPE_CHECKING:
-    from .server import Server
+from .serving import Serving
 
 log = logging.getLogger("sdcp_fast.transport")
 assert "h3" in H3_ALPN
 
 
 class H3ServerProtocol(QuicConnectionProtocol):
-    def __init__(self, quic: QuicConnection, server: Server, **kwargs):
-        require_client_certificate(quic, server.client_verifier)
+    def __init__(self, quic: QuicConnection, serving: Serving, **kwargs):
+        require_client_certificate(quic, serving.client_verifier)
         super().__init__(quic, **kwargs)
-        self._server = server
+        self._serving = serving
         self._h3: H3Connection | None = None
         self.caller: str | None = None
-        self._pending = PendingBodies(server.body_timeout, self._body_overdue)  # bodies arriving
+        self._pending = PendingBodies(serving.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._closing = False
 
@@ -49,7 +46,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
                 self._quic.close(error_code=ErrorCode.H3_INTERNAL_ERROR, reason_phrase="no identity")
                 return
             self._h3 = H3Connection(self._quic)
-            self._server.connections.add(self)
+            self._serving.connections.add(self)
             log.info("h3: connection from %s as %s", self._peer(), self.caller)
         elif isinstance(event, ConnectionTerminated):
             self._on_terminated(event)
@@ -63,7 +60,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
                 self._on_h3_event(h3_event)
 
     def _on_terminated(self, event: ConnectionTerminated) -> None:
-        self._server.connections.discard(self)
+        self._serving.connections.discard(self)
         for task in self._tasks.values():
             task.cancel()
         self._pending.clear()
@@ -81,7 +78,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
                 self._quic.reset_stream(event.stream_id, ErrorCode.H3_REQUEST_REJECTED)
                 self.transmit()
                 return
-            incoming = IncomingRequest.from_headers(event.headers, self._server.max_body)
+            incoming = IncomingRequest.from_headers(event.headers, self._serving.max_body)
             if isinstance(incoming, Problem):
                 self._refuse(event.stream_id, incoming, request_complete=event.stream_ended)
             elif event.stream_ended:
@@ -102,12 +99,12 @@ class H3ServerProtocol(QuicConnectionProtocol):
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: STOP_SENDING, 408."""
         log.info("h3: stream %d from %s -> 408: body not complete within %ss",
-                 stream_id, self.caller, self._server.body_timeout)
+                 stream_id, self.caller, self._serving.body_timeout)
         try:
             self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
         except Exception as exc:  # the stream ended meanwhile
             log.debug("h3: could not stop stream %d: %s", stream_id, exc)
-        self._write(stream_id, body_timeout_response(self._server.body_timeout))
+        self._write(stream_id, body_timeout_response(self._serving.body_timeout))
 
     def _refuse(self, stream_id: int, problem: Problem, *, request_complete: bool) -> None:
         """Answer from the transport; stop the client's upload (RFC 9114 4.1.1: H3_NO_ERROR)."""
@@ -118,11 +115,11 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self._write(stream_id, problem_response(problem))
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
-        self._tasks[stream_id] = self._server.spawn(self._answer(stream_id, incoming.finish(self.caller)))
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, incoming.finish(self.caller)))
 
     async def _answer(self, stream_id: int, request: Request) -> None:
         try:
-            response = await respond_to(self._server.handler, request, self._server.handler_timeout)
+            response = await respond_to(self._serving.handler, request, self._serving.handler_timeout)
             if stream_id in self._tasks:  # not reset meanwhile
                 self._write(stream_id, response)
         finally:

@@ -1,7 +1,8 @@
 """The verifier's engine: many sessions' jobs, one forward pass, one kernel launch.
 
-Jobs arrive from the service as the core's session state machine hands them out. The engine
-gathers what arrives within `max_wait_ms` (up to `max_batch` jobs), then per batch:
+Jobs arrive from the service as the core's session state machine hands them out
+(`submit(served, job) -> RoundResult`). The engine gathers what arrives within `max_wait_ms`
+(up to `max_batch` jobs), then per batch:
 
 1. starts fetching the q rows of its rule-2 jobs into one tensor on the logits' device,
 2. scores every job in one ragged forward pass of the backend (in a worker thread, so the
@@ -12,15 +13,19 @@ gathers what arrives within `max_wait_ms` (up to `max_batch` jobs), then per bat
 
 A job whose q rows cannot be fetched, or whose q(x) is not positive, or whose logits hold
 NaN, is refused without consuming its round; the rest of the batch goes on.
+
+The engine reports results and nothing else: each job's `RoundResult` says whether the
+round committed (its verdict), why not (a problem), and whether the commit log settled it
+(appended, or refused it for good), after which the service does its after-commit work. It
+shares the session table with the service (log positions, refusals, wake-ups, and how many
+sessions could still add a job) and reaches the model only through `TargetModel`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,10 +33,11 @@ import torch
 from ..aio import cancel_and_wait
 from ..cache import Fenced
 from ..core.messages import Verdict
-from ..core.problems import Kind, Problem, ProblemError
-from ..core.session import Job, VerifierSession
-from ..models.base import ModelError
+from ..core.problems import Kind, Problem
+from ..core.session import Job
 from .metrics import Metrics
+from .sessions import ServedSession, ServedSessions
+from .target import TargetModel
 from .verify_step import JobOutcome, verify_jobs
 
 log = logging.getLogger("sdcp_fast.verifier.engine")
@@ -40,13 +46,31 @@ log = logging.getLogger("sdcp_fast.verifier.engine")
 _APPENDED, _SUPERSEDED, _NOT_APPENDED = "appended", "superseded", "not-appended"
 
 
+@dataclass(frozen=True)
+class RoundResult:
+    """What became of one job."""
+
+    verdict: Verdict | None = None    # the committed round's verdict (None: self-decoded, or not committed)
+    problem: Problem | None = None    # why nothing was committed (the request's answer)
+    settled: bool = False             # the commit log appended the round or refused it for good:
+                                      # the service's after-commit work is due
+
+    @property
+    def committed(self) -> bool:
+        return self.settled and self.problem is None
+
+
 @dataclass
 class _Queued:
-    session: VerifierSession
+    served: ServedSession
     job: Job
-    future: asyncio.Future[Verdict | None]
+    future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
     index: int = 0                    # position in its batch (q-row bookkeeping)
+
+    @property
+    def session(self):
+        return self.served.machine
 
 
 @dataclass(frozen=True)
@@ -60,22 +84,16 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, backend, store, commit_log, *, config: EngineConfig = EngineConfig(),
-                 device: torch.device | str = "cpu", metrics: Metrics | None = None,
-                 on_commit: Callable[[VerifierSession], None] = lambda s: None,
-                 on_refuse: Callable[[VerifierSession, Job, Problem], None] = lambda s, j, p: None,
-                 may_propose: Callable[[], int] = lambda: 1 << 30):
-        self.backend = backend
+    def __init__(self, target: TargetModel, store, commit_log, sessions: ServedSessions, *,
+                 config: EngineConfig = EngineConfig(), device: torch.device | str = "cpu",
+                 metrics: Metrics | None = None):
+        self.target = target
         self.store = store
         self.commit_log = commit_log
+        self.sessions = sessions
         self.config = config
         self.device = torch.device(device)
         self.metrics = metrics or Metrics()
-        self.on_commit = on_commit
-        self.on_refuse = on_refuse
-        self.may_propose = may_propose   # sessions that could still add a job to this batch
-        self.log_positions: dict[bytes, int] = {}     # records in each session's commit log
-        self.model_lock = asyncio.Lock()              # the backend is not thread-safe
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._busy = 0                                # jobs in the batch being processed
         self.load_override: int | None = None         # pins the reported load (tests, drills)
@@ -111,13 +129,12 @@ class Engine:
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if not item.future.done():
-                item.future.set_exception(ProblemError(Problem(Kind.UNAVAILABLE, "verifier stopping")))
+                item.future.set_result(RoundResult(problem=Problem(Kind.UNAVAILABLE, "verifier stopping")))
 
-    async def submit(self, session: VerifierSession, job: Job) -> Verdict | None:
-        """Queue a job; resolves with its verdict (None for a self-decoded token) or raises
-        the ProblemError that refused it."""
-        future: asyncio.Future[Verdict | None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Queued(session, job, future))
+    async def submit(self, served: ServedSession, job: Job) -> RoundResult:
+        """Queue a job; resolves with what became of it."""
+        future: asyncio.Future[RoundResult] = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Queued(served, job, future))
         return await future
 
     # ------------------------------------------------------------------ the loop
@@ -129,7 +146,7 @@ class Engine:
                 deadline = time.perf_counter() + self.config.max_wait_ms / 1000
                 # sessions that could still add a job (those with one queued are not counted):
                 # once that many more have arrived, nobody else can come, so go at once
-                could_come = self.may_propose() + self._queue.qsize()
+                could_come = self.sessions.could_propose() + self._queue.qsize()
                 while len(batch) < self.config.max_batch:
                     remaining = deadline - time.perf_counter()
                     if remaining <= 0 and self._queue.empty():
@@ -153,15 +170,15 @@ class Engine:
 
     async def _process(self, batch: list[_Queued]) -> None:
         started = time.perf_counter()
-        self.metrics.observe("batch_size", len(batch))
+        self.metrics.batch_size.observe(len(batch))
         for item in batch:
-            self.metrics.observe("queue_wait_seconds", started - item.enqueued)
-        vocab = self.backend.vocab_size
+            self.metrics.queue_wait.observe(started - item.enqueued)
+        vocab = self.target.vocab_size
         q_task = asyncio.create_task(self._fetch_q_rows(batch, vocab))
         try:
             t0 = time.perf_counter()
             batch, logits = await self._score(batch)
-            self.metrics.observe("forward_seconds", time.perf_counter() - t0)
+            self.metrics.forward_seconds.observe(time.perf_counter() - t0)
         finally:
             # never leave the fetch running: it writes into the buffer the next batch reuses
             q, q_starts, q_problems = await q_task
@@ -173,7 +190,7 @@ class Engine:
         problems = {n: q_problems[item.index] for n, item in enumerate(batch) if item.index in q_problems}
         outcomes = await asyncio.to_thread(   # keep the event loop free for requests
             verify_jobs, [item.job for item in batch], logits.to(self.device), q, starts, problems)
-        self.metrics.observe("kernel_seconds", time.perf_counter() - t1)
+        self.metrics.kernel_seconds.observe(time.perf_counter() - t1)
         results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)),
                                        return_exceptions=True)
         for item, result in zip(batch, results, strict=True):
@@ -182,26 +199,14 @@ class Engine:
                 self._fail(item, Problem(Kind.UNAVAILABLE, f"commit failed: {result}"))
 
     async def _score(self, batch: list[_Queued]) -> tuple[list[_Queued], torch.Tensor | None]:
-        """One forward pass for the batch. If the backend refuses it (a session over its KV
-        or length cap, say), each job is scored alone, so that one session's trouble never
-        fails the others; the jobs that still fail are refused."""
+        """One forward pass for the batch; the jobs the model cannot score are refused
+        (TargetModel.score scores them one by one so that they fail alone)."""
         for n, item in enumerate(batch):
             item.index = n
-        items = [(item.session.id, item.job.tokens) for item in batch]
-        async with self.model_lock:
-            try:
-                return batch, await asyncio.to_thread(self.backend.score, items)
-            except ModelError as exc:
-                log.warning("batch of %d refused by the model (%s): scoring one by one", len(batch), exc)
-            kept, rows = [], []
-            for item, pair in zip(batch, items, strict=True):
-                try:
-                    rows.append(await asyncio.to_thread(self.backend.score, [pair]))
-                    kept.append(item)
-                except ModelError as exc:
-                    self._refuse(item, Problem(Kind.UNAVAILABLE, f"the target model cannot score "
-                                                                 f"this session: {exc}"))
-        return kept, (torch.cat(rows) if rows else None)
+        logits, refused = await self.target.score([(item.session.id, item.job.tokens) for item in batch])
+        for n, exc in refused.items():
+            self._refuse(batch[n], Problem(Kind.UNAVAILABLE, f"the target model cannot score this session: {exc}"))
+        return [item for n, item in enumerate(batch) if n not in refused], logits
 
     async def _fetch_q_rows(self, batch: list[_Queued], vocab: int):
         """One [sum M, V] tensor for the rule-2 jobs; a job whose rows fail is refused alone."""
@@ -242,18 +247,18 @@ class Engine:
         return buf
 
     async def _commit(self, item: _Queued, outcome: JobOutcome) -> None:
-        session, job = item.session, item.job
+        served, session, job = item.served, item.session, item.job
         if outcome.problem is not None:
             self._refuse(item, outcome.problem)
             return
         record = session.complete(job, outcome.accepted, outcome.extra, self.load)
         data = record.to_cbor()
-        position = self.log_positions.get(session.id, 0)
+        position = served.log_position
         appended = await self._append(session, data, position)
         if appended is _NOT_APPENDED:
             session.commit_failed()
             prob = Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed")
-            self.on_refuse(session, job, prob)
+            served.refused(job, prob)
             self._fail(item, prob)
             return
         if appended is _SUPERSEDED:
@@ -265,41 +270,20 @@ class Engine:
             log.warning("session %s: commit of round %d refused by the log; no longer served",
                         session.id.hex(), job.round)
             session.commit_result(False)
-            self.metrics.inc("fenced_total")
-            self.on_commit(session)
-            self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"))
+            self.metrics.fenced.inc()
+            served.wake()
+            self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"),
+                       settled=True)
             return
-        self.log_positions[session.id] = position + 1
+        served.log_position = position + 1
         verdict = session.commit_result(True)   # durable: the round stands whatever follows
-        await self._follow_in_model(session, record.emitted)
-        self.metrics.inc("verdicts_total", action=verdict.action.name.lower() if verdict else "self")
-        self.metrics.observe("accepted_tokens", outcome.accepted)
-        self.on_commit(session)
+        await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
+        self.metrics.committed(job.m, outcome.accepted, verdict.action if verdict else None)
+        served.wake()
         if not item.future.done():
-            item.future.set_result(verdict)
+            item.future.set_result(RoundResult(verdict=verdict, settled=True))
 
-    async def _follow_in_model(self, session: VerifierSession, emitted) -> None:
-        """Bring the model's session up to the committed tokens. If it cannot take them
-        (its length or KV cap), it is rebuilt from the committed sequence; if even that
-        fails, later rounds of the session are refused alone (see _score) while the
-        committed round and its verdict stand."""
-        async with self.model_lock:
-            try:
-                self.backend.commit(session.id, emitted)
-                return
-            except ModelError as exc:
-                log.warning("session %s: model could not follow the commit (%s): rebuilding",
-                            session.id.hex(), exc)
-            try:
-                with contextlib.suppress(ModelError):
-                    self.backend.release(session.id)
-                await asyncio.to_thread(self.backend.open, session.id,
-                                        [*session.prompt, *session.output_tokens])
-            except ModelError as exc:
-                log.error("session %s: the model cannot hold the committed sequence: %s",
-                          session.id.hex(), exc)
-
-    async def _append(self, session: VerifierSession, data: bytes, position: int):
+    async def _append(self, session, data: bytes, position: int):
         """Append one commit record at `position`: _APPENDED, _SUPERSEDED (fenced, or another
         record holds the position) or _NOT_APPENDED (store unreachable: nothing landed).
 
@@ -308,8 +292,10 @@ class Engine:
         which is also the read-after-append check of section 6.8."""
         timeout = self.config.append_timeout_s
         try:
+            started = time.perf_counter()
             await asyncio.wait_for(self.commit_log.append(
                 session.commit_log, data, epoch=session.epoch, expected=position), timeout)
+            self.metrics.append_seconds.observe(time.perf_counter() - started)
             return _APPENDED
         except Fenced:
             return _SUPERSEDED
@@ -336,10 +322,10 @@ class Engine:
                 item.session.refuse(item.job, prob)
             except Exception:   # the job already left VERIFYING (a failure mid-commit)
                 log.exception("could not roll back round %d", item.job.round)
-        self.on_refuse(item.session, item.job, prob)
+        item.served.refused(item.job, prob)
         self._fail(item, prob)
 
-    def _fail(self, item: _Queued, prob: Problem) -> None:
-        self.metrics.inc("problems_total", type=prob.kind.suffix)
+    def _fail(self, item: _Queued, prob: Problem, *, settled: bool = False) -> None:
+        self.metrics.problem(prob.kind)
         if not item.future.done():
-            item.future.set_exception(ProblemError(prob))
+            item.future.set_result(RoundResult(problem=prob, settled=settled))

@@ -1,7 +1,8 @@
 """From the core's jobs and the batch's logits to (accepted, extra token) per job.
 
 Proposals go through one `kernels.verify` launch; self-decoded tokens (M = 0) are drawn
-from p with the same transform and the same inverse-CDF rule, on their single row.
+from p with the same transform and the same inverse-CDF rule (`kernels.sample`), on their
+single row.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..core.messages import RULE_GREEDY, Sampling
+from ..core.messages import RULE_GREEDY, transform_of
 from ..core.problems import Kind, Problem
 from ..core.session import Job
-from ..kernels.reference import argmax_smallest_id, draw, logits_row_is_bad
 
 
 @dataclass(frozen=True)
@@ -23,13 +23,6 @@ class JobOutcome:
     accepted: int = 0
     extra: int = -1
     problem: Problem | None = None
-
-
-def sampling_dict(sampling: Sampling | None) -> dict[str, int]:
-    if sampling is None:
-        return {}
-    keys = ("temperature_milli", "top_k", "top_p_milli")
-    return {k: getattr(sampling, k) for k in keys if getattr(sampling, k) is not None}
 
 
 def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | None,
@@ -57,7 +50,7 @@ def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | Non
                 tokens=job.tokens,
                 accept_uniforms=[0.0] * job.m if greedy else job.accept_uniforms,
                 extra_uniforms=0.0 if greedy else job.draw_uniforms,   # the op picks i = a + 1
-                sampling=sampling_dict(job.sampling),
+                sampling=transform_of(job.sampling),
                 q_start=None if greedy else q_starts[n],
             ))
     if proposals:
@@ -79,9 +72,9 @@ def self_decode(job: Job, row: torch.Tensor) -> JobOutcome:
     kernels decide rule 1), the inverse-CDF draw with the job's uniform (round, i = 1,
     purpose 1) under rule 2. A row the kernels would flag (NaN, +inf, nothing finite)
     commits nothing."""
-    if logits_row_is_bad(row):
+    if bool(kernels.bad_rows(row)):
         return JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf"))
     if job.rule == RULE_GREEDY:
-        return JobOutcome(0, argmax_smallest_id(row))
-    p = kernels.target_probs(row.unsqueeze(0).double(), **sampling_dict(job.sampling))[0]
-    return JobOutcome(0, draw(p.double(), job.draw_uniforms[0]))
+        return JobOutcome(0, int(kernels.greedy(row)))
+    p = kernels.target_probs(row.unsqueeze(0).double(), **transform_of(job.sampling))[0]
+    return JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0])))

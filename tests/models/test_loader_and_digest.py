@@ -8,7 +8,7 @@ from model_helpers import random_model
 from safetensors.torch import save_file
 
 from sdcp_fast.models import Backend, BackendSpecError, load_backend
-from sdcp_fast.models.spec import parse_spec, spec_options
+from sdcp_fast.models.spec_options import split_options
 from sdcp_fast.models.weights import CONFIG_KEY, canonical_digest, read_safetensors
 
 
@@ -23,17 +23,17 @@ def test_bad_specs():
             load_backend(spec)
 
 
-def test_spec_grammar():
-    spec = parse_spec("hf:/m/model.gguf?dtype=bfloat16&threads=4")
-    assert (spec.kind, spec.arg, spec.options) == ("hf", "/m/model.gguf", {"dtype": "bfloat16", "threads": "4"})
-    assert parse_spec("tiny:demo-target").options == {}
-    known = {"threads": int}
-    assert spec_options(parse_spec("x:y?threads=3"), known) == {"threads": 3}
-    with pytest.raises(BackendSpecError, match=r"unknown option\(s\) thread for x: \(known: threads\)"):
-        spec_options(parse_spec("x:y?thread=3"), known)
+def test_spec_options_grammar():
+    known = {"threads": int, "dtype": str}
+    assert split_options("/m/model.gguf?dtype=bfloat16&threads=4", known, "hf") == (
+        "/m/model.gguf", {"dtype": "bfloat16", "threads": 4})
+    assert split_options("demo-target", {}, "tiny") == ("demo-target", {})
+    with pytest.raises(BackendSpecError, match=r"unknown option 'thread' \(known: dtype, threads\)"):
+        split_options("y?thread=3", known, "x")
     with pytest.raises(BackendSpecError, match="given twice"):
-        parse_spec("x:y?threads=1&threads=2")
-
+        split_options("y?threads=1&threads=2", known, "x")
+    with pytest.raises(BackendSpecError, match="known: none"):
+        split_options("y?threads=1", {}, "x")
 
 def test_backends_satisfy_the_protocol(tiny_path):
     assert isinstance(load_backend(f"tiny:{tiny_path}"), Backend)

@@ -113,7 +113,7 @@ class Bench:
         return a.replace(**changes)
 
     async def assign(self, a: Assignment, caller: str = ROUTER):
-        from sdcp_fast.verifier import encode_session_id
+        from sdcp_fast.refs import encode_session_id
         put = await self.router_call("PUT", f"/sessions/{encode_session_id(a.session)}/drafter", a.to_cbor())
         assert put.status == 200
         return await dispatch(self.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
@@ -123,7 +123,7 @@ class Bench:
         return await dispatch(self.verifier, Request(method, path, {}, "application/sdcp+cbor", body, ROUTER))
 
     async def finished(self, sid: bytes, timeout: float = 20.0) -> list[int]:
-        session = self.verifier.sessions[sid]
+        session = self.verifier.sessions[sid].machine
         deadline = asyncio.get_running_loop().time() + timeout
         while not session.closed:
             assert asyncio.get_running_loop().time() < deadline, "session did not finish"
@@ -146,6 +146,9 @@ def test_round_loop_commits_greedy_output_within_the_limits(tmp_path):
             assert (await b.assign(b.assignment(sid, contract, m_init=2))).status == 204
             output = await b.finished(sid)
             assert output == greedy(b.target_spec, [1, 2, 3], 50)
+            # the output is final once the last round is appended, a moment before its
+            # verdict reaches the drafter (and its rounds log): wait for the loop to end
+            await asyncio.wait_for(asyncio.shield(b.draft_session(sid).task), 30)
             log = [r for r in (b.tmp / "rounds.jsonl").read_text().splitlines()]
             import json
             records = [json.loads(x) for x in log]
@@ -245,7 +248,7 @@ def test_old_round_in_assignment_resyncs_from_stale_base(tmp_path):
         async with Bench(tmp_path) as b:
             contract = b.contract(max_new=30)
             sid = await b.open(contract)
-            session = b.verifier.sessions[sid]
+            session = b.verifier.sessions[sid].machine
             # the verifier is at round 0; tell the drafter it is at round 5 (same prefix)
             await b.assign(b.assignment(sid, contract, round=5))
             assert await b.finished(sid) == greedy(b.target_spec, [1, 2, 3], 30)
@@ -263,7 +266,7 @@ def test_replayed_verdict_of_another_proposal_is_adopted(tmp_path):
             sid = await b.open(contract)
             other = b.assignment(sid, contract, drafter="https://other.test/")
             await b.router_call("PUT", f"/sessions/{_b64(sid)}/drafter", other.to_cbor())
-            session = b.verifier.sessions[sid]
+            session = b.verifier.sessions[sid].machine
             for _ in range(3):
                 p = Proposal(sid, 1, session.round + 1, "https://other.test/", session.committed,
                              session.digest, (31,), Status("https://other.test/", 1, 0, 0, 1000))
@@ -283,7 +286,7 @@ def test_assignment_ahead_of_what_the_drafter_can_know_stops_the_session(tmp_pat
             # then ours is handed the initial state: stale-base with a prefix it cannot know
             other = b.assignment(sid, contract, drafter="https://other.test/")
             await b.router_call("PUT", f"/sessions/{_b64(sid)}/drafter", other.to_cbor())
-            session = b.verifier.sessions[sid]
+            session = b.verifier.sessions[sid].machine
             for _ in range(REPLAY_WINDOW + 2):
                 p = Proposal(sid, 1, session.round + 1, "https://other.test/", session.committed,
                              session.digest, (0,), Status("https://other.test/", 1, 0, 0, 1000))
@@ -321,7 +324,7 @@ def test_assignments_are_checked(tmp_path):
 
 
 def _b64(sid: bytes) -> str:
-    from sdcp_fast.verifier import encode_session_id
+    from sdcp_fast.refs import encode_session_id
     return encode_session_id(sid)
 
 

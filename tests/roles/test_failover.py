@@ -19,7 +19,7 @@ from roles_support import FrontDoorClient, build_cluster, greedy, parse_sse, rou
 from sdcp_fast.cache import effective_commits, open_log
 from sdcp_fast.core.messages import CommitRecord, Proposal, Status
 from sdcp_fast.core.problems import Kind
-from sdcp_fast.router import commit_log_name
+from sdcp_fast.refs import commit_log_name
 from sdcp_fast.transport import Client, TLSConfig
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10, 11]]
@@ -173,7 +173,7 @@ def test_partitioned_verifier_can_neither_commit_nor_release_output(started):
                                 last1.committed, last1.digest, (0,), Status(epoch1_drafter, 1, 0, 0, 1000))
             answer = await client.request("POST", old.uri + "proposals", proposal.to_cbor(), idempotent=True)
         tls = TLSConfig.for_instance(cluster.certs, cluster.router_uri)
-        from sdcp_fast.verifier import encode_session_id
+        from sdcp_fast.refs import encode_session_id
         async with Client(tls, "h2", timeout=10) as client:
             sid = encode_session_id(bytes.fromhex(victim["id"]))
             output = await client.request("GET", f"{old.uri}sessions/{sid}/output?from=0")
@@ -192,6 +192,12 @@ def test_dropped_verdicts_are_retried_and_identical(started):
     result = fd.generate(PROMPTS[0], max_new=80)   # the client asserts index continuity
     assert result["end"]["finish"] == "finish"
     assert result["tokens"] == greedy(target, PROMPTS[0], 80)
+    # the output is final once the last round is appended, a moment before its verdict
+    # reaches the drafter's rounds log: wait for the finishing round there
+    deadline = time.monotonic() + 20
+    while not any(x.get("action") == "finish" for x in rounds(cluster.workdir / "d1.rounds.jsonl")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     log = rounds(cluster.workdir / "d1.rounds.jsonl")
     dropped = [x for x in log if x.get("dropped")]
     kept = {(x["session"], x["epoch"], x["round"]): x for x in log if not x.get("dropped")}

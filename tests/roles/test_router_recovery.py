@@ -27,7 +27,8 @@ from sdcp_fast.core.messages import (
     Status,
 )
 from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Kind, Problem
-from sdcp_fast.router import RouterConfig, RouterService, RouterSession, commit_log_name
+from sdcp_fast.refs import commit_log_name
+from sdcp_fast.router import RouterConfig, RouterService, RouterSession
 from sdcp_fast.transport import ClientResponse, TransportError
 
 ROUTER = "https://router.test/"
@@ -147,15 +148,15 @@ def test_failover_whose_open_failed_resumes_even_if_the_old_verifier_returns(tmp
                 ClientResponse(503, {}, b"") if refuse[0] else cbor_answer(b.state(s)))
             b.net.routes[("PUT", V2, "/drafter")] = lambda body: cbor_answer(b.state(s))
             b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
-            assert b.router.needs_failover(s)
-            await b.router._failover(s)
+            assert b.router.failover.needed(s)
+            await b.router.failover.run(s)
             assert (s.epoch, s.verifier, await b.fences(s)) == (2, V1, [2])
             b.live(V1)                                       # the old one is back
             refuse[0] = False
-            assert b.router.needs_failover(s)                # still: it was fenced out
-            await b.router._failover(s)
+            assert b.router.failover.needed(s)                # still: it was fenced out
+            await b.router.failover.run(s)
             assert (s.epoch, s.verifier, s.drafter, await b.fences(s)) == (2, V2, D1, [2])
-            assert not b.router.needs_failover(s)
+            assert not b.router.failover.needed(s)
             opens = [SessionOpen.from_cbor(body) for body in b.net.sent("POST", V2, "/sessions")]
             assert [o.epoch for o in opens] == [2, 2]
             assert Assignment.from_cbor(b.net.sent("PUT", V2, "/drafter")[0]).epoch == 2
@@ -179,12 +180,12 @@ def test_stale_epoch_from_the_verifier_resumes_the_session_there(tmp_path):
             b.net.routes[("PUT", V1, "/drafter")] = put_drafter
             b.net.routes[("POST", V1, "/sessions")] = lambda body: cbor_answer(b.state(s, epoch=2))
             b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
-            await b.router._assign(s, why="test")
+            await b.router.assign(s, why="test")
             assert s.needs_drafter and s.drafter is None
-            assert b.router.needs_failover(s)
-            await b.router._failover(s)
+            assert b.router.failover.needed(s)
+            await b.router.failover.run(s)
             assert (s.epoch, s.verifier, s.drafter, await b.fences(s)) == (2, V1, D1, [2])
-            assert not b.router.needs_failover(s)
+            assert not b.router.failover.needed(s)
             assert [SessionOpen.from_cbor(x).epoch for x in b.net.sent("POST", V1, "/sessions")] == [2]
             assert [Assignment.from_cbor(x).epoch for x in b.net.sent("PUT", V1, "/drafter")] == [1, 2]
             assert Assignment.from_cbor(b.net.sent("POST", D1, "/assignments")[0]).epoch == 2
@@ -201,8 +202,8 @@ def test_stale_epoch_on_output_marks_the_session_for_resume(tmp_path):
                 s.finish = Action.FAIL                       # one answer is enough: end the reader
                 return problem_answer(Kind.STALE_EPOCH)
             b.net.routes[("GET", V1, "/output")] = output
-            await b.router._read_output(s)
-            assert s.verifier_lost and b.router.needs_failover(s)
+            await b.router.relay.read(s)
+            assert s.verifier_lost and b.router.failover.needed(s)
     run(main())
 
 
@@ -226,7 +227,7 @@ def test_output_reader_waits_before_asking_again(tmp_path, case):
                     s.finish = Action.FAIL
                 return cbor_answer(Output(s.id, epoch, start, (7,), False))
             b.net.routes[("GET", V1, "/output")] = output
-            await b.router._read_output(s)
+            await b.router.relay.read(s)
             assert len(b.net.calls) == 5 and waits == [0.25] * 5
             assert s.tokens == []
     run(main())

@@ -8,10 +8,12 @@ import tomllib
 
 import pytest
 
+from sdcp_fast import config as schema
+from sdcp_fast.config import ConfigError, ContractSection, load
 from sdcp_fast.core.messages import ROLE_DRAFTER, ROLE_VERIFIER, Action, Status
-from sdcp_fast.procs import toml_dumps
+from sdcp_fast.procs import Cluster
 from sdcp_fast.router.registry import Registry
-from sdcp_fast.serve import ConfigError, Section, contract_defaults, load_config
+from sdcp_fast.serve import contract_defaults
 
 D1, D2, D3, V1, V2 = (f"https://{n}.test/" for n in ("d1", "d2", "d3", "v1", "v2"))
 MODEL_A, MODEL_B = b"a" * 32, b"b" * 32
@@ -80,32 +82,46 @@ def test_verifier_choice_by_load():
 # ---------------------------------------------------------------------- configs
 
 
-def test_toml_writer_round_trips_through_tomllib():
-    config = {"uri": "https://127.0.0.1:1/", "http3": False, "ttl": 1.5, "n": 3,
-              "router": {"verifiers": ["a", "b"], "contract": {"fallback": ["reduce"], "sampling": {"seed": 7}},
-                         "drafters": [{"uri": "x", "model_digest": "00"}, {"uri": "y", "model": "m"}]}}
-    assert tomllib.loads(toml_dumps(config)) == config
+def test_configs_the_launcher_writes_are_what_serve_reads(tmp_path):
+    """procs writes each instance's file from the schema (tomli-w); serve reads it back equal."""
+    cluster = Cluster(tmp_path, protocol="h3")
+    cluster.verifier("v1", model="table:t", max_batch=8, metrics="127.0.0.1:9300")
+    cluster.drafter("d1", model="table:d", draft_ahead=False)
+    cluster.router(model="table:t", drafter_models={"d1": "00ff"}, frontdoor_tls=True,
+                   contract={"rule": 2, "fallback": ["reduce"], "sampling": {"seed": 7}})
+    for instance in cluster.instances.values():
+        text = schema.dumps(instance.config)
+        assert tomllib.loads(text)["role"] == instance.role
+        assert schema.loads(text) == instance.config
+    router = schema.loads(schema.dumps(cluster.instances["router"].config)).router
+    assert (router.drafters[0].model_digest, router.contract.sampling) == ("00ff", {"seed": 7})
+    assert "commit_log" not in tomllib.loads(schema.dumps(cluster.instances["d1"].config))["drafter"]
 
 
 def test_config_errors_name_the_member(tmp_path):
-    section = Section({"ttl_ms": "soon", "flag": 1}, "d.toml")
-    with pytest.raises(ConfigError, match=r"d.toml.ttl_ms: expected int, got str"):
-        section.get("ttl_ms", int)
-    with pytest.raises(ConfigError, match=r"missing 'uri'"):
-        section.get("uri", str)
-    with pytest.raises(ConfigError, match=r"expected bool"):
-        section.get("flag", bool)
-    with pytest.raises(ConfigError, match=r"unknown actions \['retry'\]"):
-        contract_defaults(Section({"fallback": ["reduce", "retry"]}, "r.toml.contract"))
+    base = 'uri = "https://127.0.0.1:1/"\ncerts = "c"\nmodel = "m"\nstore = "s"\n'
+    with pytest.raises(ConfigError, match=r"d.toml.drafter.ttl_ms: expected int, got str"):
+        schema.loads(base + '[drafter]\nrouters = []\nttl_ms = "soon"\n', "d.toml")
+    with pytest.raises(ConfigError, match=r"d.toml: missing 'uri'"):
+        schema.loads('certs = "c"\nmodel = "m"\nstore = "s"\n', "d.toml")
+    with pytest.raises(ConfigError, match=r"d.toml.drafter.draft_ahead: expected bool, got int"):
+        schema.loads(base + '[drafter]\nrouters = []\ndraft_ahead = 1\n', "d.toml")
+    with pytest.raises(ConfigError, match=r"d.toml.drafter: unknown member 'ttl' \(did you mean 'ttl_ms'\?\)"):
+        schema.loads(base + '[drafter]\nrouters = []\nttl = 5\n', "d.toml")
+    with pytest.raises(ConfigError, match=r"r.toml.router.contract.fallback: unknown actions \['retry'\]"):
+        schema.loads(base + '[router]\nverifiers = []\ndrafters = []\n[router.contract]\n'
+                     'fallback = ["reduce", "retry"]\n', "r.toml")
+    with pytest.raises(ConfigError, match=r"protocol: 'h2' or 'h3'"):
+        schema.loads(base + 'protocol = "h4"\n')
     bad = tmp_path / "bad.toml"
     bad.write_text("uri = [")
     with pytest.raises(ConfigError, match="bad.toml"):
-        load_config(bad)
+        load(bad)
 
 
 def test_contract_defaults_from_a_config():
-    d = contract_defaults(Section({"rule": 2, "m_max": 5, "fallback": ["switch", "fail"], "stop": [10],
-                                   "sampling": {"temperature_milli": 800, "seed": 3}}, "r"))
+    d = contract_defaults(ContractSection(rule=2, m_max=5, fallback=["switch", "fail"], stop=[10],
+                                          sampling={"temperature_milli": 800, "seed": 3}))
     assert (d.rule, d.m_max, d.stop, d.fallback) == (2, 5, (10,), (Action.SWITCH, Action.FAIL))
     assert (d.sampling.temperature_milli, d.sampling.seed) == (800, 3)
 
@@ -126,8 +142,9 @@ def test_front_door_over_tls_asks_for_a_client_certificate(tmp_path):
 
     import httpx
 
-    from sdcp_fast.router import FrontDoor, frontdoor_ssl_context
+    from sdcp_fast.router import FrontDoor
     from sdcp_fast.transport import TLSConfig, make_certs
+    from sdcp_fast.transport.asgi import serve_web
 
     router_uri, client_uri = "https://127.0.0.1:1/", "https://client.test/"
     make_certs(tmp_path, [router_uri, client_uri])
@@ -143,9 +160,9 @@ def test_front_door_over_tls_asks_for_a_client_certificate(tmp_path):
         return context
 
     async def main():
-        door = FrontDoor(FakeRouter(), host="127.0.0.1", port=0,
-                         ssl_context=frontdoor_ssl_context(TLSConfig.for_instance(tmp_path, router_uri)))
-        port = await door.start()
+        door = await serve_web(FrontDoor(FakeRouter()), host="127.0.0.1", port=0,
+                               tls=TLSConfig.for_instance(tmp_path, router_uri))
+        port = door.port
         try:
             async with httpx.AsyncClient(verify=client_context(True)) as http:
                 answer = await http.get(f"https://127.0.0.1:{port}/v1/instances", timeout=10)
@@ -191,14 +208,15 @@ def test_front_door_refuses_bad_generate_requests_as_client_errors(tmp_path, bod
 
     from sdcp_fast.models import load_backend
     from sdcp_fast.router import FrontDoor, RouterConfig, RouterService
+    from sdcp_fast.transport.asgi import serve_web
 
     target, _ = make_tables(tmp_path)
     router = RouterService(RouterConfig("https://router.test/", (V1,), ((D1, MODEL_A),)),
                            load_backend(target), None, None, client=None)
 
     async def main():
-        door = FrontDoor(router, host="127.0.0.1", port=0)
-        port = await door.start()
+        door = await serve_web(FrontDoor(router), host="127.0.0.1", port=0)
+        port = door.port
         try:
             async with httpx.AsyncClient() as http:
                 return await http.post(f"http://127.0.0.1:{port}/v1/generate", json=body, timeout=10)

@@ -22,9 +22,10 @@ from sdcp_fast.core.messages import (
 )
 from sdcp_fast.models import load_backend
 from sdcp_fast.models.table import write_table
+from sdcp_fast.refs import encode_session_id
 from sdcp_fast.transport import Request
 from sdcp_fast.transport.http import dispatch
-from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService, encode_session_id
+from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService
 
 ROUTER = "https://router.test/"
 DRAFTER = "https://drafter-1.test/"

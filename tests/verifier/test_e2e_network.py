@@ -24,8 +24,8 @@ from sdcp_fast.core.messages import (
     Verdict,
 )
 from sdcp_fast.core.problems import Problem
+from sdcp_fast.refs import encode_session_id
 from sdcp_fast.transport import Client, TLSConfig, make_certs, serve
-from sdcp_fast.verifier import encode_session_id
 from tests.verifier.harness import DRAFTER, ROUTER, VERIFIER, Harness, contract_for
 
 HOST = "127.0.0.1"

@@ -13,7 +13,7 @@ from sdcp_fast.core.messages import Action, SessionOpen, SessionState, Verdict
 from sdcp_fast.core.problems import Kind, Problem
 from sdcp_fast.core.session import Job
 from sdcp_fast.models.base import KVCapacityError
-from sdcp_fast.verifier import encode_session_id
+from sdcp_fast.refs import encode_session_id
 from sdcp_fast.verifier.verify_step import self_decode
 from tests.verifier.harness import contract_for, harness_test
 
@@ -70,8 +70,8 @@ async def test_a_record_this_verifier_did_not_write_stops_the_session(h):
     await h.log.append(f"log/{sid.hex()}", b"\xa0", epoch=1, expected=0)
     r = await h.propose(sid, state, [1])
     assert r.status == 409 and Problem.from_json(r.body).kind == Kind.STALE_EPOCH
-    assert h.service.sessions[sid].state.value == "fenced"
-    assert h.service.sessions[sid].committed == 0           # nothing released
+    assert h.service.sessions[sid].machine.state.value == "fenced"
+    assert h.service.sessions[sid].machine.committed == 0           # nothing released
 
 
 @harness_test
@@ -82,7 +82,7 @@ async def test_abandoned_request_still_starts_self_decoding_and_sends_events(h):
     task = asyncio.create_task(h.propose(sid, state, [(target + 1) % 16]))
     await asyncio.sleep(0)           # the proposal is queued ...
     task.cancel()                    # ... and its client goes away
-    session = h.service.sessions[sid]
+    session = h.service.sessions[sid].machine
     for _ in range(300):
         if session.state.value == "awaiting-drafter":
             break
@@ -137,12 +137,12 @@ class RefusesOne:
 async def test_one_session_the_model_refuses_does_not_fail_the_batch(h):
     contract, good, gstate = await opened(h)
     _, bad, bstate = await opened(h)
-    h.service.engine.backend = RefusesOne(h.backend, bad)
+    h.service.target.backend = RefusesOne(h.backend, bad)
     rg, rb = await asyncio.gather(h.propose(good, gstate, greedy(h.backend, [1, 2, 3], 2)),
                                   h.propose(bad, bstate, greedy(h.backend, [1, 2, 3], 2)))
     assert rg.status == 200 and Verdict.from_cbor(rg.body).accepted == 2
     assert rb.status == 503
-    assert h.service.sessions[bad].round == 0                 # not consumed: may be retried
+    assert h.service.sessions[bad].machine.round == 0                 # not consumed: may be retried
 
 
 @harness_test
@@ -174,7 +174,7 @@ async def test_policy_sampling_ignores_unknown_keys(h):
     body = cbor.dumps({"session": sid, "from_round": 5, "sampling": {"temperature_milli": 700, "new_knob": 1}})
     r = await h.call("POST", f"/sessions/{encode_session_id(sid)}/policy", body)
     assert r.status == 200
-    assert h.service.sessions[sid].sampling_for(5).temperature_milli == 700
+    assert h.service.sessions[sid].machine.sampling_for(5).temperature_milli == 700
     bad = cbor.dumps({"session": sid, "from_round": 6, "sampling": {"top_p_milli": 1001}})
     r = await h.call("POST", f"/sessions/{encode_session_id(sid)}/policy", bad)
     assert r.status == 400
@@ -237,13 +237,13 @@ def test_idle_sessions_are_dropped(tmp_path):
         await h.service.start()       # the janitor picks up the short idle time
         try:
             contract, sid, state = await opened(h)
-            assert sid in h.service.sessions
+            served = h.service.sessions[sid]
             for _ in range(100):
                 if sid not in h.service.sessions:
                     break
                 await asyncio.sleep(0.05)
             assert sid not in h.service.sessions
-            assert sid not in h.service.engine.log_positions
+            assert served.retired            # the record held every per-session entry
         finally:
             await h.close()
 
@@ -269,7 +269,7 @@ class CommitFailsOnce:
 @harness_test
 async def test_a_durable_round_stands_when_the_model_cannot_follow_it(h):
     contract, sid, state = await opened(h)
-    h.service.engine.backend = CommitFailsOnce(h.backend)
+    h.service.target.backend = CommitFailsOnce(h.backend)
     tokens = greedy(h.backend, [1, 2, 3], 2)
     r = await h.propose(sid, state, tokens)
     assert r.status == 200                                    # the append happened: verdict stands

@@ -44,12 +44,12 @@ async def replay_vector(h: Harness, case) -> None:
         assert (v.accepted, int(v.action), v.low, v.load) == (step["accepted"], step["action"], step["low"], step["load"]), n
         if v.action == Action.SELF_DECODE:   # self_max = 1: one self-decoded round, then an event
             for _ in range(200):
-                if h.service.sessions[sid].state.value == "awaiting-drafter":
+                if h.service.sessions[sid].machine.state.value == "awaiting-drafter":
                     break
                 import asyncio
                 await asyncio.sleep(0.01)
-            assert h.service.sessions[sid].round == v.round + 1
-        out = h.service.sessions[sid]
+            assert h.service.sessions[sid].machine.round == v.round + 1
+        out = h.service.sessions[sid].machine
         committed = list(out.output_tokens)
         state = out.state_message()
         if v.action == Action.FAIL:

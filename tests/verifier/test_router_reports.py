@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 
 from sdcp_fast.core.messages import Action, Event, SessionState, Status, Verdict
+from sdcp_fast.refs import encode_instance_id as encode_uri
 from sdcp_fast.transport import Client, Response, Router, TLSConfig, make_certs, serve
 from sdcp_fast.transport.http import Authorizer
-from sdcp_fast.verifier.service import encode_uri
 from tests.verifier.harness import DRAFTER, ROUTER, VERIFIER, Harness, contract_for
 
 

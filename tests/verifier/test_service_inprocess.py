@@ -5,7 +5,7 @@ from __future__ import annotations
 from sdcp_fast.core.digest import extend_digest
 from sdcp_fast.core.messages import Action, Output, SessionState, Verdict
 from sdcp_fast.core.problems import Problem
-from sdcp_fast.verifier import encode_session_id
+from sdcp_fast.refs import encode_session_id
 from tests.verifier.harness import DRAFTER, contract_for, harness_test
 
 

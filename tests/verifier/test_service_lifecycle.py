@@ -7,7 +7,7 @@ import asyncio
 from sdcp_fast.core.digest import chain
 from sdcp_fast.core.messages import Action, CommitRecord, Output, Resume, SessionState, Verdict
 from sdcp_fast.core.problems import Problem
-from sdcp_fast.verifier import encode_session_id, token_list_bytes
+from sdcp_fast.refs import encode_session_id, token_list_bytes
 from tests.verifier.harness import contract_for, harness_test
 
 
@@ -37,8 +37,8 @@ async def test_fenced_log_stops_the_session_and_releases_nothing(h):
     assert out.status == 409
     entries = await h.log.read(f"log/{sid.hex()}")
     assert [e.kind for e in entries] == ["commit", "fence"]
-    assert h.service.sessions[sid].committed == 3       # round 2 was discarded
-    assert h.service.metrics.count("fenced_total") == 1
+    assert h.service.sessions[sid].machine.committed == 3       # round 2 was discarded
+    assert h.service.metrics.count("fenced_appends") == 1
 
 
 @harness_test
@@ -78,7 +78,7 @@ async def test_self_decoding_publishes_greedy_tokens_as_rounds(h):
     target = greedy(h.backend, [1, 2, 3], 1)[0]
     v = Verdict.from_cbor((await h.propose(sid, state, [(target + 1) % 16])).body)
     assert v.action == Action.SELF_DECODE and v.emitted == (target,)
-    session = h.service.sessions[sid]
+    session = h.service.sessions[sid].machine
     for _ in range(500):
         if session.state.value == "awaiting-drafter":
             break
@@ -95,7 +95,7 @@ async def test_self_decoding_publishes_greedy_tokens_as_rounds(h):
 async def test_resume_on_failover_continues_the_digest_chain(h):
     contract, sid, state = await opened(h)
     v = Verdict.from_cbor((await h.propose(sid, state, greedy(h.backend, [1, 2, 3], 3))).body)
-    committed = list(h.service.sessions[sid].output_tokens)
+    committed = list(h.service.sessions[sid].machine.output_tokens)
     log_ref = f"log/{sid.hex()}"
     await h.log.fence(log_ref, 2)
     await h.store.put("mlc:/out/1", token_list_bytes(committed))
@@ -107,7 +107,7 @@ async def test_resume_on_failover_continues_the_digest_chain(h):
     st = SessionState.from_cbor((await h.assign(sid, contract, st, epoch=2)).body)
     v2 = Verdict.from_cbor((await h.propose(sid, st, greedy(h.backend, [1, 2, 3, *committed], 2), epoch=2)).body)
     assert v2.round == 2 and v2.digest == chain(st.digest, v2.emitted)[-1]
-    assert list(h.service.sessions[sid].output_tokens) == greedy(h.backend, [1, 2, 3], 7)
+    assert list(h.service.sessions[sid].machine.output_tokens) == greedy(h.backend, [1, 2, 3], 7)
     # a resume that disagrees with the log is refused
     bad = Resume(v.round, v.committed, b"\x00" * 32, "mlc:/out/1")
     _, r = await h.open(contract, sid=sid, epoch=3, resume=bad)
@@ -116,21 +116,34 @@ async def test_resume_on_failover_continues_the_digest_chain(h):
 
 @harness_test
 async def test_metrics_are_served_in_prometheus_format(h):
-    from sdcp_fast.verifier import serve_metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sdcp_fast.metrics import Health, StatusPage
+    from sdcp_fast.transport.asgi import serve_web
     contract, sid, state = await opened(h)
     await h.propose(sid, state, greedy(h.backend, [1, 2, 3], 2))
-    server = await serve_metrics(h.service.metrics, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n")
-    body = (await reader.read()).decode()
+    server = await serve_web(StatusPage(h.service.metrics.registry, Health()), host="127.0.0.1", port=0)
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    raw = (await reader.read()).decode()
     writer.close()
-    server.close()
-    assert "200 OK" in body
-    assert 'sdcp_verdicts_total{action="continue"} 1' in body
-    assert "sdcp_proposals_total 1" in body
-    assert 'sdcp_batch_size_bucket{le="1"} 1' in body
-    assert "sdcp_forward_seconds_count 1" in body
+    await server.stop()
+    head, _, body = raw.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 200")
+    assert "content-type: text/plain; version=" in head
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body) for s in family.samples}
+    assert samples[("sdcp_verdicts_total", (("action", "continue"),))] == 1
+    assert samples[("sdcp_verdicts_total", (("action", "fail"),))] == 0      # every action from the start
+    assert samples[("sdcp_proposals_total", ())] == 1
+    assert samples[("sdcp_spec_decode_num_draft_tokens_total", ())] == 2
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_total", ())] == 2
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_per_pos_total", (("position", "1"),))] == 1
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 0
+    assert samples[("sdcp_batch_size_bucket", (("le", "1.0"),))] == 1
+    assert samples[("sdcp_forward_seconds_count", ())] == 1
+    assert samples[("sdcp_commit_log_append_seconds_count", ())] == 1
+    assert samples[("sdcp_sessions", ())] == 1
 
 
 async def test_published_target_kv_lets_another_verifier_resume(tmp_path):
@@ -138,7 +151,7 @@ async def test_published_target_kv_lets_another_verifier_resume(tmp_path):
     resume and that KV, continues with the same greedy output without a prefill of the prefix."""
     import dataclasses
 
-    from sdcp_fast.verifier.service import kv_ref
+    from sdcp_fast.refs import target_kv_ref as kv_ref
     from tests.verifier.harness import Harness
 
     (tmp_path / "a").mkdir()
@@ -158,7 +171,7 @@ async def test_published_target_kv_lets_another_verifier_resume(tmp_path):
             except Exception:
                 await asyncio.sleep(0.01)
         assert blob
-        committed = list(a.service.sessions[sid].output_tokens)
+        committed = list(a.service.sessions[sid].machine.output_tokens)
         await a.log.fence(f"log/{sid.hex()}", 2)
         await a.store.put("mlc:/out/kv", token_list_bytes(committed))
         resume = Resume(v.round, v.committed, v.digest, "mlc:/out/kv", target_kv=kv_ref(sid))

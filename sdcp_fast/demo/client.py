@@ -1,0 +1,106 @@
+"""The demo's client: streams every prompt from the router's front door at once (server-sent
+events over plain HTTP), with one live line per prompt on a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class Generation:
+    prompt: str
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    gid: str = ""
+    finish: str | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+
+def generate_all(front: str, generations: list[Generation], max_new: int) -> float:
+    """Stream every prompt at once; show one live line per prompt. Returns wall seconds."""
+    live = sys.stdout.isatty()
+    lock = threading.Lock()
+    started = time.perf_counter()
+    done = threading.Event()
+
+    def show() -> None:
+        width = shutil.get_terminal_size((100, 20)).columns - 16
+        with lock:
+            for n, g in enumerate(generations):
+                tail = (g.text.replace("\n", "\u21b5")[-width:]) if g.text else ""
+                print(f"\x1b[2K[{n + 1}] {len(g.tokens):3d}/{max_new} {tail}")
+            print(f"\x1b[{len(generations)}A", end="", flush=True)
+
+    def progress() -> None:
+        while not done.wait(0.1 if live else 1.0):
+            if live:
+                show()
+            else:
+                with lock:
+                    counts = " ".join(f"[{n + 1}] {len(g.tokens)}" for n, g in enumerate(generations))
+                print(f"  {time.perf_counter() - started:5.1f} s  tokens {counts}", flush=True)
+
+    ticker = threading.Thread(target=progress, daemon=True)
+    ticker.start()
+    pool = ThreadPoolExecutor(len(generations))
+    try:
+        list(pool.map(lambda g: stream_one(front, g, max_new, lock), generations))
+    finally:
+        # on Ctrl-C do not wait for the streams: stopping the processes ends them
+        pool.shutdown(wait=False, cancel_futures=True)
+        done.set()
+    wall = time.perf_counter() - started
+    ticker.join()
+    if live:
+        show()
+        print("\n" * len(generations), end="")
+    return wall
+
+
+def stream_one(front: str, g: Generation, max_new: int, lock: threading.Lock) -> None:
+    try:
+        with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as http, \
+                http.stream("POST", f"{front}/v1/generate", json={"prompt": g.prompt, "max_new": max_new}) as r:
+            if r.status_code != 200:
+                g.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
+                return
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:])
+                    with lock:
+                        if name == "start":
+                            g.gid = data["id"]
+                        elif name == "tokens":
+                            g.tokens.extend(data["tokens"])
+                            g.text += data["text"]
+                        elif name == "end":
+                            g.finish, g.text = data["finish"], data["text"]
+                            g.seconds = data.get("seconds") or 0.0
+    except Exception as exc:   # the table reports it; the demo still cleans up
+        g.error = f"{type(exc).__name__}: {exc}"
+
+
+def wait_live(front: str, count: int, timeout: float) -> None:
+    """Until `count` instances are live in the router's registry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            instances = httpx.get(f"{front}/v1/instances", timeout=5).json()["instances"]
+            if sum(1 for i in instances if i["live"]) >= count:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError("instances did not report status in time")
+        time.sleep(0.1)

@@ -1,0 +1,42 @@
+"""The demo's deployment: a router, a verifier (the target model) and two drafters (the
+draft model) as separate `sdcp-fast serve` processes, speaking HTTP/2 (or HTTP/3) with
+mutual TLS on loopback, sharing an embedded object store and a file commit log."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..drafter import rounds_from_file
+from ..procs import Cluster
+
+DRAFTERS = ("drafter-1", "drafter-2")
+
+
+def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int) -> None:
+    """Add the instances and their configs; `cluster.start()` launches them."""
+    # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
+    cluster.verifier("verifier", model=target_spec, max_wait_ms=1.0, ttl_ms=3000, status_interval_s=0.5)
+    for name in DRAFTERS:
+        cluster.drafter(name, model=draft_spec, ttl_ms=2000, status_interval_s=0.4)
+    cluster.router(model=target_spec, drafter_models={name: draft_digest for name in DRAFTERS},
+                   contract={"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
+                             "fallback": ["reduce", "switch", "self_decode"], "self_load": 60,
+                             "self_max": 16})
+
+
+def rounds(cluster: Cluster) -> list[dict]:
+    """Every verdict the drafters received (their rounds logs), in time order."""
+    out = []
+    for name in DRAFTERS:
+        for record in rounds_from_file(cluster.workdir / f"{name}.rounds.jsonl"):
+            if not record.get("dropped"):
+                record["drafter"] = name
+                out.append(record)
+    return sorted(out, key=lambda r: r["t"])
+
+
+def fast_tmp() -> str | None:
+    """tmpfs for the work directory when there is one: the commit log syncs every record."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None

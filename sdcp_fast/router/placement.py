@@ -1,0 +1,119 @@
+"""Placing a session (section 6.1): a verifier by load for its session-open, then a drafter.
+
+Assigning a drafter takes two calls, in this order: PUT sessions/{id}/drafter at the
+verifier first (its session-state answer is the authoritative round, committed length and
+digest), then POST assignments to the drafter with the committed tokens put in the cache.
+A drafter that refuses is skipped for the next candidate by load; a verifier that refuses
+ends the attempt (closed, fenced, or failing: the monitor decides what next). Callers hold
+the session's lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+
+from ..core.digest import prefix_digest
+from ..core.messages import Assignment, Resume, SessionOpen
+from ..core.problems import Kind
+from .committed import CommittedLog
+from .peers import Peers, Refused
+from .registry import Registry
+from .sessions import RouterSession
+
+log = logging.getLogger("sdcp_fast.router")
+ATTEMPTS = 4    # drafters tried per assignment
+
+
+class Offer(enum.Enum):
+    ASSIGNED = "assigned"
+    DRAFTER_REFUSED = "drafter-refused"     # try the next drafter
+    VERIFIER_REFUSED = "verifier-refused"   # stop: the verifier will not serve this drafter
+
+
+class Placement:
+    def __init__(self, registry: Registry, peers: Peers, committed: CommittedLog, *, m_init: int,
+                 on_verifier_lost):
+        self.registry = registry
+        self.peers = peers
+        self.committed = committed
+        self.m_init = m_init
+        self.on_verifier_lost = on_verifier_lost   # (session, verifier, epoch, where): see failover.py
+
+    async def open(self, s: RouterSession, exclude: set[str], resume: Resume | None = None) -> bool:
+        """session-open at verifiers by load until one accepts it; True once one did."""
+        while True:
+            inst = self.registry.pick_verifier(exclude)
+            if inst is None:
+                return False
+            msg = SessionOpen(s.id, s.epoch, s.contract, s.prompt, s.commit_log, resume=resume)
+            state = await self.peers.open_session(inst.uri, msg)
+            if not isinstance(state, Refused):
+                s.verifier = inst.uri
+                s.place("opened" if resume is None else "resumed", state_round=state.round)
+                s.notify()
+                log.info("session %s opened on %s (epoch %d, round %d)", s.id.hex(), s.verifier,
+                         s.epoch, state.round)
+                return True
+            log.warning("session %s: %s refused session-open: %s", s.id.hex(), inst.uri, state)
+            exclude = {*exclude, inst.uri}
+
+    async def assign(self, s: RouterSession, exclude: set[str] | frozenset[str] = frozenset(), *,
+                     attempts: int = ATTEMPTS) -> bool:
+        """A drafter by load (none of `exclude`), named to the verifier, then assigned."""
+        exclude = set(exclude)
+        for _ in range(attempts):
+            inst = self.registry.pick_drafter(s.contract.drafters, exclude)
+            if inst is None:
+                return False
+            offer = await self._offer(s, inst.uri, tell_verifier=True)
+            if offer is not Offer.DRAFTER_REFUSED:
+                return offer is Offer.ASSIGNED
+            exclude.add(inst.uri)
+        return False
+
+    async def resend(self, s: RouterSession) -> bool:
+        """The same assignment again to the session's drafter, which the verifier already
+        knows (a policy update: the drafter takes the new profile); should it refuse, any
+        other drafter is placed the full way."""
+        drafter = s.drafter
+        if drafter is None:
+            return await self.assign(s)
+        offer = await self._offer(s, drafter, tell_verifier=False)
+        if offer is not Offer.DRAFTER_REFUSED:
+            return offer is Offer.ASSIGNED
+        return await self.assign(s, {drafter}, attempts=ATTEMPTS - 1)
+
+    async def _offer(self, s: RouterSession, drafter: str, *, tell_verifier: bool) -> Offer:
+        tokens, records = await self.committed.read(s)
+        last = records[-1] if records else None
+        assignment = Assignment(
+            s.id, s.epoch, s.contract, s.verifier, drafter, s.prompt,
+            last.round if last else 0, len(tokens),
+            last.digest if last else prefix_digest(s.contract.digest, s.prompt), self.m_init,
+            sampling=s.sampling)
+        if tell_verifier:
+            verifier = s.verifier
+            state = await self.peers.put_drafter(verifier, assignment)
+            if isinstance(state, Refused):
+                log.warning("session %s: verifier refused the drafter (%s)", s.id.hex(), state)
+                if state.kind == Kind.STALE_EPOCH:
+                    self.on_verifier_lost(s, verifier, assignment.epoch, "drafter")
+                return Offer.VERIFIER_REFUSED
+            tokens, records = await self.committed.tokens_at(s, state.committed, tokens, records)
+            assignment = assignment.replace(round=state.round, committed=state.committed, digest=state.digest)
+        if assignment.committed:
+            assignment = assignment.replace(committed_tokens=await self.committed.publish(s, tokens))
+        answer = await self.peers.assign(drafter, assignment)
+        if isinstance(answer, Refused):
+            log.warning("session %s: drafter %s refused the assignment (%s)", s.id.hex(), drafter, answer)
+            return Offer.DRAFTER_REFUSED
+        changed = s.drafter != drafter
+        s.drafter = drafter
+        s.last_progress = time.monotonic()
+        if changed or tell_verifier:
+            s.place("assigned", round=assignment.round)
+        log.info("session %s: drafter %s (epoch %d, round %d, committed %d)", s.id.hex(), drafter,
+                 s.epoch, assignment.round, assignment.committed)
+        return Offer.ASSIGNED

@@ -1,0 +1,44 @@
+"""What every HTTP client adapter answers with, below both adapters: the response, and the
+errors that say no response came (and whether the server may have processed the request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Problem
+
+from .http import media_type
+
+DEFAULT_MAX_RESPONSE = 16 << 20
+
+
+class TransportError(Exception):
+    """No HTTP response. `sent` is False when the server certainly did not process the request."""
+
+    def __init__(self, message: str, *, sent: bool):
+        super().__init__(message)
+        self.sent = sent
+
+
+class RequestTimeout(TransportError):
+    pass
+
+
+@dataclass(frozen=True)
+class ClientResponse:
+    status: int
+    headers: dict[str, str]  # lower-case names; the last value of a repeated header
+    body: bytes
+
+    @property
+    def content_type(self) -> str | None:
+        return media_type(self.headers.get("content-type"))
+
+    def problem(self) -> Problem | None:
+        """The RFC 9457 document of an error answer, or None."""
+        if self.status < 400 or self.content_type != PROBLEM_MEDIA_TYPE:
+            return None
+        try:
+            return Problem.from_json(self.body)
+        except ValueError:
+            return None

@@ -1,0 +1,134 @@
+"""One record per served session, in one table the service and the engine share.
+
+A `ServedSession` holds everything the verifier keeps for a session: the core state machine
+(`machine`, the only code that changes protocol state), the session's position in its commit
+log, the last refused request (for identical retries waiting on it), its self-decoding
+task, when it was last touched, and the event that wakes output readers and waiting
+retries. Retiring a session is dropping its record (`ServedSessions.drop`); nothing else
+holds per-session state. Opens of one session id are serialised by `open_locks` (a record
+may not exist yet when the first open arrives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..aio import KeyedLock
+from ..core.messages import Verdict
+from ..core.problems import Kind, Problem, ProblemError, problem
+from ..core.session import Job, State, VerifierSession
+
+
+@dataclass(eq=False)
+class ServedSession:
+    machine: VerifierSession
+    log_position: int                                   # records in the session's commit log
+    touched: float = 0.0                                # loop time of the last request or commit
+    refusal: tuple[tuple | None, Problem] | None = None  # (request key, problem) last refused
+    self_task: asyncio.Task | None = None               # the self-decoding loop, while it runs
+    retired: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def id(self) -> bytes:
+        return self.machine.id
+
+    def touch(self) -> None:
+        self.touched = asyncio.get_running_loop().time()
+
+    def wake(self) -> None:
+        """Wake everyone waiting for this session to change (output readers, retries)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def changed(self, timeout: float) -> None:
+        """Return when the session changes, or after `timeout` seconds."""
+        event = self._changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def refused(self, job: Job, prob: Problem) -> None:
+        """Remember why a request was refused, for identical retries waiting on it."""
+        self.refusal = (job.request_key, prob)
+        self.wake()
+
+    def cancel_self_decoding(self) -> None:
+        task, self.self_task = self.self_task, None
+        if task is not None:
+            task.cancel()
+
+    async def wait_for_verdict(self, round: int, key: tuple, timeout: float) -> Verdict:
+        """An identical retry of the round in flight: its verdict, or the problem that
+        refused it, or 503 when the round was not committed after all."""
+        session = self.machine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            verdict = session.verdicts.get(round)
+            if verdict is not None:
+                return verdict
+            if session.inflight is None or session.inflight.round != round or self.retired:
+                break   # refused, fenced or retired: the retry gets the current answer
+            await self.changed(min(0.5, max(0.0, deadline - loop.time())))
+        verdict = session.verdicts.get(round)
+        if verdict is not None:
+            return verdict
+        if self.refusal is not None and self.refusal[0] == key:
+            raise ProblemError(self.refusal[1])
+        if session.state == State.FENCED:
+            raise problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch")
+        raise problem(Kind.UNAVAILABLE, f"round {round} was not committed; retry")
+
+
+class ServedSessions:
+    """The verifier's session table (bounded by the service's max_sessions)."""
+
+    def __init__(self) -> None:
+        self._records: dict[bytes, ServedSession] = {}
+        self.open_locks = KeyedLock()   # opens of one id never interleave
+
+    def get(self, sid: bytes) -> ServedSession | None:
+        return self._records.get(sid)
+
+    def __getitem__(self, sid: bytes) -> ServedSession:
+        return self._records[sid]
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._records
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __iter__(self) -> Iterator[ServedSession]:
+        return iter(list(self._records.values()))
+
+    def put(self, record: ServedSession) -> ServedSession | None:
+        """Serve `record`, replacing (and retiring) the session's previous record if any."""
+        old = self._records.get(record.id)
+        if old is not None and old is not record:
+            self._retire(old)
+        self._records[record.id] = record
+        return old
+
+    def drop(self, record: ServedSession) -> bool:
+        """Retire `record` if it is still the one served; True when it was."""
+        if self._records.get(record.id) is not record:
+            return False
+        del self._records[record.id]
+        self._retire(record)
+        return True
+
+    def could_propose(self) -> int:
+        """Sessions that could add a job now (a drafter proposing, or the verifier
+        self-decoding): the engine stops waiting for company once this many are queued."""
+        return sum(1 for r in self._records.values()
+                   if r.machine.state in (State.SERVING, State.SELF_DECODING))
+
+    @staticmethod
+    def _retire(record: ServedSession) -> None:
+        record.retired = True
+        record.cancel_self_decoding()
+        record.wake()
