@@ -32,7 +32,7 @@ from ..core.problems import Kind, problem
 from ..models.base import ModelError
 from ..refs import draft_kv_ref, read_token_list
 from ..reports import RouterLink
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .drafting import DraftBatcher
 from .session import Built, DraftSession, round_record, verdict_fingerprint
 
@@ -60,7 +60,7 @@ class DrafterConfig:
     drop_verdicts: int = 0              # test hook: discard the first N verdicts received
 
 
-class DrafterService:
+class DrafterService(Routed):
     def __init__(self, config: DrafterConfig, backend, store, *, client=None):
         self.config = config
         self.backend = backend
@@ -82,9 +82,6 @@ class DrafterService:
                                 resource="assignments")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.batcher.start()

@@ -61,7 +61,7 @@ from ..core.messages import (
 )
 from ..core.problems import Kind, problem
 from ..refs import commit_log_name, decode_instance_id
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .committed import CommittedLog
 from .failover import Failover
 from .peers import Peers, Refused
@@ -106,7 +106,7 @@ class RouterConfig:
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
 
-class RouterService:
+class RouterService(Routed):
     def __init__(self, config: RouterConfig, backend, store, commit_log, *, client):
         self.config = config
         self.backend = backend          # the target model's tokenizer and digests
@@ -134,9 +134,6 @@ class RouterService:
         self.router.add_message("POST", "/events", self.post_event, body=Event, resource="events")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.tasks.spawn(self._monitor())

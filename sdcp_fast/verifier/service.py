@@ -43,7 +43,7 @@ from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, Replay, State, VerifierSession, Wait, request_key
 from ..refs import decode_session_id, read_token_list, target_kv_ref
 from ..reports import RouterLink
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
@@ -67,7 +67,7 @@ class VerifierConfig:
     request_timeout_s: float = 5.0
 
 
-class VerifierService:
+class VerifierService(Routed):
     def __init__(self, config: VerifierConfig, backend, store, commit_log, *, client=None,
                  engine_config: EngineConfig = EngineConfig(), device: str = "cpu",
                  metrics: Metrics | None = None):
@@ -95,9 +95,6 @@ class VerifierService:
         add("POST", "/sessions/{sid}/policy", self.set_policy, body=Policy, resource="policy")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.engine.start()
