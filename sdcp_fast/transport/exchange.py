@@ -158,11 +158,14 @@ async def respond_to(handler: Handler, request: Request, timeout: float | None) 
     return response
 
 
-def response_headers(response: Response) -> HeaderList:
+def response_headers(response: Response, *, head: bool = False) -> HeaderList:
+    """The header block of `response`; for HEAD without content-length (RFC 9110 8.6 allows
+    either, and aioquic's client checks a HEAD answer's length against its empty content)."""
     headers: HeaderList = [(b":status", str(response.status).encode())]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
-    headers.append((b"content-length", str(len(response.body)).encode()))
+    if not head:
+        headers.append((b"content-length", str(len(response.body)).encode()))
     headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
 

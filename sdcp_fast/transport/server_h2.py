@@ -539,7 +539,7 @@ class H2ServerProtocol(asyncio.Protocol):
         """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
         9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
         no_content = head or not response.body
-        self._conn.send_headers(stream_id, response_headers(response), end_stream=no_content)
+        self._conn.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
         view = memoryview(b"" if no_content else response.body)
         loop = asyncio.get_running_loop()
         stalled_since: float | None = None

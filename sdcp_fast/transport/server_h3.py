@@ -22,7 +22,13 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, MessageError, Setting
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 
 from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
@@ -129,7 +135,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
             self._handshake_done()
         elif isinstance(event, ConnectionTerminated):
             self._on_terminated(event)
-        elif isinstance(event, StreamReset):
+        elif isinstance(event, StreamReset | StopSendingReceived):
             self._on_reset(event.stream_id)
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
@@ -227,9 +233,11 @@ class H3ServerProtocol(QuicConnectionProtocol):
             self._pending.add(stream_id, incoming)
 
     def _on_reset(self, stream_id: int) -> None:
-        """The client reset a stream; before its answer that counts towards the rapid-reset
-        budget. Our side of the stream is reset too, so that QUIC frees it (and gives the
-        client its stream credit back) instead of keeping it until the connection ends."""
+        """The client cancelled a request (RFC 9114 4.1.1: RESET_STREAM and/or STOP_SENDING;
+        aioquic reports no reset of a request whose body had already ended, STOP_SENDING it
+        does). Before its answer that counts towards the rapid-reset budget. Our side of the
+        stream is reset too, so that QUIC frees it (and gives the client its stream credit
+        back) instead of keeping it until the connection ends."""
         owed = stream_id in self._tasks or self._pending.get(stream_id) is not None
         self._pending.take(stream_id)
         task = self._tasks.pop(stream_id, None)
@@ -301,7 +309,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         assert self._h3 is not None
         no_content = head or not response.body
         try:
-            self._h3.send_headers(stream_id, response_headers(response), end_stream=no_content)
+            self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
             if not no_content:
                 # aioquic queues the bytes and paces them by QUIC flow control
                 self._h3.send_data(stream_id, response.body, end_stream=True)
