@@ -16,6 +16,7 @@ from typing import Any
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_BASE_URI = "urn:ietf:params:sdcp:problem:"
+MAX_DETAIL = 512  # characters of a problem's detail
 
 
 class Kind(Enum):
@@ -78,6 +79,11 @@ class Problem:
     detail: str = ""
     state: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # details may quote untrusted input: an answer never grows with what was sent
+        if len(self.detail) > MAX_DETAIL:
+            object.__setattr__(self, "detail", self.detail[:MAX_DETAIL - 3] + "...")
 
     @property
     def status(self) -> int:
