@@ -19,7 +19,14 @@ member the schema does not know is a `ConfigError` naming it, with the closest k
     ready_file = "/tmp/v1.ready"            # optional: JSON {"uri", "port", "pid"} once serving
     log_level  = "info"
 
-and one table for the role: [verifier], [drafter] or [router] (see the dataclasses).
+one table for the role: [verifier], [drafter] or [router] (see the dataclasses), and an
+optional [transport] table: the limits the instance's HTTP/2 and HTTP/3 server holds hostile
+clients to (`transport.limits.Limits`; every member has a default), e.g.
+
+    [transport]
+    max_connections_per_client = 16
+    idle_timeout = 300.0
+    body_limits = { proposals = 65536 }
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from .transport.limits import Limits
 
 PROTOCOLS = ("h2", "h3")
 LADDER = ("reduce", "switch", "self_decode", "fail")
@@ -55,6 +64,11 @@ class VerifierSection:
     max_batch: int = 64                     # jobs per forward pass
     max_wait_ms: float = 2.0                # the first job's wait for company
     metrics: str = ""                       # host:port of the Prometheus page (empty: none)
+    max_sessions: int = 4096
+    session_memory_mb: int = 2048           # budget of all sessions' state, model KV included
+    retire_idle_s: float = 30.0             # over budget, sessions idle this long may be retired
+    max_context_tokens: int = 32768         # the longest session a memory reservation counts with
+    idle_s: float = 1800.0                  # a session untouched this long is retired
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class DrafterSection:
     ttl_ms: int = 2000
     status_interval_s: float = 0.5
     max_sessions: int = 64
+    session_memory_mb: int = 1024           # budget of all sessions' state, draft KV included
+    max_context_tokens: int = 32768         # the longest session a memory reservation counts with
     max_batch: int = 32                     # sessions per draft step
     request_timeout_s: float = 5.0
     give_up_after_s: float = 10.0           # no verdict for this long: stop
@@ -135,6 +151,7 @@ class InstanceConfig:
     verifier: VerifierSection | None = None
     drafter: DrafterSection | None = None
     router: RouterSection | None = None
+    transport: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:

@@ -35,6 +35,7 @@ class Built:
     service: object
     closers: list[Closer] = field(default_factory=list)
     ready: dict[str, object] = field(default_factory=dict)
+    count_refusal: Callable[[str], None] | None = None   # the transport's refusals, into metrics
 
 
 def host_port(text: str) -> tuple[str, int]:
@@ -68,7 +69,9 @@ async def build_verifier(cfg: InstanceConfig, tls, client) -> Built:
     config = VerifierConfig(
         uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri,
         output_wait_s=v.output_wait_s, status_interval_s=v.status_interval_s, ttl_ms=v.ttl_ms,
-        publish_kv_every=v.publish_kv_every)
+        publish_kv_every=v.publish_kv_every, max_sessions=v.max_sessions,
+        memory_budget_bytes=v.session_memory_mb << 20, retire_idle_s=v.retire_idle_s,
+        max_context_tokens=v.max_context_tokens, idle_s=v.idle_s)
     backend = load_backend(cfg.model)
     store = await open_store(cfg.store)
     commit_log = await open_log(commit_log_spec(cfg))
@@ -79,7 +82,7 @@ async def build_verifier(cfg: InstanceConfig, tls, client) -> Built:
         host, port = host_port(v.metrics)
         page = await serve_web(MetricsPage(service.metrics), host=host, port=port)
         closers.insert(0, page.stop)
-    return Built(service, closers)
+    return Built(service, closers, count_refusal=lambda kind: service.metrics.inc("refusals_total", kind=kind))
 
 
 async def build_drafter(cfg: InstanceConfig, tls, client) -> Built:
@@ -94,7 +97,8 @@ async def build_drafter(cfg: InstanceConfig, tls, client) -> Built:
         request_timeout_s=d.request_timeout_s, give_up_after_s=d.give_up_after_s,
         max_q_republish=d.max_q_republish, publish_draft_kv=d.publish_draft_kv,
         draft_kv_every=d.draft_kv_every, draft_ahead=d.draft_ahead, rounds_log=d.rounds_log,
-        drop_verdicts=d.drop_verdicts)
+        drop_verdicts=d.drop_verdicts, memory_budget_bytes=d.session_memory_mb << 20,
+        max_context_tokens=d.max_context_tokens)
     backend = load_backend(cfg.model)
     store = await open_store(cfg.store)
     return Built(DrafterService(config, backend, store, client=client), [store.close])
@@ -154,7 +158,7 @@ BUILDERS = {"verifier": build_verifier, "drafter": build_drafter, "router": buil
 
 
 async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
-    from .transport import Client, TLSConfig, serve
+    from .transport import Client, Refusals, TLSConfig, serve
 
     if cfg.role and cfg.role != role:
         raise ConfigError(f"{where} is a {cfg.role} config, not a {role} one")
@@ -167,7 +171,8 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
     service = built.service
     await service.start()
     host, port = listen_address(cfg)
-    server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2)
+    server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2,
+                         limits=cfg.transport, refusals=Refusals(on_count=built.count_refusal))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,8 +202,12 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
+    level = getattr(logging, cfg.log_level.upper(), logging.INFO)
+    logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
+    # aioquic logs every stream a client resets at INFO: under attack that is one line per
+    # request; the transport's own refusal lines are rate-limited instead (refusals.py)
+    logging.getLogger("quic").setLevel(max(level, logging.WARNING))
     try:
         return asyncio.run(run(args.role, cfg, Path(args.config).name))
     except ConfigError as exc:

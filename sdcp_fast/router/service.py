@@ -214,7 +214,7 @@ class RouterService(Routed):
                 state = await self.peers.set_policy(s.verifier, Policy(s.id, from_round, sampling))
                 if not isinstance(state, Refused):
                     break
-                if state.kind == Kind.STALE_EPOCH:
+                if state.lost:
                     self._verifier_lost(s, s.verifier, s.epoch, "policy")
                 if state.kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
                     raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")

@@ -51,10 +51,14 @@ class Limits:
     quic_max_stream_data: int = 1 << 20      # per stream
 
     def __post_init__(self) -> None:
+        # entries given (a config's body_limits table) override the defaults, one by one
+        object.__setattr__(self, "body_limits", {**DEFAULT_BODY_LIMITS, **self.body_limits})
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
                 raise ValueError(f"{f.name} must be >= 0, not {value}")
+        if any(v < 0 for v in self.body_limits.values()):
+            raise ValueError("body_limits must be >= 0")
         for name in ("body_timeout", "header_timeout", "handshake_timeout", "send_timeout",
                      "idle_timeout", "early_reset_window_s"):
             if not getattr(self, name) > 0:
