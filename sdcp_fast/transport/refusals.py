@@ -54,14 +54,17 @@ class Refusals:
         self._logged: OrderedDict[tuple[str, str], tuple[float, int]] = OrderedDict()  # -> (when, muted)
 
     def refuse(self, kind: str, client: object, detail: str, *, level: int = logging.INFO) -> None:
-        """Count one refusal of `kind` for `client` (an identity URI or a peer address); log
-        it unless this (client, kind) was logged less than `interval` seconds ago."""
+        """Count one refusal of `kind` for `client` (an identity URI, or a peer address, of
+        which the host counts: a flood of connections from one host is one client); log it
+        unless this (client, kind) was logged less than `interval` seconds ago."""
         self.counts[kind] += 1
         if self.on_count is not None:
             try:
                 self.on_count(kind)
             except Exception:  # metrics must never break serving
                 log.exception("refusal counter failed")
+        if isinstance(client, tuple) and client:   # a peer address: the host is the client
+            client = client[0]
         key = (str(client), kind)
         now = self._clock()
         last = self._logged.get(key)

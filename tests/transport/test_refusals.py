@@ -40,7 +40,7 @@ def test_a_flood_of_refusals_is_one_line_per_client_and_minute(caplog):
 def test_the_log_table_is_bounded():
     refusals = Refusals(max_keys=10)
     for n in range(100):
-        refusals.refuse("tls", ("127.0.0.1", 40000 + n), "no certificate")
+        refusals.refuse("tls", (f"10.0.{n // 256}.{n % 256}", 40000 + n), "no certificate")
     assert len(refusals._logged) == 10 and refusals.counts["tls"] == 100
 
 
