@@ -7,7 +7,8 @@ datagram; HTTP/3 starts only after the handshake completed with a certificate th
 connection, and once the connection caps admit it. Per connection: MAX_STREAMS is
 `max_concurrent_streams`, QUIC flow control `quic_max_data` / `quic_max_stream_data`, the
 idle timeout `idle_timeout` (in the QUIC transport parameters), the handshake must finish
-within `handshake_timeout`. Per stream: a malformed request is a stream error
+within `handshake_timeout`. Per stream: the header block must be whole within
+`header_timeout` of the stream's first byte; a malformed request is a stream error
 (H3_MESSAGE_ERROR, RFC 9114 4.1.2) instead of aioquic's connection close; a HEADERS frame
 longer than `max_header_list` is answered 431 as soon as its length is known, before it is
 buffered; early resets count towards the rapid-reset budget (H3_EXCESSIVE_LOAD past it); a
@@ -27,6 +28,7 @@ from aioquic.quic.events import (
     HandshakeCompleted,
     QuicEvent,
     StopSendingReceived,
+    StreamDataReceived,
     StreamReset,
 )
 
@@ -120,6 +122,8 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._resets: tuple[float, int] = (0.0, 0)  # (window start, early resets in it)
+        self._awaiting_headers: dict[int, asyncio.TimerHandle] = {}  # streams begun, no headers yet
+        self._highest_stream = -1
         self._closing = False
         self._admitted = False
         loop = asyncio.get_running_loop()
@@ -137,6 +141,12 @@ class H3ServerProtocol(QuicConnectionProtocol):
             self._on_terminated(event)
         elif isinstance(event, StreamReset | StopSendingReceived):
             self._on_reset(event.stream_id)
+        elif isinstance(event, StreamDataReceived) and event.stream_id % 4 == 0 \
+                and event.stream_id > self._highest_stream and self._h3 is not None:
+            # a new request stream: its header block must be whole within header_timeout
+            self._highest_stream = event.stream_id
+            self._awaiting_headers[event.stream_id] = asyncio.get_running_loop().call_later(
+                self._limits.header_timeout, self._headers_overdue, event.stream_id)
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
                 self._on_h3_event(h3_event)
@@ -178,6 +188,9 @@ class H3ServerProtocol(QuicConnectionProtocol):
         for task in self._tasks.values():
             task.cancel()
         self._pending.clear()
+        for timer in self._awaiting_headers.values():
+            timer.cancel()
+        self._awaiting_headers.clear()
         if self.caller is None:
             refused = rejection(self._quic)
             reason = refused or event.reason_phrase or f"error {event.error_code:#x}"
@@ -192,6 +205,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
     # ---- streams -------------------------------------------------------------------------
     def _on_h3_event(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
+            self._headers_arrived(event.stream_id)
             self._on_headers(event.stream_id, event.headers, event.stream_ended)
         elif isinstance(event, DataReceived):
             incoming = self._pending.get(event.stream_id)
@@ -204,6 +218,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
                 self._pending.take(event.stream_id)
                 self._start(event.stream_id, incoming)
         elif isinstance(event, StreamRefused):
+            self._headers_arrived(event.stream_id)
             self._pending.take(event.stream_id)
             self._serving.refusals.refuse(event.kind, self._client, f"h3: stream {event.stream_id}: {event.reason}")
             self._count_early_reset(event.stream_id, event.reason)
@@ -232,6 +247,25 @@ class H3ServerProtocol(QuicConnectionProtocol):
         else:
             self._pending.add(stream_id, incoming)
 
+    def _headers_arrived(self, stream_id: int) -> None:
+        timer = self._awaiting_headers.pop(stream_id, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _headers_overdue(self, stream_id: int) -> None:
+        """A request stream whose header block is still incomplete after header_timeout:
+        reset it (it holds a stream of the client's limit and up to a header block)."""
+        if self._awaiting_headers.pop(stream_id, None) is None:
+            return
+        self._serving.refusals.refuse(Kind.HEADER_TIMEOUT, self._client,
+                                      f"h3: stream {stream_id}: headers not complete within {self._limits.header_timeout}s")
+        try:
+            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
+            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
+        except Exception as exc:  # already ended
+            log.debug("h3: could not reset stream %d: %s", stream_id, exc)
+        self.transmit()
+
     def _on_reset(self, stream_id: int) -> None:
         """The client cancelled a request (RFC 9114 4.1.1: RESET_STREAM and/or STOP_SENDING;
         aioquic reports no reset of a request whose body had already ended, STOP_SENDING it
@@ -239,6 +273,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         stream is reset too, so that QUIC frees it (and gives the client its stream credit
         back) instead of keeping it until the connection ends."""
         owed = stream_id in self._tasks or self._pending.get(stream_id) is not None
+        self._headers_arrived(stream_id)
         self._pending.take(stream_id)
         task = self._tasks.pop(stream_id, None)
         if task is not None:

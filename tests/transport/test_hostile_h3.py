@@ -135,3 +135,22 @@ def test_connections_over_the_per_client_cap_are_refused(pki):
             assert server.refusals.counts["client_connections"] == 1
 
     run(main())
+
+
+def test_a_stalled_header_block_is_reset_after_the_header_timeout(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, header_timeout=0.3) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            stalled = client._quic.get_next_available_stream_id()
+            # a HEADERS frame announcing 100 bytes, then 10 of them
+            client._quic.send_stream_data(stalled, bytes([0x01, 0x40, 0x64]) + b"\x00" * 10)
+            client.transmit()
+            await client.until(lambda c: c.done(stalled), timeout=3.0)
+            assert client.streams[stalled].reset == ErrorCode.H3_REQUEST_INCOMPLETE
+            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            await client.until(lambda c: c.done(good))
+            assert client.streams[good].status == 200
+            assert server.refusals.counts["header_timeout"] == 1
+            await client.aclose()
+
+    run(main())
