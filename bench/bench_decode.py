@@ -28,6 +28,7 @@ SMALL_ROUTE_LIMIT = 64 << 10
 def crafted(n: int) -> dict[str, bytes]:
     """Hostile inputs of about n bytes, each refused only after reading (almost) all of it."""
     tokens = n // 5
+    at_limit = min(n - 6, cbor.DEFAULT_MAX_ITEMS - 8)
     return {
         "tiny items, bad last": b"\x9a" + struct.pack(">I", n - 6) + b"\x00" * (n - 6) + b"\xff",
         "nested arrays": (b"\x82" + b"\x00") * 15 + b"\x81" * (n // 2),
@@ -43,6 +44,8 @@ def crafted(n: int) -> dict[str, bytes]:
         "prompt of maps": cbor.dumps({"prompt": [{}] * (n - 40)}),
         "strings array": cbor.dumps(["ab"] * (n // 3)),
         "tags": b"\x9a" + struct.pack(">I", n // 2) + b"\x00" * (n // 2 - 2) + b"\xc1\x00",
+        # as many items as a session-open may hold, each on the slow path (empty maps)
+        "maps up to the item limit": b"\x9a" + struct.pack(">I", at_limit) + b"\xa0" * (at_limit - 1) + b"\xff",
     }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 DEFAULT_MAX_SIZE = 1 << 20  # 1 MiB: a proposal is ~0.4 KB, a long prompt a few hundred KB
 DEFAULT_MAX_DEPTH = 16      # SDCP messages nest at most 4 deep (session-open.resume, contract.sampling)
-DEFAULT_MAX_ITEMS = 1 << 17  # data items in one input: a session-open's inline prompt is the longest list
+DEFAULT_MAX_ITEMS = 1 << 16  # data items in one input: a session-open's inline prompt is the longest list
 
 
 class DecodeError(ValueError):
