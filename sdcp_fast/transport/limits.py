@@ -38,6 +38,8 @@ class Limits:
     max_connections: int = 1024              # authenticated connections, all clients together
     max_connections_per_client: int = 32     # per certificate identity
     max_handshakes: int = 256                # handshakes in progress; the oldest is dropped first
+    new_connections_per_host_s: float = 20.0  # new connections a host may open per second ...
+    new_connections_burst: int = 100         # ... beyond a burst of this many: refused before TLS
     calm_penalty_s: float = 10.0             # a client told to calm down is refused this long
     # ---- timeouts (seconds)
     handshake_timeout: float = 5.0           # TCP accept -> TLS 1.3 handshake done
@@ -63,7 +65,8 @@ class Limits:
                      "idle_timeout", "early_reset_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.max_concurrent_streams < 1 or self.max_connections < 1 or self.max_handshakes < 1:
+        if self.max_concurrent_streams < 1 or self.max_connections < 1 or self.max_handshakes < 1 \
+                or self.new_connections_burst < 1:
             raise ValueError("max_concurrent_streams, max_connections and max_handshakes must be >= 1")
 
     def body_limit(self, resource: str | None) -> int:

@@ -33,6 +33,7 @@ class Kind:
     HEADER_TIMEOUT = "header_timeout"        # preface or frame incomplete past header_timeout
     HANDSHAKE_TIMEOUT = "handshake_timeout"  # TLS not done within handshake_timeout
     HANDSHAKE_DROPPED = "handshake_dropped"  # over max_handshakes: the oldest one was dropped
+    CONNECTION_RATE = "connection_rate"      # a host opening connections faster than allowed
     IDLE = "idle"                            # closed after idle_timeout (counted, not an attack)
     CONNECTIONS = "connections"              # over max_connections
     CLIENT_CONNECTIONS = "client_connections"  # over max_connections_per_client

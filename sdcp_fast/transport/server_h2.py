@@ -71,6 +71,11 @@ class TLSAcceptor(asyncio.Protocol):
         transport.pause_reading()  # the ClientHello must reach the TLS layer, not this protocol
         self._raw = transport
         self._peer = transport.get_extra_info("peername")
+        host = self._peer[0] if isinstance(self._peer, tuple) else str(self._peer)
+        if not self._serving.may_connect(host):
+            self._serving.refusals.refuse(Kind.CONNECTION_RATE, self._peer, "h2: new connections too fast")
+            transport.abort()
+            return
         self._serving.handshake_started(self, self._drop, self._peer)
         self._task = self._serving.spawn(self._accept(transport))
 

@@ -126,6 +126,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self._highest_stream = -1
         self._closing = False
         self._admitted = False
+        self._first_datagram = True
         loop = asyncio.get_running_loop()
         serving.handshake_started(self, self._drop, None)
         self._handshake_timer = loop.call_later(self._limits.handshake_timeout, self._handshake_overdue)
@@ -133,6 +134,19 @@ class H3ServerProtocol(QuicConnectionProtocol):
     @property
     def _client(self) -> object:
         return self.caller or self._peer()
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        if self._first_datagram:
+            self._first_datagram = False
+            if not self._serving.may_connect(addr[0]):
+                # dropped before any handshake work: the datagram is not even parsed, and the
+                # server forgets the connection (aioquic's handler, set before this call)
+                self._serving.refusals.refuse(Kind.CONNECTION_RATE, addr, "h3: new connections too fast")
+                self._serving.handshake_ended(self)
+                self._handshake_timer.cancel()
+                self._connection_terminated_handler()
+                return
+        super().datagram_received(data, addr)
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):

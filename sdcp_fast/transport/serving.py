@@ -38,6 +38,7 @@ class Serving:
         self.per_client: Counter[str] = Counter()  # live connections per identity
         self.handshakes: OrderedDict[Any, Callable[[], None]] = OrderedDict()  # oldest first -> abort
         self.penalties: dict[str, float] = {}      # identity -> monotonic time its penalty ends
+        self._arrivals: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host -> (tokens, when)
         self._resource_of = getattr(handler, "resource_of", None)
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -48,6 +49,21 @@ class Serving:
         return self.limits.body_limit(resource)
 
     # ---- connection books ----------------------------------------------------------------
+    def may_connect(self, host: str) -> bool:
+        """A token bucket per host: `new_connections_burst` at once, then
+        `new_connections_per_host_s` a second. Refusing before the TLS handshake is what
+        keeps a client that reconnects in a loop (after ENHANCE_YOUR_CALM, say) from making
+        the server spend a handshake's CPU on it each time."""
+        limits, now = self.limits, time.monotonic()
+        tokens, then = self._arrivals.pop(host, (float(limits.new_connections_burst), now))
+        tokens = min(float(limits.new_connections_burst), tokens + (now - then) * limits.new_connections_per_host_s)
+        allowed = tokens >= 1.0
+        self._arrivals[host] = (tokens - 1.0 if allowed else tokens, now)
+        while len(self._arrivals) > 65536:   # bounded: the least recently seen hosts go first
+            self._arrivals.popitem(last=False)
+        return allowed
+
+
     def handshake_started(self, key: Any, abort: Callable[[], None], peer: object) -> None:
         """Track one handshake; over `max_handshakes`, the oldest one is dropped to make room
         (a client that completes its handshake in milliseconds never loses its place to

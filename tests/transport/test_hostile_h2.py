@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 
 import h2.errors
 import h2.settings
@@ -256,5 +257,26 @@ def test_stalled_preface_and_partial_frames_hit_the_header_timeout(pki):
             partial.write_raw(bytes([0, 0, 100, 1, 4, 0, 0, 0, 1]) + b"\x00" * 10)
             await asyncio.wait_for(asyncio.gather(silent.run_until_closed(), partial.run_until_closed()), 3.0)
             assert server.refusals.counts["header_timeout"] == 2
+
+    run(main())
+
+
+def test_a_host_reconnecting_in_a_loop_is_refused_before_tls(pki):
+    """Past its burst, a host's new connections are dropped before the handshake (a client
+    told to calm down that reconnects at once must not cost a handshake each time)."""
+
+    async def main():
+        async with await _serve(RecordingRouter(), pki, new_connections_burst=5,
+                                new_connections_per_host_s=1.0) as server:
+            kept = await RawH2.open(server.port, pki.router)
+            opened = [await RawH2.open(server.port, pki.drafter) for _ in range(4)]   # the burst
+            with pytest.raises((ConnectionError, ssl.SSLError, OSError)):
+                await RawH2.open(server.port, pki.drafter)
+            assert server.refusals.counts["connection_rate"] == 1
+            sid = kept.request("POST", "/proposals", CBOR, PROPOSAL)   # open connections go on
+            await kept.until(lambda c: c.done(sid))
+            assert kept.streams[sid].status == 200
+            for client in [kept, *opened]:
+                await client.close()
 
     run(main())
