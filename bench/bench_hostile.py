@@ -368,12 +368,9 @@ def cpu_seconds(pid: int) -> float:
 
 async def measured(drafter: Drafter, seconds: float, pid: int) -> tuple[list[float], float]:
     """Round latencies, and the verifier's CPU use meanwhile (cores busy)."""
-    cpu, wall, own = cpu_seconds(pid), time.monotonic(), time.process_time()
+    cpu, wall = cpu_seconds(pid), time.monotonic()
     latencies = await drafter.rounds(seconds)
-    elapsed = time.monotonic() - wall
-    print(f"  drafter CPU {(time.process_time() - own) / elapsed:.0%}, per round {(time.process_time() - own) / len(latencies) * 1e3:.2f} ms; "
-          f"verifier per round {(cpu_seconds(pid) - cpu) / len(latencies) * 1e3:.2f} ms", flush=True)
-    return latencies, (cpu_seconds(pid) - cpu) / elapsed
+    return latencies, (cpu_seconds(pid) - cpu) / (time.monotonic() - wall)
 
 
 async def run(args, cluster: Cluster, verifier_port: int, verifier_pid: int, table: torch.Tensor,
