@@ -170,15 +170,15 @@ class Engine:
 
     async def _process(self, batch: list[_Queued]) -> None:
         started = time.perf_counter()
-        self.metrics.observe("batch_size", len(batch))
+        self.metrics.batch_size.observe(len(batch))
         for item in batch:
-            self.metrics.observe("queue_wait_seconds", started - item.enqueued)
+            self.metrics.queue_wait.observe(started - item.enqueued)
         vocab = self.target.vocab_size
         q_task = asyncio.create_task(self._fetch_q_rows(batch, vocab))
         try:
             t0 = time.perf_counter()
             batch, logits = await self._score(batch)
-            self.metrics.observe("forward_seconds", time.perf_counter() - t0)
+            self.metrics.forward_seconds.observe(time.perf_counter() - t0)
         finally:
             # never leave the fetch running: it writes into the buffer the next batch reuses
             q, q_starts, q_problems = await q_task
@@ -190,7 +190,7 @@ class Engine:
         problems = {n: q_problems[item.index] for n, item in enumerate(batch) if item.index in q_problems}
         outcomes = await asyncio.to_thread(   # keep the event loop free for requests
             verify_jobs, [item.job for item in batch], logits.to(self.device), q, starts, problems)
-        self.metrics.observe("kernel_seconds", time.perf_counter() - t1)
+        self.metrics.kernel_seconds.observe(time.perf_counter() - t1)
         results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)),
                                        return_exceptions=True)
         for item, result in zip(batch, results, strict=True):
@@ -270,7 +270,7 @@ class Engine:
             log.warning("session %s: commit of round %d refused by the log; no longer served",
                         session.id.hex(), job.round)
             session.commit_result(False)
-            self.metrics.inc("fenced_total")
+            self.metrics.fenced.inc()
             served.wake()
             self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"),
                        settled=True)
@@ -278,8 +278,7 @@ class Engine:
         served.log_position = position + 1
         verdict = session.commit_result(True)   # durable: the round stands whatever follows
         await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
-        self.metrics.inc("verdicts_total", action=verdict.action.name.lower() if verdict else "self")
-        self.metrics.observe("accepted_tokens", outcome.accepted)
+        self.metrics.committed(job.m, outcome.accepted, verdict.action if verdict else None)
         served.wake()
         if not item.future.done():
             item.future.set_result(RoundResult(verdict=verdict, settled=True))
@@ -293,8 +292,10 @@ class Engine:
         which is also the read-after-append check of section 6.8."""
         timeout = self.config.append_timeout_s
         try:
+            started = time.perf_counter()
             await asyncio.wait_for(self.commit_log.append(
                 session.commit_log, data, epoch=session.epoch, expected=position), timeout)
+            self.metrics.append_seconds.observe(time.perf_counter() - started)
             return _APPENDED
         except Fenced:
             return _SUPERSEDED
@@ -325,6 +326,6 @@ class Engine:
         self._fail(item, prob)
 
     def _fail(self, item: _Queued, prob: Problem, *, settled: bool = False) -> None:
-        self.metrics.inc("problems_total", type=prob.kind.suffix)
+        self.metrics.problem(prob.kind)
         if not item.future.done():
             item.future.set_result(RoundResult(problem=prob, settled=settled))

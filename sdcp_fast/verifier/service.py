@@ -87,6 +87,8 @@ class VerifierService(Routed):
         self.sessions = ServedSessions()
         self.engine = Engine(self.target, store, commit_log, self.sessions, config=engine_config,
                              device=device, metrics=self.metrics)
+        self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions if not s.machine.closed),
+                           load=lambda: self.engine.load, queue=lambda: self.engine.queue_depth)
         self.tasks = TaskSet()
         self.client = client
         self.link: RouterLink | None = None     # to the router, once started with a router_uri
@@ -178,13 +180,13 @@ class VerifierService(Routed):
         return state
 
     async def propose(self, call: Call, msg: Proposal) -> Verdict:
-        self.metrics.inc("proposals_total")
+        self.metrics.proposals.inc()
         served = self._served_by_id(msg.session)
         session = served.machine
         try:
             step = session.check(call.caller, msg)
         except ProblemError as exc:
-            self.metrics.inc("problems_total", type=exc.problem.kind.suffix)
+            self.metrics.problem(exc.problem.kind)
             raise
         if isinstance(step, Replay):
             return step.verdict
@@ -313,7 +315,7 @@ class VerifierService(Routed):
             for served in self.sessions:
                 if served.machine.inflight is None and now - served.touched > self.config.idle_s:
                     log.info("session %s idle for %.0f s: dropped", served.id.hex(), self.config.idle_s)
-                    self.metrics.inc("sessions_retired_total", reason="idle")
+                    self.metrics.retired.labels(reason="idle").inc()
                     await self._retire(served, resumable=True)
 
     # ------------------------------------------------------------------ memory and count budgets
@@ -349,10 +351,10 @@ class VerifierService(Routed):
             if fits():
                 return
             log.info("session %s idle for %.0f s: retired to make room", served.id.hex(), now - served.touched)
-            self.metrics.inc("sessions_retired_total", reason="room")
+            self.metrics.retired.labels(reason="room").inc()
             await self._retire(served, resumable=True)
         if not fits():
-            self.metrics.inc("problems_total", type=Kind.CAPACITY.suffix)
+            self.metrics.problem(Kind.CAPACITY)
             raise problem(Kind.CAPACITY, f"{len(self.sessions)} sessions hold {self.sessions.reserved_bytes} of "
                                          f"{self.config.memory_budget_bytes} bytes; {need} more needed")
 
