@@ -295,7 +295,7 @@ def reference(role: str | None = None) -> str:
     def table(cls, title: str) -> list[str]:
         lines = [title]
         for name, kind, comment in members(cls):
-            if cls is InstanceConfig and name in SECTIONS:
+            if cls is InstanceConfig and (name in SECTIONS or name == "transport"):
                 continue
             lines.append(f"  {name:<20} {kind:<34} {comment}".rstrip())
         return lines
@@ -306,6 +306,7 @@ def reference(role: str | None = None) -> str:
             if cls is RouterSection:
                 lines += ["", *table(DrafterEntry, "[[router.drafters]]:"), "",
                           *table(ContractSection, "[router.contract]:")]
+    lines += ["", *table(Limits, "[transport] (every role; limits against hostile clients, docs/TRANSPORT.md):")]
     return "\n".join(lines)
 
 

@@ -27,13 +27,16 @@ DEFAULT_BODY_LIMITS = {
 class Limits:
     # ---- bodies (decided from content-length, or as bytes arrive, before anything is kept)
     max_body: int = 1 << 20                  # any resource without its own entry below
-    body_limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BODY_LIMITS))
+    body_limits: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_BODY_LIMITS))  # per resource class
+
     # ---- headers
     max_header_list: int = 16 << 10          # SETTINGS_MAX_HEADER_LIST_SIZE, advertised; 431 above
+
     # ---- streams, per connection
     max_concurrent_streams: int = 128        # advertised (HTTP/2 SETTINGS, QUIC MAX_STREAMS)
     max_early_resets: int = 200              # streams reset before their answer (or refused) ...
     early_reset_window_s: float = 10.0       # ... within this window: ENHANCE_YOUR_CALM
+
     # ---- connections
     max_connections: int = 1024              # authenticated connections, all clients together
     max_connections_per_client: int = 32     # per certificate identity
@@ -41,13 +44,15 @@ class Limits:
     new_connections_per_host_s: float = 20.0  # new connections a host may open per second ...
     new_connections_burst: int = 100         # ... beyond a burst of this many: refused before TLS
     calm_penalty_s: float = 10.0             # a client told to calm down is refused this long
+
     # ---- timeouts (seconds)
     handshake_timeout: float = 5.0           # TCP accept -> TLS 1.3 handshake done
-    header_timeout: float = 10.0             # client preface, and any frame, complete within this
+    header_timeout: float = 10.0             # h2: preface, any frame; h3: a header block; whole within this
     body_timeout: float = 30.0               # request headers -> end of the body (408)
     send_timeout: float = 30.0               # a response stalled by flow control this long: reset
     idle_timeout: float = 600.0              # no stream open this long: close (drafters reconnect)
     handler_timeout: float = 60.0            # the role's answer (503 after)
+
     # ---- HTTP/3 (QUIC flow control: bytes a client may have in flight)
     quic_max_data: int = 4 << 20             # per connection
     quic_max_stream_data: int = 1 << 20      # per stream
