@@ -67,10 +67,7 @@ from pathlib import Path
 import torch
 
 from . import hf_ragged, kvblob
-from .base import (
-    KVCapacityError,
-    KVImportError,
-)
+from .base import KVCapacityError, KVImportError
 from .prefix_cache import CachedSession, CachingBackend, Plan
 from .real_tokenizer import SMOLLM2, hf_tokenizer_digest, resolve_gguf
 from .spec_options import choice, positive_int, split_options
@@ -209,6 +206,26 @@ class HFBackend(CachingBackend):
     def kv_bytes(self) -> int:
         """Bytes of K/V all sessions hold (what `max_kv_bytes` caps)."""
         return self.bytes_per_token * sum(len(s.cached) for s in self._sessions.values())
+
+    def session_bytes(self, session: bytes) -> int:
+        """The session's K/V tensors as allocated (a crop keeps a view of the longer tensor
+        until the next update copies: up to one proposal more than its cached tokens), its
+        kept logits rows and token lists."""
+        s = self._get(session)
+        kv = sum(
+            t.untyped_storage().nbytes()
+            for layer in getattr(s.cache, "layers", ())
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if t is not None
+        )
+        return kv + self._bookkeeping_bytes(s)
+
+    def bytes_for(self, tokens: int) -> int:
+        """K/V of `tokens` positions (each layer's tensors are exactly as long as the cache:
+        an update concatenates), the fp32 rows of a longest proposal, two token lists."""
+        if self.max_seq_len is not None:
+            tokens = min(tokens, self.max_seq_len)
+        return tokens * self.bytes_per_token + self._bookkeeping_bytes_for(tokens)
 
     def _reserve(self, plans: list[Plan]) -> None:
         self._check_kv(sum(len(p.full) - len(p.session.cached) for p in plans))

@@ -127,6 +127,23 @@ class LlamaCppBackend(TinyBackend):
             path = requantised(path, str(opts.pop("type")))
         return cls(path, **(opts | options))
 
+    def session_bytes(self, session: bytes) -> int:
+        return self._kv_bytes_per_sequence() + self._bookkeeping_bytes(self._get(session))
+
+    def bytes_for(self, tokens: int) -> int:
+        """llama.cpp's KV is allocated up front for `ctx` positions per sequence, whatever
+        the session's length; then the logits rows of a longest proposal, two token lists."""
+        tokens = min(tokens, self.max_seq_len)
+        return self._kv_bytes_per_sequence() + self._bookkeeping_bytes_for(tokens)
+
+    def _kv_bytes_per_sequence(self) -> int:
+        """One sequence's share of the context's KV: `ctx` positions of K and V in f16
+        (llama.cpp's default cache type) over every layer's KV heads."""
+        ll, model = self._ll, self._model
+        head_dim = ll.llama_model_n_embd(model) // ll.llama_model_n_head(model)
+        per_position = ll.llama_model_n_layer(model) * 2 * ll.llama_model_n_head_kv(model) * head_dim * 2
+        return self.max_seq_len * per_position
+
     def close(self) -> None:
         """Free llama.cpp's context and model (also done when the object is collected)."""
         ll = getattr(self, "_ll", None)

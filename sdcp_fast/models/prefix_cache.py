@@ -37,7 +37,10 @@ from .base import (
     check_new_session,
     check_tokens,
     common_prefix_length,
+    token_list_bytes,
 )
+
+MAX_ROWS = 65  # logits rows kept for the last proposal: at most m_max (64) + 1
 
 
 @dataclass(eq=False)
@@ -201,6 +204,17 @@ class CachingBackend:
 
     def _check_length(self, n: int) -> None:
         check_length(n, self.max_seq_len)
+
+    # -- memory (Backend.session_bytes / bytes_for): the part every caching backend shares --
+    def _bookkeeping_bytes(self, s: CachedSession) -> int:
+        """Kept logits rows and the two token lists a session holds now (K/V not included)."""
+        rows = s.rows.numel() * s.rows.element_size() if s.rows is not None else 0
+        return rows + token_list_bytes(len(s.committed)) + token_list_bytes(len(s.cached))
+
+    def _bookkeeping_bytes_for(self, tokens: int) -> int:
+        """The most `_bookkeeping_bytes` reaches for a session of `tokens` positions: the fp32
+        rows of a longest proposal and two token lists."""
+        return MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
 
     def _get(self, session: bytes) -> CachedSession:
         try:

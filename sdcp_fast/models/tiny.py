@@ -20,10 +20,7 @@ from pathlib import Path
 import torch
 
 from . import kvblob
-from .base import (
-    KVCapacityError,
-    KVImportError,
-)
+from .base import KVCapacityError, KVImportError
 from .gpt import RaggedBatch, Transformer
 from .prefix_cache import CachedSession, CachingBackend, Plan
 from .tokenizer import ByteTokenizer
@@ -91,6 +88,18 @@ class TinyBackend(CachingBackend):
     def kv_bytes(self) -> int:
         """Bytes currently allocated to KV buffers (what `max_kv_bytes` caps)."""
         return self._kv_bytes
+
+    def session_bytes(self, session: bytes) -> int:
+        s = self._get(session)
+        kv = s.buffer.numel() * 4 if s.buffer is not None else 0
+        return kv + self._bookkeeping_bytes(s)
+
+    def bytes_for(self, tokens: int) -> int:
+        """The KV buffer a session of `tokens` positions grows to (capacity doubles, capped
+        at max_seq_len), the logits rows of a longest proposal, two token lists."""
+        tokens = min(tokens, self.cfg.max_seq_len)
+        kv = self._capacity_for(tokens, self.cfg.max_seq_len) * self._bytes_per_position
+        return kv + self._bookkeeping_bytes_for(tokens)
 
     # -- scoring ----------------------------------------------------------------------------
     def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:

@@ -229,6 +229,28 @@ def test_kv_and_length_caps_raise_before_any_change(llama_dir, reference):
         load_backend(f"hf:{llama_dir}").open(b"y", [3] * 97)  # max_position_embeddings = 96
 
 
+def test_session_bytes_counts_the_kv_as_allocated_and_bytes_for_bounds_it(llama_dir):
+    """What the verifier's and drafter's memory budgets read (Backend.session_bytes and
+    bytes_for): K/V tensors as allocated, kept fp32 rows, two token lists."""
+    from sdcp_fast.models.base import token_list_bytes
+    from sdcp_fast.models.prefix_cache import MAX_ROWS
+
+    be = HFBackend(llama_dir)
+    per_token, lists = be.bytes_per_token, lambda c, k: token_list_bytes(c) + token_list_bytes(k)
+    be.open(b"a", list(range(3, 23)))  # 20 tokens cached, the row after them kept
+    assert be.session_bytes(b"a") == 20 * per_token + 1 * VOCAB * 4 + lists(20, 20)
+    be.score([(b"a", [4] * 6)])  # 26 cached, 7 rows
+    assert be.session_bytes(b"a") == 26 * per_token + 7 * VOCAB * 4 + lists(20, 26)
+    be.commit(b"a", [4, 5])  # rejected from the second: cropped to 21, a view of 26 remains
+    held = be.session_bytes(b"a")
+    assert held == 26 * per_token + lists(22, 21)  # no row kept: C grew past them
+    assert held <= be.bytes_for(20 + 6 + 1)
+    be.score([(b"a", [6])])  # the next update copies: exactly the cached length again
+    assert be.session_bytes(b"a") == 23 * per_token + 2 * VOCAB * 4 + lists(22, 23)
+    assert be.bytes_for(40) == 40 * per_token + MAX_ROWS * VOCAB * 4 + 2 * token_list_bytes(40)
+    assert be.bytes_for(10_000) == be.bytes_for(96)  # capped at max_position_embeddings
+
+
 def test_spec_options(llama_dir):
     threads = torch.get_num_threads()
     try:
