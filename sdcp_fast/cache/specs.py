@@ -6,6 +6,9 @@
     open_log("file:/var/lib/sdcp/log")      local directory (default ~/.local/state/sdcp-fast/log)
     open_log("redis://127.0.0.1:6379/0")    Lua-enforced; "...?fencing=check": read-after-append
     open_log("etcd://127.0.0.1:2379")       etcd v3 JSON gateway (etcds:// for https)
+    open_table("file:/var/lib/sdcp/table")  owned records (records.py) in a local directory
+    open_table("redis://127.0.0.1:6379/0?prefix=sdcp:table")   Lua-checked, leases are TTL keys
+    open_table("etcd://127.0.0.1:2379?prefix=/sdcp/table/")    transactions, etcd leases
 
 Every spec accepts `timeout_s=SECONDS` in its query.
 """
@@ -18,6 +21,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from .api import DEFAULT_TIMEOUT_S, CommitLog, ObjectStore
 from .errors import BadSpec
+from .records import RecordTable
 
 
 def _split(spec: str) -> tuple[str, str, dict[str, str]]:
@@ -106,6 +110,53 @@ async def open_log(spec: str) -> CommitLog:
         return EtcdCommitLog(f"{http}://{parts.hostname}:{parts.port}", prefix=prefix,
                              timeout_s=timeout_s)
     raise BadSpec(f"no commit log for {spec!r} (file:PATH, redis://..., etcd://HOST:PORT)")
+
+
+async def open_table(spec: str) -> RecordTable:
+    scheme, body, options = _split(spec)
+    timeout_s = _timeout(options)
+    if scheme == "file":
+        from .records_file import FileRecordTable
+
+        path = body[len("file:"):]
+        if path.startswith("//"):
+            path = urlsplit(body).path
+        _no_more(spec, options)
+        if not path:
+            raise BadSpec(f"{spec}: file: needs a directory")
+        return FileRecordTable(path, timeout_s=timeout_s)
+    if scheme in ("redis", "rediss"):
+        from .records_redis import DEFAULT_PREFIX, RedisRecordTable
+
+        prefix = options.pop("prefix", DEFAULT_PREFIX)
+        _no_more(spec, options)
+        return RedisRecordTable(_strip_query(spec), prefix=prefix, timeout_s=timeout_s)
+    if scheme in ("etcd", "etcds"):
+        from .records_etcd import DEFAULT_PREFIX, EtcdRecordTable
+
+        parts = urlsplit(spec)
+        if not parts.hostname or not parts.port:
+            raise BadSpec(f"{spec}: etcd needs host and port")
+        prefix = options.pop("prefix", DEFAULT_PREFIX)
+        _no_more(spec, options)
+        http = "https" if scheme == "etcds" else "http"
+        return EtcdRecordTable(f"{http}://{parts.hostname}:{parts.port}", prefix=prefix, timeout_s=timeout_s)
+    raise BadSpec(f"no record table for {spec!r} (file:DIR, redis://..., etcd://HOST:PORT)")
+
+
+def table_beside_log(log_spec: str) -> str:
+    """The record table a router uses when its config names none: beside its commit log
+    (a `router-table` directory in a file log's directory; the same Redis or etcd, under
+    the table's own key prefix)."""
+    scheme, body, options = _split(log_spec)
+    if scheme == "file":
+        path = body[len("file:"):]
+        if path.startswith("//"):
+            path = urlsplit(body).path
+        return f"file:{Path(path or default_log_dir()) / 'router-table'}"
+    if scheme in ("redis", "rediss", "etcd", "etcds"):
+        return _strip_query(log_spec)
+    raise BadSpec(f"no record table beside {log_spec!r}")
 
 
 def default_log_dir() -> Path:

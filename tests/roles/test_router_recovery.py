@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from sdcp_fast.cache import open_log, open_store
+from sdcp_fast.cache import open_log, open_store, open_table
 from sdcp_fast.core.digest import prefix_digest
 from sdcp_fast.core.messages import (
     ROLE_DRAFTER,
@@ -79,8 +79,11 @@ class Bench:
     async def __aenter__(self):
         self.store = await open_store(f"embedded:{self.tmp / 'mlc'}")
         self.log = await open_log(f"file:{self.tmp / 'log'}")
-        config = RouterConfig(ROUTER, (V1, V2), ((D1, MODEL), (D2, MODEL)))
-        self.router = RouterService(config, None, self.store, self.log, client=self.net)
+        self.table = await open_table(f"file:{self.tmp / 'table'}")
+        config = RouterConfig(ROUTER, (V1, V2), ((D1, MODEL), (D2, MODEL)), lease_ttl_s=30,
+                              status_grace_s=0)
+        self.router = RouterService(config, None, self.store, self.log, client=self.net, table=self.table)
+        await self.router.own.start()
         self.contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50,
                                  stop=(), low_rounds=3, fallback=(Action.REDUCE,), drafters=(MODEL,))
         return self
@@ -89,16 +92,18 @@ class Bench:
         await self.router.stop()
         await self.store.close()
         await self.log.close()
+        await self.table.close()
 
     def live(self, *uris: str) -> None:
         for uri in uris:
             role = ROLE_VERIFIER if uri in (V1, V2) else ROLE_DRAFTER
             self.router.registry.report(Status(uri, role, 0, 0, 60_000))
 
-    def session(self, verifier: str, drafter: str | None = None, epoch: int = 1) -> RouterSession:
+    async def session(self, verifier: str, drafter: str | None = None, epoch: int = 1) -> RouterSession:
         sid = os.urandom(16)
-        s = RouterSession(sid, self.contract, PROMPT, commit_log_name(sid), epoch=epoch,
+        s = RouterSession(sid, self.contract, PROMPT, commit_log_name(sid), epoch=epoch, allocated=epoch,
                           verifier=verifier, drafter=drafter)
+        await self.router.own.create(s)
         self.router.sessions[sid] = s
         return s
 
@@ -120,7 +125,7 @@ def test_policy_update_informs_the_verifier_before_another_drafter(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1, D2)                                   # D1 stopped reporting
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             b.net.routes[("POST", V1, "/policy")] = lambda body: cbor_answer(b.state(s))
             b.net.routes[("PUT", V1, "/drafter")] = lambda body: cbor_answer(b.state(s))
             b.net.routes[("POST", D2, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
@@ -142,7 +147,7 @@ def test_failover_whose_open_failed_resumes_even_if_the_old_verifier_returns(tmp
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V2, D1)                                   # V1 (the session's) expired
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             refuse = [True]
             b.net.routes[("POST", V2, "/sessions")] = lambda body: (
                 ClientResponse(503, {}, b"") if refuse[0] else cbor_answer(b.state(s)))
@@ -171,7 +176,7 @@ def test_stale_epoch_from_the_verifier_resumes_the_session_there(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1, D1)
-            s = b.session(V1)
+            s = await b.session(V1)
 
             def put_drafter(body):
                 if Assignment.from_cbor(body).epoch == 1:
@@ -196,7 +201,7 @@ def test_stale_epoch_on_output_marks_the_session_for_resume(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1)
-            s = b.session(V1)
+            s = await b.session(V1)
 
             def output(body):
                 s.finish = Action.FAIL                       # one answer is enough: end the reader
@@ -213,7 +218,7 @@ def test_output_reader_waits_before_asking_again(tmp_path, case):
     it holds) is followed by a wait for a placement change, not an immediate new GET."""
     async def main():
         async with Bench(tmp_path) as b:
-            s = b.session(V1, epoch=2)
+            s = await b.session(V1, epoch=2)
             epoch, start = (1, 0) if case == "older epoch" else (2, 5)
             waits: list[float] = []
 
@@ -236,7 +241,7 @@ def test_output_reader_waits_before_asking_again(tmp_path, case):
 def test_policy_refused_as_stale_epoch_marks_the_session_for_resume(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             b.net.routes[("POST", V1, "/policy")] = lambda body: problem_answer(Kind.STALE_EPOCH)
             with pytest.raises(Exception, match="did not take the policy"):
                 await b.router.update_policy(s, Sampling(temperature_milli=500))
