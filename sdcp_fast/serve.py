@@ -49,6 +49,7 @@ class Built:
 
     service: object
     closers: list[Closer] = field(default_factory=list)
+    first: list[Closer] = field(default_factory=list)  # on stop, before the servers stop
     ready: dict[str, object] = field(default_factory=dict)
     urls: list[str] = field(default_factory=list)       # "what URL" pieces of the ready line
 
@@ -254,6 +255,7 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
     service = built.service = RouterService(config, backend, store, commit_log, client=client, table=table,
                                             metrics=metrics)
     health.add("lease", service.own.health_check)
+    built.first.append(service.stop)    # hand the sessions over at once: another router takes them
     health.details = lambda: {"verifiers_live": len(service.registry.live(ROLE_VERIFIER)),
                               "drafters_live": len(service.registry.live(ROLE_DRAFTER))}
     if r.frontdoor:
@@ -328,6 +330,9 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
 
 
 async def _shut_down(server, service, built: Built, client) -> None:
+    for first in built.first:
+        with contextlib.suppress(Exception):
+            await first()
     if server is not None:
         await server.stop(grace=1.0)
     if service is not None:

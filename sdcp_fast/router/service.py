@@ -160,6 +160,7 @@ class RouterService:
                                  on_verifier_lost=self._verifier_lost, on_unasked_fail=self._unasked_fail,
                                  on_output=self._output, on_end=self._ended)
         self.tasks = TaskSet()
+        self.stopping = False                      # stop() began: nothing new is started
         self._ops: dict[bytes, int] = {}           # session -> control steps pending
         self._readers: dict[bytes, asyncio.Task] = {}   # session -> its output reader or follower
         instances = {*config.verifiers, *(uri for uri, _ in config.drafters)}
@@ -184,6 +185,7 @@ class RouterService:
     async def stop(self) -> None:
         """Stop acting, and hand the sessions over: the lease is revoked, so another router
         takes them at its next scan (or this one when it comes back)."""
+        self.stopping = True
         await self.tasks.cancel_all()
         if self.table is not None:
             await self.own.close()
@@ -430,7 +432,7 @@ class RouterService:
         so they run one after the other). The monitor's steps are dropped while another step
         of the session is pending; an event's step (`always`) is never dropped. A step that
         finds the session no longer this router's stops there (NotOwner)."""
-        if s.id in self._ops and not always:
+        if (s.id in self._ops and not always) or self.stopping:
             coro.close()
             return
         self._ops[s.id] = self._ops.get(s.id, 0) + 1
@@ -450,6 +452,8 @@ class RouterService:
 
     async def _save(self, s: RouterSession) -> None:
         """Write the session's record (its cursor, its end); a lost session is let go."""
+        if self.stopping:
+            return
         try:
             await self.own.act(s)
         except NotOwner as exc:
@@ -476,6 +480,9 @@ class RouterService:
         self._set_reader(s, follow(s, self.commit_log, self.table, interval_s=self.config.follow_interval_s))
 
     def _set_reader(self, s: RouterSession, coro: Coroutine) -> None:
+        if self.stopping:
+            coro.close()
+            return
         old = self._readers.get(s.id)
         if old is not None:
             old.cancel()
