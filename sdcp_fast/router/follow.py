@@ -54,29 +54,37 @@ def log_shows_end(s: RouterSession, tokens: list[int]) -> bool:
 
 
 async def follow(s: RouterSession, commit_log, table, *, interval_s: float = 0.05,
-                 record_every_s: float = 0.5) -> None:
+                 record_every_s: float = 0.5, catch_up_s: float = 10.0) -> None:
     """Bring `s` up to date from the log and the table until it ends (or until cancelled:
-    this router took it over)."""
+    this router took it over). An end the record shows is taken once the log holds the
+    output the owner had then (its streams must not end before their last tokens)."""
     tail = LogTail(commit_log, s.commit_log)
     key = stored.key_of(s.id)
-    next_record = 0.0
+    next_record, ending, give_up = 0.0, None, None
     while not s.done:
         try:
             tokens = await tail.read()
-            if len(tokens) > len(s.tokens):
+            if ending is not None:
+                final = ending["final_tokens"]
+                if final is None or len(tokens) >= final or time.monotonic() > give_up:
+                    s.add_output(tokens[len(s.tokens):final])
+                    stored.end(ending, s)
+                    s.notify()
+                    return
+            elif len(tokens) > len(s.tokens):
                 s.add_output(tokens[len(s.tokens):])
-            if time.monotonic() >= next_record:
+            if ending is None and time.monotonic() >= next_record:
                 next_record = time.monotonic() + record_every_s
                 record = await table.read(key)
                 if record is None:          # deleted: the session ended long ago
                     s.end(finish=Action.FINISH if log_shows_end(s, tokens) else Action.FAIL)
                     s.notify()
                     return
-                if stored.end(stored.decode(record.value), s):
-                    s.add_output(tokens[len(s.tokens):])
-                    s.notify()
-                    return
-            if log_shows_end(s, tokens):
+                obj = stored.decode(record.value)
+                if obj["finish"] is not None or obj["cancelled"] is not None:
+                    ending, give_up = obj, time.monotonic() + catch_up_s
+                    continue
+            if ending is None and log_shows_end(s, tokens):
                 s.end(finish=Action.FINISH)
                 s.notify()
                 return

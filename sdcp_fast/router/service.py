@@ -63,7 +63,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from ..aio import TaskSet, cancel_and_wait
-from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Record
+from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record
 from ..core.messages import (
     ROLE_DRAFTER,
     ROLE_VERIFIER,
@@ -239,11 +239,12 @@ class RouterService:
             raise problem(Kind.UNAVAILABLE, "router at max_sessions")
         sid = os.urandom(16)
         s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid), door=dict(door or {}))
+        self.sessions[sid] = s            # before its record exists: the scan leaves it alone
         try:
             await self.own.create(s)
         except CacheError as exc:        # no table, no lease, or the store is down
+            del self.sessions[sid]
             raise problem(Kind.UNAVAILABLE, f"the session table does not take sessions now: {exc}") from None
-        self.sessions[sid] = s
         self.metrics.prompt_tokens.inc(len(prompt))
         deadline = time.monotonic() + wait_for_instances_s
         try:
@@ -512,7 +513,8 @@ class RouterService:
             self._lost(s, "the lease ended")
 
     async def _scan_forever(self) -> None:
-        """Take over sessions whose owner's lease has ended."""
+        """Take over sessions whose owner's lease has ended (and adopt any record of this
+        router's lease it does not hold in memory: one whose takeover was cut short)."""
         interval = self.config.scan_interval_s or self.config.lease_ttl_s / 4
         while True:
             await asyncio.sleep(interval)
@@ -524,19 +526,32 @@ class RouterService:
                 log.info("session table scan failed: %s", exc)
                 continue
             for record in records:
-                if record.orphaned and self.own.valid():
+                lease = self.own.lease
+                if not self.own.valid() or lease is None:
+                    break
+                if record.orphaned:
                     await self._take_over(record)
+                elif record.lease == lease.id and bytes.fromhex(record.key) not in self.sessions:
+                    await self._take_over(record, Owned(record.key, lease, record.token))
 
-    async def _take_over(self, record: Record) -> None:
+    async def _take_over(self, record: Record, owned: Owned | None = None) -> None:
         try:
-            obj = stored.decode(record.value)
-            owned = await self.own.take(record)
+            if owned is None:
+                owned = await self.own.take(record)
+            # read again: the old owner may have written after the scan read it, before its
+            # lease ended (all its writes precede the take; none can follow it)
+            now = await self.table.read(record.key)
+            if now is None or now.token != owned.token or now.lease != owned.lease.id:
+                return
+            obj = stored.decode(now.value)
         except NotOwner:
             return                      # another router took it first, or its owner came back
         except (CacheError, ValueError) as exc:
             log.warning("session record %s not taken: %s", record.key, exc)
             return
         sid = bytes.fromhex(obj["id"])
+        if sid in self.sessions:
+            return
         s = self.followed.pop(sid, None)
         await cancel_and_wait(self._readers.pop(sid, None))
         s = stored.restore(obj, into=s)

@@ -51,16 +51,18 @@ def seed():
     return value
 
 
-@pytest.fixture(params=["embedded", "etcd"])
-def deployment(request, tmp_path):
-    """Two routers (r1, r2), a verifier and two drafters; on etcd, commit log and session
-    table are etcd's (a fresh key prefix each test)."""
+@pytest.fixture(scope="module", params=["embedded", "etcd"])
+def deployment(request, tmp_path_factory):
+    """Two routers (r1, r2), a verifier and two drafters, shared by the tests of one backend
+    (each test leaves both routers serving); on etcd, commit log and session table are
+    etcd's, under a fresh key prefix."""
     commit_log = table = None
     if request.param == "etcd":
         url = request.getfixturevalue("etcd_url")
         prefix = uuid.uuid4().hex
         commit_log, table = f"{url}?prefix=/{prefix}/log/", f"{url}?prefix=/{prefix}/table/"
-    cluster, target = two_routers(tmp_path, commit_log=commit_log, table=table)
+    workdir = tmp_path_factory.mktemp(f"routers-{request.param}")
+    cluster, target = two_routers(workdir, commit_log=commit_log, table=table)
     try:
         cluster.start(timeout=90)
         for name in ("r1", "r2"):
@@ -247,7 +249,7 @@ def test_owner_killed_at_random_points_standby_takes_over(deployment, seed):
             assert stream.end["finish"] == "finish"
         history = owner_of(cluster, standby, gid)["history"]
         assert [h["what"] for h in history].count("takeover") == 1
-        restart(cluster, owner)
+        restart(cluster, owner)                  # the standby of the next round (and test)
         owner, standby = standby, owner
     print(f"takeover seconds after kill -9: {[round(t, 2) for t in takeovers]}")
 
@@ -307,46 +309,43 @@ def test_owner_stopped_past_its_lease_does_not_act_again(deployment, seed):
 # ---------------------------------------------------------------------- handover and restart
 
 
-def test_handover_on_stop_and_a_restarted_router_recovers_its_own_sessions(tmp_path, seed):
+@pytest.mark.parametrize("deployment", ["embedded"], indirect=True)
+def test_handover_on_stop_and_a_restarted_router_recovers_its_own_sessions(deployment, seed):
     """SIGTERM: the owner revokes its lease on the way out, so the other router takes its
     session at once (well under the TTL). Then that router, alone, is killed mid-generation
     and restarted on the same store: it takes its own session back from its old lease and
     the client's stream, resumed there, completes."""
-    cluster, target = two_routers(tmp_path)
+    cluster, target = deployment
     rng = random.Random(seed)
-    try:
-        cluster.start(timeout=90)
-        for name in ("r1", "r2"):
-            wait_live(cluster, name, 3)
-        prompt = [rng.randrange(32) for _ in range(3)]
-        stream, events, stop_at = Stream(), [], rng.randint(1, 60)
+    prompt = [rng.randrange(32) for _ in range(3)]
+    stream, events, stop_at = Stream(), [], rng.randint(1, 60)
 
-        def stop_r1(n: int) -> None:
-            if not events and n >= stop_at:
-                events.append(time.time())
-                cluster.instances["r1"].signal(signal.SIGTERM)
+    def stop_r1(n: int) -> None:
+        if not events and n >= stop_at:
+            events.append(time.time())
+            cluster.instances["r1"].signal(signal.SIGTERM)
 
-        assert not run_stream(front(cluster, "r1"), stream, openai=False, prompt=prompt, on_tokens=stop_r1)
-        wait_owned(cluster, "r2", stream.id, timeout=4 * TTL_S)
-        handover = takeover_times(cluster, "r2", stream.id)[0] - events[0]
-        assert handover < TTL_S, f"handover took {handover:.2f} s"
-        assert run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, resume=True)
-        assert stream.tokens == greedy(target, prompt, MAX_NEW), f"seed {seed}"
+    assert not run_stream(front(cluster, "r1"), stream, openai=False, prompt=prompt, on_tokens=stop_r1)
+    wait_owned(cluster, "r2", stream.id, timeout=4 * TTL_S)
+    handover = takeover_times(cluster, "r2", stream.id)[0] - events[0]
+    assert handover < TTL_S, f"handover took {handover:.2f} s"
+    assert run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, resume=True)
+    assert stream.tokens == greedy(target, prompt, MAX_NEW), f"seed {seed}"
+    cluster.instances["r1"].popen.wait(10)
 
-        # r2 alone: killed mid-generation, restarted on the same store
-        stream, kill_at = Stream(), rng.randint(1, MAX_NEW // 2)
+    # r2 alone: killed mid-generation, restarted on the same store
+    stream, kill_at = Stream(), rng.randint(1, MAX_NEW // 2)
 
-        def kill_r2(n: int) -> None:
-            if len(events) == 1 and n >= kill_at:
-                events.append(time.time())
-                cluster.instances["r2"].kill()
+    def kill_r2(n: int) -> None:
+        if len(events) == 1 and n >= kill_at:
+            events.append(time.time())
+            cluster.instances["r2"].kill()
 
-        assert not run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, on_tokens=kill_r2)
-        restart(cluster, "r2")
-        wait_owned(cluster, "r2", stream.id, timeout=4 * TTL_S)
-        assert run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, resume=True)
-        assert stream.tokens == greedy(target, prompt, MAX_NEW), f"seed {seed}"
-        takeovers = [h for h in owner_of(cluster, "r2", stream.id)["history"] if h["what"] == "takeover"]
-        assert [(h["previous"], h["router_epoch"]) for h in takeovers] == [(cluster.instances["r2"].uri, 2)]
-    finally:
-        cluster.stop()
+    assert not run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, on_tokens=kill_r2)
+    restart(cluster, "r2")
+    wait_owned(cluster, "r2", stream.id, timeout=4 * TTL_S)
+    assert run_stream(front(cluster, "r2"), stream, openai=False, prompt=prompt, resume=True)
+    assert stream.tokens == greedy(target, prompt, MAX_NEW), f"seed {seed}"
+    takeovers = [h for h in owner_of(cluster, "r2", stream.id)["history"] if h["what"] == "takeover"]
+    assert [(h["previous"], h["router_epoch"]) for h in takeovers] == [(cluster.instances["r2"].uri, 2)]
+    restart(cluster, "r1")
