@@ -80,7 +80,7 @@ from ..transport import Authorizer, Call, Router
 from . import stored
 from .committed import CommittedLog
 from .failover import Failover
-from .follow import follow
+from .follow import LogTail, follow
 from .metrics import Metrics
 from .ownership import Ownership
 from .peers import Peers, Refused
@@ -245,6 +245,11 @@ class RouterService:
         except CacheError as exc:        # no table, no lease, or the store is down
             del self.sessions[sid]
             raise problem(Kind.UNAVAILABLE, f"the session table does not take sessions now: {exc}") from None
+        except asyncio.CancelledError:   # the client went away: nothing was placed
+            del self.sessions[sid]
+            if s.owned is not None:
+                self.tasks.spawn(self._forget(s))
+            raise
         self.metrics.prompt_tokens.inc(len(prompt))
         deadline = time.monotonic() + wait_for_instances_s
         try:
@@ -288,6 +293,14 @@ class RouterService:
         if len(self.followed) >= self.config.max_followed:
             raise problem(Kind.UNAVAILABLE, "too many sessions of other routers streamed here")
         s = stored.restore(stored.decode(record.value))
+        if s.done:                        # ended: its output, up to its end, from the log now
+            try:
+                tokens = await LogTail(self.commit_log, s.commit_log).read()
+            except (CacheError, ValueError) as exc:
+                raise problem(Kind.UNAVAILABLE, f"the commit log cannot be read: {exc}") from None
+            s.add_output(tokens)
+            self.followed[sid] = s
+            return s
         self._follow(s)
         return s
 
@@ -571,7 +584,7 @@ class RouterService:
         over with a fence when its placement is unknown or was being changed."""
         async with s.lock:
             tokens, _ = await self.committed.read(s)
-            if len(tokens) > len(s.tokens) and not s.done:
+            if len(tokens) > len(s.tokens):      # up to its end, if it has one (final_tokens)
                 s.add_output(tokens[len(s.tokens):])
             s.place("takeover", previous=previous, router_epoch=s.router_epoch)
             await self.own.act(s)

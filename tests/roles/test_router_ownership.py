@@ -13,6 +13,7 @@ import pytest
 from router_bench import D1, D2, PROMPT, V1, V2, Bench, cbor_answer, problem_answer, run
 
 from sdcp_fast.cache import Fenced, LogEntry, NotOwner, open_table
+from sdcp_fast.core.digest import prefix_digest
 from sdcp_fast.core.messages import Action, Assignment, CommitRecord, Policy, Sampling, SessionOpen
 from sdcp_fast.core.problems import Kind
 from sdcp_fast.refs import commit_log_name
@@ -296,3 +297,47 @@ def test_stored_record_round_trip():
     s.end(finish=Action.FINISH)
     back = stored.restore(stored.decode(stored.encode(s)))
     assert back.finish == Action.FINISH and back.final_tokens == 2 and back.done
+
+
+def test_another_router_streams_a_session_it_does_not_own_then_takes_it_over(tmp_path):
+    """B finds A's session in the table and follows it (tokens from the commit log: what a
+    client resuming at B gets); when A's lease ends B takes it over, and the session the
+    client's stream waits on is the same object, its tokens never shortened."""
+    async def main():
+        a, b = await two_routers(tmp_path)
+        try:
+            s = await a.session(V1, drafter=D1)
+            digest = prefix_digest(s.contract.digest, PROMPT)
+            await a.log.append(s.commit_log, CommitRecord(1, 1, (7, 8), 2, digest).to_cbor(), epoch=1, expected=0)
+            followed = await b.router.find(s.id)
+            assert followed is not None and followed.owned is None and followed is not s
+            while len(followed.tokens) < 2:
+                await asyncio.sleep(0.01)
+            assert followed.tokens == [7, 8] and not followed.done
+            assert await b.router.find(s.id) is followed
+            await a.table.revoke(a.router.own.lease)
+            routes_that_serve(b, s)
+            taken = await take_over(b, s.id)
+            assert taken is followed and taken.owned is not None and taken.tokens == [7, 8]
+            assert s.id not in b.router.followed
+        finally:
+            await close(a, b)
+    run(main())
+
+
+def test_a_finished_session_resumes_at_another_router_with_all_its_output(tmp_path):
+    async def main():
+        a, b = await two_routers(tmp_path)
+        try:
+            s = await a.session(V1, drafter=D1)
+            digest = prefix_digest(s.contract.digest, PROMPT)
+            await a.log.append(s.commit_log, CommitRecord(1, 1, (7, 8, 9), 3, digest).to_cbor(), epoch=1, expected=0)
+            s.tokens = [7, 8, 9]
+            s.end(finish=Action.FINISH)
+            await a.router.own.act(s)
+            other = await b.router.find(s.id)
+            assert other.done and other.tokens == [7, 8, 9] and other.finish == Action.FINISH
+            assert other.finish_reason == "stop"
+        finally:
+            await close(a, b)
+    run(main())
