@@ -23,14 +23,14 @@ its minimum TTL (2 s with the default election timeout); `Lease.ttl_s` is what i
 from __future__ import annotations
 
 import base64
-import json
 import math
 import time
 
 import httpx
 
+from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S
-from .errors import CacheError, StoreTimeout
+from .errors import CacheError
 from .records import (
     Exists,
     Lease,
@@ -68,18 +68,7 @@ class EtcdRecordTable:
         return self.prefix + kind + b"/" + name.encode()
 
     async def _post(self, path: str, body: dict, *, missing_ok: bool = False) -> dict | None:
-        try:
-            response = await self._http.post(path, json=body)
-        except httpx.TimeoutException as exc:
-            raise StoreTimeout(f"etcd {path} timed out") from exc
-        except httpx.HTTPError as exc:
-            raise CacheError(f"etcd {path}: {exc}") from exc
-        if missing_ok and response.status_code == 404:
-            return None
-        if response.status_code != 200:
-            raise CacheError(f"etcd {path}: HTTP {response.status_code} {response.text[:200]}")
-        # lease keepalive answers as a stream: one JSON object per line
-        return json.loads(response.content.split(b"\n", 1)[0])
+        return await etcd_http.post(self._http, path, body, missing_ok=missing_ok)
 
     async def _txn(self, compares: list[dict], success: list[dict], failure: list[dict]) -> dict:
         return await self._post("/v3/kv/txn", {"compare": compares, "success": success, "failure": failure})

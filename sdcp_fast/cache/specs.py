@@ -57,6 +57,20 @@ def _strip_query(spec: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
 
+def _file_path(body: str) -> str:
+    """The path of a `file:` spec (file:PATH or file:///abs/path)."""
+    path = body[len("file:"):]
+    return urlsplit(body).path if path.startswith("//") else path
+
+
+def _etcd_endpoint(spec: str, scheme: str) -> str:
+    """The JSON gateway's base URL of an `etcd://` (http) or `etcds://` (https) spec."""
+    parts = urlsplit(spec)
+    if not parts.hostname or not parts.port:
+        raise BadSpec(f"{spec}: etcd needs host and port")
+    return f"{'https' if scheme == 'etcds' else 'http'}://{parts.hostname}:{parts.port}"
+
+
 async def open_store(spec: str = "embedded:") -> ObjectStore:
     scheme, body, options = _split(spec)
     timeout_s = _timeout(options)
@@ -84,11 +98,8 @@ async def open_log(spec: str) -> CommitLog:
     if scheme == "file":
         from .file_log import FileCommitLog
 
-        path = body[len("file:"):]
-        if path.startswith("//"):
-            path = urlsplit(body).path  # file:///abs/path
         _no_more(spec, options)
-        return FileCommitLog(path or default_log_dir(), timeout_s=timeout_s)
+        return FileCommitLog(_file_path(body) or default_log_dir(), timeout_s=timeout_s)
     if scheme in ("redis", "rediss"):
         from .redis_log import RedisCommitLog
 
@@ -101,14 +112,10 @@ async def open_log(spec: str) -> CommitLog:
     if scheme in ("etcd", "etcds"):
         from .etcd_log import DEFAULT_PREFIX, EtcdCommitLog
 
-        parts = urlsplit(spec)
-        if not parts.hostname or not parts.port:
-            raise BadSpec(f"{spec}: etcd needs host and port")
+        endpoint = _etcd_endpoint(spec, scheme)
         prefix = options.pop("prefix", DEFAULT_PREFIX)
         _no_more(spec, options)
-        http = "https" if scheme == "etcds" else "http"
-        return EtcdCommitLog(f"{http}://{parts.hostname}:{parts.port}", prefix=prefix,
-                             timeout_s=timeout_s)
+        return EtcdCommitLog(endpoint, prefix=prefix, timeout_s=timeout_s)
     raise BadSpec(f"no commit log for {spec!r} (file:PATH, redis://..., etcd://HOST:PORT)")
 
 
@@ -118,13 +125,10 @@ async def open_table(spec: str) -> RecordTable:
     if scheme == "file":
         from .records_file import FileRecordTable
 
-        path = body[len("file:"):]
-        if path.startswith("//"):
-            path = urlsplit(body).path
         _no_more(spec, options)
-        if not path:
+        if not _file_path(body):
             raise BadSpec(f"{spec}: file: needs a directory")
-        return FileRecordTable(path, timeout_s=timeout_s)
+        return FileRecordTable(_file_path(body), timeout_s=timeout_s)
     if scheme in ("redis", "rediss"):
         from .records_redis import DEFAULT_PREFIX, RedisRecordTable
 
@@ -134,13 +138,10 @@ async def open_table(spec: str) -> RecordTable:
     if scheme in ("etcd", "etcds"):
         from .records_etcd import DEFAULT_PREFIX, EtcdRecordTable
 
-        parts = urlsplit(spec)
-        if not parts.hostname or not parts.port:
-            raise BadSpec(f"{spec}: etcd needs host and port")
+        endpoint = _etcd_endpoint(spec, scheme)
         prefix = options.pop("prefix", DEFAULT_PREFIX)
         _no_more(spec, options)
-        http = "https" if scheme == "etcds" else "http"
-        return EtcdRecordTable(f"{http}://{parts.hostname}:{parts.port}", prefix=prefix, timeout_s=timeout_s)
+        return EtcdRecordTable(endpoint, prefix=prefix, timeout_s=timeout_s)
     raise BadSpec(f"no record table for {spec!r} (file:DIR, redis://..., etcd://HOST:PORT)")
 
 
@@ -148,12 +149,9 @@ def table_beside_log(log_spec: str) -> str:
     """The record table a router uses when its config names none: beside its commit log
     (a `router-table` directory in a file log's directory; the same Redis or etcd, under
     the table's own key prefix)."""
-    scheme, body, options = _split(log_spec)
+    scheme, body, _ = _split(log_spec)
     if scheme == "file":
-        path = body[len("file:"):]
-        if path.startswith("//"):
-            path = urlsplit(body).path
-        return f"file:{Path(path or default_log_dir()) / 'router-table'}"
+        return f"file:{Path(_file_path(body) or default_log_dir()) / 'router-table'}"
     if scheme in ("redis", "rediss", "etcd", "etcds"):
         return _strip_query(log_spec)
     raise BadSpec(f"no record table beside {log_spec!r}")

@@ -90,6 +90,7 @@ from .relay import OutputRelay
 from .sessions import RouterSession
 
 log = logging.getLogger("sdcp_fast.router")
+TAKEOVERS_AT_ONCE = 16        # records taken concurrently by one scan (a dead router's many sessions)
 
 @dataclass(frozen=True)
 class ContractDefaults:
@@ -538,14 +539,27 @@ class RouterService:
             except CacheError as exc:
                 log.info("session table scan failed: %s", exc)
                 continue
-            for record in records:
-                lease = self.own.lease
-                if not self.own.valid() or lease is None:
-                    break
+            await self._take_all(records)
+
+    async def _take_all(self, records: list[Record]) -> None:
+        """Take the orphaned records (and adopt those of this lease not held in memory),
+        TAKEOVERS_AT_ONCE at a time."""
+        lease = self.own.lease
+        if lease is None:
+            return
+        slots = asyncio.Semaphore(TAKEOVERS_AT_ONCE)
+
+        async def take(record: Record) -> None:
+            async with slots:
+                if not self.own.valid():
+                    return
                 if record.orphaned:
                     await self._take_over(record)
-                elif record.lease == lease.id and bytes.fromhex(record.key) not in self.sessions:
+                else:
                     await self._take_over(record, Owned(record.key, lease, record.token))
+
+        await asyncio.gather(*(take(r) for r in records if r.orphaned or (
+            r.lease == lease.id and bytes.fromhex(r.key) not in self.sessions)))
 
     async def _take_over(self, record: Record, owned: Owned | None = None) -> None:
         try:
