@@ -267,6 +267,9 @@ class RouterService:
         except NotOwner as exc:
             self._lost(s, exc)
             raise problem(Kind.UNAVAILABLE, "this router lost the session while opening it") from None
+        except CacheError as exc:        # the session table did not answer in time
+            self.cancel(s)
+            raise problem(Kind.UNAVAILABLE, f"the session table did not answer: {exc}") from None
         except asyncio.CancelledError:
             # the client went away while the session was being opened: a verifier may have
             # opened it already, so it is fenced like any cancelled session
