@@ -10,9 +10,9 @@ started here on loopback) it times, with a real session record (router/stored.py
   fence, open, assignment and policy: a session costs one create and about four acts before
   its first token), median and p99 over `--sessions` sessions;
 - a takeover: router A holds `--sessions` sessions and dies (its keepalives stop); router B
-  scans every ttl / 4 and takes every orphaned record (16 at once, as the router does),
+  scans every ttl / 8 and takes every orphaned record (16 at once, as the router does),
   re-reading each: seconds from A's
-  last keepalive until B holds them all (the bound is ttl + ttl / 4, plus etcd's lease
+  last keepalive until B holds them all (the bound is ttl + ttl / 8, plus etcd's lease
   expiry check).
 The last line is the one summary line.
 """
@@ -86,8 +86,8 @@ async def measure(spec: str, sessions: int, ttl: float) -> dict:
                     pass
 
         while taken != keys:
-            await asyncio.sleep(ttl / 4)
-            await asyncio.gather(*(take(r) for r in await table.scan()
+            await asyncio.sleep(ttl / 8)
+            await asyncio.gather(*(take(r) for r in await table.scan(values=False)
                                    if r.key in keys and r.key not in taken and r.orphaned))
         takeover = time.monotonic() - last_keepalive
         b_keeping.cancel()

@@ -167,24 +167,27 @@ class EtcdRecordTable:
         return Record(key, _unb64(value[0].get("value")), token, lease, holder,
                       int(alive.get("count", 0)) == 0)
 
-    async def scan(self) -> list[Record]:
+    async def scan(self, *, values: bool = True) -> list[Record]:
         owners, revision = await self._prefix(b"o/")
-        values, _ = await self._prefix(b"v/", revision)
-        leases, _ = await self._prefix(b"l/", revision)
+        leases, _ = await self._prefix(b"l/", revision, keys_only=True)
+        found, _ = await self._prefix(b"v/", revision, keys_only=not values)
         out = []
         for key, raw in sorted(owners.items()):
-            if key not in values:
+            if key not in found:
                 continue
             token, lease, holder = parse_stamp(raw)
-            out.append(Record(key, values[key], token, lease, holder, lease not in leases))
+            out.append(Record(key, found[key], token, lease, holder, lease not in leases))
         return out
 
-    async def _prefix(self, kind: bytes, revision: str | None = None) -> tuple[dict[str, bytes], str]:
-        """{name: value} of every key under prefix + kind, read at one revision."""
+    async def _prefix(self, kind: bytes, revision: str | None = None, *,
+                      keys_only: bool = False) -> tuple[dict[str, bytes], str]:
+        """{name: value} of every key under prefix + kind, read at one revision (values b""
+        with `keys_only`)."""
         base = self.prefix + kind
         key, out = base, {}
         while True:
-            body = {"key": _b64(key), "range_end": _b64(_range_end(base)), "limit": str(_PAGE)}
+            body = {"key": _b64(key), "range_end": _b64(_range_end(base)), "limit": str(_PAGE),
+                    "keys_only": keys_only}
             if revision is not None:
                 body["revision"] = revision
             reply = await self._post("/v3/kv/range", body)

@@ -119,8 +119,8 @@ class FileRecordTable:
         check_key(key)
         return await self._run(self._read, key)
 
-    async def scan(self) -> list[Record]:
-        return await self._run(self._scan)
+    async def scan(self, *, values: bool = True) -> list[Record]:
+        return await self._run(self._scan, values)
 
     async def close(self) -> None:
         pass
@@ -173,7 +173,7 @@ class FileRecordTable:
         _, head, value = latest
         return Record(key, value, head["token"], head["lease"], head["holder"], not self._alive(head["lease"]))
 
-    def _scan(self) -> list[Record]:
+    def _scan(self, values: bool) -> list[Record]:
         out = []
         alive: dict[str, bool] = {}
         for directory in sorted(self.records.iterdir()):
@@ -183,8 +183,8 @@ class FileRecordTable:
             _, head, value = latest
             if head["lease"] not in alive:
                 alive[head["lease"]] = self._alive(head["lease"])
-            out.append(Record(directory.name, value, head["token"], head["lease"], head["holder"],
-                              not alive[head["lease"]]))
+            out.append(Record(directory.name, value if values else b"", head["token"], head["lease"],
+                              head["holder"], not alive[head["lease"]]))
         return out
 
     # ------------------------------------------------------------------ versions

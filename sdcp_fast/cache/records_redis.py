@@ -157,19 +157,19 @@ class RedisRecordTable:
         records = await self._records([key])
         return records[0] if records else None
 
-    async def scan(self) -> list[Record]:
+    async def scan(self, *, values: bool = True) -> list[Record]:
         keys = sorted(k.decode() for k in await self._call(self._redis.smembers(self._set)))
         out = []
         for n in range(0, len(keys), _CHUNK):
-            out += await self._records(keys[n:n + _CHUNK])
+            out += await self._records(keys[n:n + _CHUNK], values=values)
         return out
 
-    async def _records(self, keys: list[str]) -> list[Record]:
-        names = [name for key in keys for name in self._keys(key)]
-        values = await self._call(self._redis.mget(names))
+    async def _records(self, keys: list[str], *, values: bool = True) -> list[Record]:
+        names = [self._keys(key)[0] for key in keys] + ([self._keys(key)[1] for key in keys] if values else [])
+        read = await self._call(self._redis.mget(names))
         found = []
         for n, key in enumerate(keys):
-            owner, value = values[2 * n], values[2 * n + 1]
+            owner, value = read[n], (read[len(keys) + n] if values else b"")
             if owner is not None and value is not None:
                 found.append((key, parse_stamp(owner), value))
         leases = sorted({lease for _, (_, lease, _), _ in found})

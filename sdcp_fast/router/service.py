@@ -43,7 +43,7 @@ the session table, which fails once another router owns the session:
 - output: one long-poll reader per session, GET output?from=n with n = tokens received so
   far, so a retried or repeated read never duplicates or loses a token; output carrying a
   lower epoch than the session's is discarded;
-- takeover (every `scan_interval_s`): a record whose owner's lease has ended is taken (one
+- takeover (every `scan_interval_s`, default lease_ttl_s / 8): a record whose owner's lease has ended is taken (one
   router wins; its router epoch + 1), its committed tokens read from the log, and the
   session re-adopted where its verifier still serves it (PUT drafter with the new router
   epoch, no new epoch) or failed over with a fence; a router that loses a session (or its
@@ -124,7 +124,7 @@ class RouterConfig:
     max_sessions: int = 1024
     closed_keep_s: float = 300.0
     lease_ttl_s: float = 5.0                      # the router's lease on the session table
-    scan_interval_s: float = 0.0                  # look for orphaned sessions (0: lease_ttl_s / 4)
+    scan_interval_s: float = 0.0                  # look for orphaned sessions (0: lease_ttl_s / 8)
     follow_interval_s: float = 0.05               # followed sessions: their commit log read this often
     status_grace_s: float = 3.0                   # after start, an instance not heard from yet is not dead
     max_followed: int = 1024                      # sessions of other routers streamed here at once
@@ -532,13 +532,13 @@ class RouterService:
     async def _scan_forever(self) -> None:
         """Take over sessions whose owner's lease has ended (and adopt any record of this
         router's lease it does not hold in memory: one whose takeover was cut short)."""
-        interval = self.config.scan_interval_s or self.config.lease_ttl_s / 4
+        interval = self.config.scan_interval_s or self.config.lease_ttl_s / 8
         while True:
             await asyncio.sleep(interval)
             if not self.own.valid():
                 continue
             try:
-                records = await self.table.scan()
+                records = await self.table.scan(values=False)   # a taken record is read again
             except CacheError as exc:
                 log.info("session table scan failed: %s", exc)
                 continue
@@ -588,13 +588,14 @@ class RouterService:
         s.owned, s.router_epoch = owned, owned.token
         s.verifier_lost = s.needs_drafter = False
         s.seen_events = set()
+        s.place("takeover", previous=record.holder, router_epoch=s.router_epoch)
         self.sessions[sid] = s
         self.metrics.takeovers.inc()
         log.warning("session %s: taken over from %s (router epoch %d, epoch %d, verifier %s)", sid.hex(),
                     record.holder, owned.token, s.epoch, s.verifier)
-        self._start_op(s, self._adopt(s, record.holder), always=True)
+        self._start_op(s, self._adopt(s), always=True)
 
-    async def _adopt(self, s: RouterSession, previous: str) -> None:
+    async def _adopt(self, s: RouterSession) -> None:
         """A session just taken over: its output so far from the commit log, then re-adopted
         where its verifier still serves it (the PUT drafter, with this router's epoch, is the
         question and makes the verifier refuse the previous owner from then on), or failed
@@ -603,7 +604,6 @@ class RouterService:
             tokens, _ = await self.committed.read(s)
             if len(tokens) > len(s.tokens):      # up to its end, if it has one (final_tokens)
                 s.add_output(tokens[len(s.tokens):])
-            s.place("takeover", previous=previous, router_epoch=s.router_epoch)
             await self.own.act(s)
         if s.done:
             if s.cancelled is not None:

@@ -71,6 +71,9 @@ def test_create_write_read_scan_delete(table_spec):
                    (b"two" * 1000, 1, lease.id, "https://r1/", False)
             other = await table.create(lease, "s2", b"")
             assert [(r.key, r.value) for r in await table.scan()] == [("s1", b"two" * 1000), ("s2", b"")]
+            stamps = await table.scan(values=False)           # what the router's scan reads
+            assert [(r.key, r.value, r.token, r.lease, r.orphaned) for r in stamps] == \
+                   [("s1", b"", 1, lease.id, False), ("s2", b"", 1, lease.id, False)]
             await table.delete(other)
             assert await table.read("s2") is None
             assert [r.key for r in await table.scan()] == ["s1"]
