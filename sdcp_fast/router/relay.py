@@ -10,7 +10,6 @@ import contextlib
 import logging
 
 from ..core.messages import Action
-from ..core.problems import Kind
 from .peers import Peers, Refused
 from .sessions import RouterSession
 
@@ -50,7 +49,7 @@ class OutputRelay:
             if s.cancelled is not None:   # cancelled meanwhile: nothing more is taken
                 return
             if isinstance(out, Refused):
-                if out.kind in (Kind.STALE_EPOCH, Kind.NOT_FOUND):
+                if out.lost:
                     self.on_verifier_lost(s, verifier, epoch, "output")
                 await s.wait_changed(RETRY_S)
                 continue

@@ -76,7 +76,7 @@ from ..core.messages import (
 )
 from ..core.problems import Kind, problem
 from ..refs import commit_log_name, decode_instance_id
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from . import stored
 from .committed import CommittedLog
 from .failover import Failover
@@ -131,7 +131,7 @@ class RouterConfig:
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
 
-class RouterService:
+class RouterService(Routed):
     def __init__(self, config: RouterConfig, backend, store, commit_log, *, client, table=None,
                  metrics: Metrics | None = None):
         self.config = config
@@ -172,9 +172,6 @@ class RouterService:
         self.router.add_message("POST", "/events", self.post_event, body=Event, resource="events")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         if self.table is not None:
@@ -328,7 +325,7 @@ class RouterService:
                                                                            router_epoch=s.router_epoch or None))
                     if not isinstance(state, Refused):
                         break
-                    if state.kind in (Kind.STALE_EPOCH, Kind.NOT_FOUND):
+                    if state.lost:
                         self._verifier_lost(s, s.verifier, s.epoch, "policy")
                     if state.kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
                         raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")
