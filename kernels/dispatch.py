@@ -88,7 +88,8 @@ def target_probs(logits: torch.Tensor, temperature_milli=None, top_k=None, top_p
                  path: str | None = None) -> torch.Tensor:
     """p [rows, V] (fp32; float64 from the reference) for logits [rows, V] or [V].
 
-    Profile values are scalars or [rows] tensors; None takes the NOTES.md default.
+    Profile values are scalars or [rows] tensors; None takes the default of
+    ../shared/spec/NOTES.md, "Sampling profile -> target distribution p".
     """
     squeeze = logits.dim() == 1
     lg = logits[None] if squeeze else logits
