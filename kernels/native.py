@@ -79,6 +79,12 @@ def capability() -> str:
 
 
 def verify(batch: VerifyBatch) -> VerifyResult:
+    """The verify op through `torch.ops.sdcp.verify` (csrc/), CPU tensors only.
+
+    `batch` is validated; its tensors (shape and dtype of each) are listed in
+    `dispatch.verify`. Returns a VerifyResult of [B] tensors: accepted and extra_token
+    int64, bad_q and nan_logits bool.
+    """
     try:
         accepted, extra, bad_q, nan = torch.ops.sdcp.verify(
             batch.logits, batch.draft_tokens, batch.num_draft, batch.rule,
@@ -91,7 +97,12 @@ def verify(batch: VerifyBatch) -> VerifyResult:
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,
                  top_p_milli: torch.Tensor) -> torch.Tensor:
-    """[rows, V] fp32 p for every row (profile tensors [rows] int64)."""
+    """The target distribution p of every row through `torch.ops.sdcp.target_probs`.
+
+    logits [rows, V] on the CPU, fp32, bf16 or fp16 (other float dtypes are read as fp32);
+    the profile tensors [rows] int64 each, checked by `dispatch.target_probs`. Returns p
+    [rows, V] fp32 (a row with NaN, +inf or no finite logit gives a NaN row).
+    """
     if logits.dtype not in LOGIT_DTYPES:
         logits = logits.float()
     try:
