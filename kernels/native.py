@@ -87,9 +87,11 @@ def verify(batch: VerifyBatch) -> VerifyResult:
     """
     try:
         accepted, extra, bad_q, nan = torch.ops.sdcp.verify(
-            batch.logits, batch.draft_tokens, batch.num_draft, batch.rule,
-            batch.temperature_milli, batch.top_k, batch.top_p_milli, batch.q, batch.q_start,
-            batch.accept_uniforms, batch.extra_uniforms, batch.row_start, batch.token_start)
+            logits=batch.logits, draft_tokens=batch.draft_tokens, num_draft=batch.num_draft,
+            rule=batch.rule, temperature_milli=batch.temperature_milli, top_k=batch.top_k,
+            top_p_milli=batch.top_p_milli, q=batch.q, q_start=batch.q_start,
+            accept_uniforms=batch.accept_uniforms, extra_uniforms=batch.extra_uniforms,
+            row_start=batch.row_start, token_start=batch.token_start)
     except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
     return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q, nan_logits=nan)
@@ -106,6 +108,7 @@ def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Te
     if logits.dtype not in LOGIT_DTYPES:
         logits = logits.float()
     try:
-        return torch.ops.sdcp.target_probs(logits, temp_milli, top_k, top_p_milli)
+        return torch.ops.sdcp.target_probs(logits=logits, temperature_milli=temp_milli,
+                                           top_k=top_k, top_p_milli=top_p_milli)
     except ValueError as exc:
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
