@@ -373,10 +373,12 @@ class H3ServerProtocol(QuicConnectionProtocol):
             self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
             if not no_content:
                 self._h3.send_data(stream_id, response.body, end_stream=True)
-            asyncio.get_running_loop().call_later(self._limits.send_timeout, self._check_sent, stream_id)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
         self.transmit()
+        stream = self._quic._streams.get(stream_id)  # private in aioquic 1.7.2
+        if stream is not None and not stream.sender.buffer_is_empty:   # not all sent at once: watch it
+            asyncio.get_running_loop().call_later(self._limits.send_timeout, self._check_sent, stream_id)
 
     def _check_sent(self, stream_id: int) -> None:
         """A response still not delivered `send_timeout` after it was queued (the client gives
