@@ -18,6 +18,9 @@ BUCKETS = {
     "forward_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
     "kernel_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
     "queue_wait_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
+    "commit_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1),
+    "q_staging_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+    "q_wait_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
 }
 HELP = {
     "proposals_total": "Proposals received",
@@ -29,6 +32,9 @@ HELP = {
     "forward_seconds": "Target forward pass time per batch",
     "kernel_seconds": "Verify kernel time per batch",
     "queue_wait_seconds": "Time a job waited for its batch",
+    "commit_seconds": "Commit-log appends and verdicts per batch",
+    "q_staging_seconds": "q rows read and copied to the device per batch",
+    "q_wait_seconds": "Time the verify kernel waited for q rows after the forward pass",
 }
 PREFIX = "sdcp_"
 
