@@ -1,6 +1,8 @@
-"""The verifier's device path on device=cpu: the built-in GPT as the target, the engine's
-kernel path and q-row staging exactly as on a GPU (Triton through its interpreter, streams
-and events as no-ops), checked token for token against the float64 reference path.
+"""The verifier's device path: the built-in GPT as the target, the engine's kernel path and
+q-row staging exactly as on a GPU, checked token for token against the float64 reference
+path. In CI on device=cpu (Triton through its interpreter, streams and events as no-ops);
+where CUDA is there and the interpreter is off (bench/gpu_check.sh), the same tests run with
+the target, its logits, the q rows and the kernels on the GPU.
 
 Sessions of rule 1 and rule 2 (with several sampling profiles) propose concurrently, so
 batches mix rules, profiles and proposal lengths. Each session's drafter is deterministic
@@ -15,6 +17,7 @@ against the float64 reference path. Marked slow (about 30 s: the interpreter).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -29,6 +32,7 @@ from sdcp_fast.models.tiny import TinyBackend
 from sdcp_fast.verifier import EngineConfig
 from tests.verifier.harness import Harness, contract_for
 
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=2, d_model=32, d_ff=64, max_seq_len=128)
 DIGEST = bytes(range(32))
 ROUNDS = 4
@@ -121,9 +125,9 @@ async def run(h: Harness, drafter_backend: TinyBackend) -> dict[int, list[tuple]
 async def verdicts(workdir, monkeypatch, path: str, **engine) -> tuple[dict, list]:
     monkeypatch.setenv(kernels.dispatch.ENV_VAR, path)   # read once, when the engine starts
     config = EngineConfig(max_wait_ms=20.0, **engine)
-    h = await Harness.start(workdir, backend=TinyBackend(model(), DIGEST), engine_config=config)
+    h = await Harness.start(workdir, backend=TinyBackend(model(), DIGEST, device=DEVICE), engine_config=config)
     try:
-        assert h.service.engine.kernels_path == path
+        assert h.service.engine.kernels_path == path and h.service.engine.device.type == DEVICE
         return await run(h, TinyBackend(model(), DIGEST)), list(h.service.engine.batch_times)
     finally:
         await h.close()
@@ -176,7 +180,7 @@ def test_missing_q_rows_are_refused_alike_overlapped_or_plain(tmp_path, monkeypa
 
     async def one(workdir, prefetch):
         monkeypatch.setenv(kernels.dispatch.ENV_VAR, "cpu")
-        h = await Harness.start(workdir, backend=TinyBackend(model(), DIGEST),
+        h = await Harness.start(workdir, backend=TinyBackend(model(), DIGEST, device=DEVICE),
                                 engine_config=EngineConfig(prefetch_q=prefetch))
         try:
             contract = contract_for(h.backend, rule=2, m_max=8, max_new=60, sampling=Sampling(seed=9))
@@ -203,6 +207,24 @@ def test_missing_q_rows_are_refused_alike_overlapped_or_plain(tmp_path, monkeypa
     assert Verdict.from_cbor(there_a.body) == Verdict.from_cbor(there_b.body)
     assert pooled_a == 2 * CFG.vocab_size * 4   # the good fetch's slot was kept for reuse
     assert pooled_b == 0                         # the plain path holds no slots
+
+
+@pytest.mark.gpu
+def test_device_interface_on_cuda_orders_side_stream_copies():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = Device("cuda")
+    host = dev.host_empty(1 << 20)
+    host.copy_(torch.arange(1 << 20, dtype=torch.float32))
+    out = torch.empty(1 << 20, device="cuda")
+    with dev.side():
+        began = dev.event()
+        out.copy_(host, non_blocking=True)
+        ready = dev.event()
+    dev.wait(ready)
+    total = out.sum()   # on the compute stream, after the copy
+    assert host.is_pinned() and float(total) == float(torch.arange(1 << 20, dtype=torch.float64).sum())
+    assert ready.done() and ready.since(began) >= 0
 
 
 def test_device_interface_is_a_no_op_on_the_cpu():
