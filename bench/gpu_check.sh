@@ -9,8 +9,8 @@
 # 1. installs the wheels from $GPU_WHEELS (default .whl/) with pip --no-index into a
 #    temporary folder;
 # 2. the tests that need a GPU, on CUDA (Triton compiled for it): the kernel tests, the
-#    cache's GPU tier and q-row staging, the verifier's device path (token-exact against
-#    the reference); JUnit XML + log;
+#    cache's GPU tier and q-row staging, the built-in model on CUDA, the verifier's device
+#    path (token-exact against the reference); JUnit XML + log;
 # 3. the kernel benchmark (bench/gpu_bench.py) and the verifier end to end
 #    (bench/gpu_e2e.py), each within its time budget, as JSON.
 # The repository is a plain working tree, not installed: `sdcp_fast` (with `kernels`
@@ -95,7 +95,7 @@ if [ ! -f "$VECTORS" ]; then
   IGNORE+=(--ignore "$ROOT/tests/kernels/test_target_dist_vectors.py")
 fi
 TESTS=("$ROOT/tests/kernels" "$ROOT/tests/cache/test_gpu_tier.py" "$ROOT/tests/cache/test_qrows.py"
-       "$ROOT/tests/verifier/test_device_path.py")
+       "$ROOT/tests/verifier/test_device_path.py" "$ROOT/tests/models/test_tiny_device.py")
 # the rehearsal runs one kernel test file (CI runs them all anyway): the conftest and the
 # test collection are what it checks
 [ "$SMOKE" = 1 ] && TESTS=("$ROOT/tests/kernels/test_verify_edges.py" "${TESTS[@]:1}")

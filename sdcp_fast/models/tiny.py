@@ -42,7 +42,7 @@ from .base import (
     check_tokens,
     common_prefix_length,
 )
-from .gpt import RaggedBatch, Transformer
+from .gpt import RaggedBatch, Transformer, rope_table
 from .tokenizer import ByteTokenizer
 from .weights import load_tiny
 
@@ -101,7 +101,7 @@ class TinyBackend:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
         self.model = model.to(device=self.device, dtype=self.dtype)
-        self.model.rope = self.model.rope.float()  # positions stay exact in any dtype
+        self.model.rope = rope_table(model.cfg).to(self.device)  # fp32 in any dtype
         if self.dtype != torch.float32:
             tag = str(self.dtype).removeprefix("torch.").encode()
             digest = hashlib.sha256(b"sdcp-fast tiny dtype=" + tag + b"\0" + digest).digest()
