@@ -213,6 +213,12 @@ def main() -> int:
     shm = Path("/dev/shm")
     started = time.perf_counter()
     points, skipped, targets = [], [], {}
+    report = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__, python=sys.version.split()[0], smoke=ARGS.smoke, q_tier=ARGS.q_tier,
+        logits_dtype="bfloat16" if device.type == "cuda" else "float32", rounds=ARGS.rounds,
+        warmup_rounds=WARMUP_ROUNDS, seconds=0.0, points=points, skipped_for_time=skipped)
+    ARGS.out.mkdir(parents=True, exist_ok=True)
     for shape, b, m, rule, path in grid(ARGS.smoke):
         if time.perf_counter() - started > ARGS.budget_s:
             skipped.append(dict(model=shape, B=b, M=m, rule=rule, path=path))
@@ -225,16 +231,12 @@ def main() -> int:
         with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as tmp:
             point = asyncio.run(run_point(targets[shape], b=b, m=m, rule=rule, path=path,
                                           workdir=Path(tmp), device=device))
-        point = dict(model=shape, V=SHAPES[shape].vocab_size, **point)
-        points.append(point)
-        print(json.dumps(point), flush=True)
-    report = dict(
-        device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__, python=sys.version.split()[0], smoke=ARGS.smoke, q_tier=ARGS.q_tier,
-        logits_dtype="bfloat16" if device.type == "cuda" else "float32", rounds=ARGS.rounds,
-        warmup_rounds=WARMUP_ROUNDS, seconds=round(time.perf_counter() - started, 1),
-        points=points, skipped_for_time=skipped)
-    ARGS.out.mkdir(parents=True, exist_ok=True)
+        points.append(dict(model=shape, V=SHAPES[shape].vocab_size, **point))
+        print(json.dumps(points[-1]), flush=True)
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        # after every point: a run stopped by the check's time limit keeps what it measured
+        (ARGS.out / "gpu_e2e.json").write_text(json.dumps(report, indent=1))
+    report["seconds"] = round(time.perf_counter() - started, 1)
     (ARGS.out / "gpu_e2e.json").write_text(json.dumps(report, indent=1))
     print(summary(points, skipped))
     return 0

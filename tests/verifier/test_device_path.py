@@ -238,3 +238,27 @@ def test_device_interface_is_a_no_op_on_the_cpu():
     b.synchronize()
     assert b.done() and b.since(a) >= 0 and torch.equal(t, torch.ones(2, 3))
     assert not dev.host_empty(4).is_pinned() and dev.torch == torch.device("cpu")
+
+
+def test_kernel_path_follows_the_device_and_is_logged_once(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(kernels.dispatch.ENV_VAR, raising=False)
+
+    async def main():
+        h = await Harness.start(tmp_path, backend=TinyBackend(model(), DIGEST, device=DEVICE))
+        try:
+            contract = contract_for(h.backend, m_max=8, max_new=60)
+            sid, r = await h.open(contract, prompt=(1, 2, 3))
+            state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+            for _ in range(2):
+                r = await h.propose(sid, state, [4, 5])
+                v = Verdict.from_cbor(r.body)
+                state = SessionState(sid, 1, v.round, v.committed, v.digest)
+            return h.service.engine.kernels_path
+        finally:
+            await h.close()
+
+    with caplog.at_level("INFO", logger="sdcp_fast.verifier.engine"):
+        path = asyncio.run(asyncio.wait_for(main(), 120))
+    assert path == ("triton" if DEVICE == "cuda" else "cpu")
+    lines = [r.getMessage() for r in caplog.records if "verify kernels" in r.getMessage()]
+    assert lines == [f"verify kernels: {path} path on {DEVICE} (chosen by the device)"]
