@@ -88,9 +88,9 @@ async def run(model: str, sessions: int, rounds: int, m: int, batching: bool, wo
     await log.close()
     verified = sum(v for v, _ in results)
     committed = sum(c for _, c in results)
-    batches = service.metrics.histograms["batch_size"]
+    m = service.metrics
     return {"seconds": elapsed, "verified_per_s": verified / elapsed, "committed_per_s": committed / elapsed,
-            "mean_batch": batches[1][0] / batches[1][1]}
+            "mean_batch": m.value("batch_size_sum") / m.value("batch_size_count")}
 
 
 def main() -> None:

@@ -1,9 +1,17 @@
 """`sdcp-fast`: the command line.
 
-    sdcp-fast digest CONTRACT [--prompt 1,2,3]   contract digest (and d[0]) of a JSON or CBOR contract
-    sdcp-fast certs DIR URI... [--days N]        a CA and one certificate per instance URI
+    sdcp-fast up [DIR]                           a whole deployment on this machine, serving the
+                                                 OpenAI API until interrupted (the demo pair, or
+                                                 the instances whose configs DIR holds)
     sdcp-fast serve ROLE --config FILE           one verifier, drafter or router instance
-    sdcp-fast demo                               the whole system on one machine
+    sdcp-fast demo                               the whole system on one machine, with a report
+    sdcp-fast digest [CONTRACT] [--prompt 1,2,3] [--model SPEC]
+                                                 contract digest (and d[0]); a model's digests
+    sdcp-fast certs DIR URI... [--days N]        a CA and one certificate per instance URI
+    sdcp-fast --version
+
+Bad input (a missing or malformed file, a bad model, a port in use) is one line on stderr
+and exit code 2.
 """
 
 from __future__ import annotations
@@ -20,30 +28,75 @@ from .core.messages import Contract
 from .core.problems import ProblemError
 
 
+class UsageError(Exception):
+    """Bad input to a command: printed as one line, exit code 2."""
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("sdcp-fast")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _load_contract(path: Path) -> Contract:
-    raw = path.read_bytes()
-    if path.suffix == ".json":
-        obj = json.loads(raw)
-        # JSON has no byte strings: hash32 and scope members are written as hex
-        for key in ("target", "tokenizer", "scope"):
-            if isinstance(obj.get(key), str):
-                obj[key] = bytes.fromhex(obj[key])
-        if isinstance(obj.get("drafters"), list):
-            obj["drafters"] = [bytes.fromhex(d) if isinstance(d, str) else d for d in obj["drafters"]]
-        return Contract.from_obj(obj)
-    return Contract.from_obj(cbor.loads(raw))
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"contract {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        if path.suffix == ".json":
+            obj = json.loads(raw)
+            if not isinstance(obj, dict):
+                raise UsageError(f"contract {str(path)!r}: not a JSON object")
+            # JSON has no byte strings: hash32 and scope members are written as hex
+            for key in ("target", "tokenizer", "scope"):
+                if isinstance(obj.get(key), str):
+                    obj[key] = bytes.fromhex(obj[key])
+            if isinstance(obj.get("drafters"), list):
+                obj["drafters"] = [bytes.fromhex(d) if isinstance(d, str) else d for d in obj["drafters"]]
+            return Contract.from_obj(obj)
+        return Contract.from_obj(cbor.loads(raw))
+    except ProblemError as exc:
+        raise UsageError(f"bad contract {str(path)!r}: {exc}") from None
+    except ValueError as exc:   # JSON, hex or CBOR that does not parse
+        raise UsageError(f"contract {str(path)!r} does not parse: {str(exc).splitlines()[0]}") from None
+
+
+def _prompt_tokens(text: str) -> list[int]:
+    try:
+        tokens = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise UsageError(f"--prompt takes comma-separated token ids (e.g. 1,2,3), not {text!r}") from None
+    if any(not 0 <= t < 1 << 32 for t in tokens):
+        raise UsageError("--prompt token ids must be in [0, 2^32)")
+    return tokens
 
 
 def cmd_digest(args: argparse.Namespace) -> int:
-    try:
+    if args.contract is None and args.model is None:
+        raise UsageError("digest needs a CONTRACT file, --model SPEC, or both")
+    if args.model is not None:
+        from .serve import StartError, load_model
+
+        try:
+            backend = load_model(args.model)
+        except StartError as exc:
+            raise UsageError(str(exc)) from None
+        print(f"model_digest     {backend.digest.hex()}")
+        print(f"tokenizer_digest {backend.tokenizer_digest.hex()}")
+        print(f"vocab_size       {backend.vocab_size}")
+    if args.contract is not None:
+        prompt = _prompt_tokens(args.prompt) if args.prompt is not None else None
         contract = _load_contract(Path(args.contract))
-    except ProblemError as exc:
-        print(f"bad contract: {exc}", file=sys.stderr)
-        return 2
-    print(f"contract_digest {contract.digest.hex()}")
-    if args.prompt is not None:
-        prompt = [int(t) for t in args.prompt.split(",") if t]
-        print(f"d0              {prefix_digest(contract.digest, prompt).hex()}")
+        print(f"contract_digest {contract.digest.hex()}")
+        if prompt is not None:
+            print(f"d0              {prefix_digest(contract.digest, prompt).hex()}")
+    elif args.prompt is not None:
+        raise UsageError("--prompt needs a CONTRACT (d[0] depends on the contract digest)")
     return 0
 
 
@@ -57,28 +110,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from .up import main as up_main
+    return up_main(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
     return demo_main(args)
 
 
+def _serve_epilog() -> str:
+    from .config import reference
+    return ("Each instance reads one TOML file; its members (docs/CONFIG.md has the same list):\n\n"
+            + reference())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdcp-fast", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"sdcp-fast {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("digest", help="contract digest of a contract file (JSON or CBOR)")
-    p.add_argument("contract")
-    p.add_argument("--prompt", help="comma-separated prompt tokens: also print d[0]")
-    p.set_defaults(func=cmd_digest)
+    p = sub.add_parser("up", help="a whole deployment on this machine, serving the OpenAI API",
+                       description="Start a router, a verifier and drafters as processes and serve the "
+                                   "OpenAI API until interrupted. Without DIR: the demo pair. With DIR: "
+                                   "one instance per *.toml file there (each names its role); relative "
+                                   "paths in them are relative to --workdir, where missing certificates "
+                                   "are created.")
+    p.add_argument("dir", nargs="?", help="a directory of instance configs (e.g. examples/deployment)")
+    p.add_argument("--host", default="127.0.0.1", help="front door host (without DIR)")
+    p.add_argument("--port", type=int, default=8000, help="front door port (without DIR; 0: any free port)")
+    p.add_argument("--drafters", type=int, default=2, help="drafters to start (without DIR)")
+    p.add_argument("--workdir", default=None, help="certificates, cache, logs (default: a temp dir)")
+    p.add_argument("--protocol", choices=["h2", "h3"], default="h2", help="SDCP between the instances")
+    p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("certs", help="create a CA and per-instance certificates")
-    p.add_argument("dir")
-    p.add_argument("uris", nargs="+", help="instance base URIs (the URI SAN of each certificate)")
-    p.add_argument("--days", type=int, default=365, help="validity of instance certificates")
-    p.set_defaults(func=cmd_certs)
-
-    p = sub.add_parser("serve", help="run one instance (verifier, drafter or router) from a config file")
+    p = sub.add_parser("serve", help="run one instance (verifier, drafter or router) from a config file",
+                       epilog=_serve_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["verifier", "drafter", "router"])
     p.add_argument("--config", required=True, help="the instance's TOML config")
     p.set_defaults(func=cmd_serve)
@@ -90,12 +159,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="certificates, cache and logs (default: a temp dir)")
     p.add_argument("--plot", default=None, help="write a PNG of accepted tokens and m_cap per round")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("digest", help="contract digest of a contract file (JSON or CBOR); a model's digests")
+    p.add_argument("contract", nargs="?")
+    p.add_argument("--prompt", help="comma-separated prompt tokens: also print d[0]")
+    p.add_argument("--model", help="a model spec (tiny:..., table:..., hf:...): print its digests")
+    p.set_defaults(func=cmd_digest)
+
+    p = sub.add_parser("certs", help="create a CA and per-instance certificates")
+    p.add_argument("dir")
+    p.add_argument("uris", nargs="+", help="instance base URIs (the URI SAN of each certificate)")
+    p.add_argument("--days", type=int, default=365, help="validity of instance certificates")
+    p.set_defaults(func=cmd_certs)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"sdcp-fast {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -17,7 +17,11 @@ member the schema does not know is a `ConfigError` naming it, with the closest k
     store      = "embedded:/dev/shm/x"      # object store (cache references)
     commit_log = "file:/var/lib/sdcp/log"   # verifier and router
     ready_file = "/tmp/v1.ready"            # optional: JSON {"uri", "port", "pid"} once serving
-    log_level  = "info"
+    log_level  = "info"                     # debug | info | warning | error
+    log_format = "text"                     # or "json": one JSON object per line
+
+Relative paths (certs, embedded store, file commit log, ready_file) are relative to the
+working directory of the process (`sdcp-fast up DIR` runs each instance in its work dir).
 
 and one table for the role: [verifier], [drafter] or [router] (see the dataclasses).
 """
@@ -36,6 +40,8 @@ from typing import Any
 import tomli_w
 
 PROTOCOLS = ("h2", "h3")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
 LADDER = ("reduce", "switch", "self_decode", "fail")
 ROLES = ("verifier", "drafter", "router")
 
@@ -54,7 +60,7 @@ class VerifierSection:
     publish_kv_every: int = 0               # rounds between target KV publications (0: never)
     max_batch: int = 64                     # jobs per forward pass
     max_wait_ms: float = 2.0                # the first job's wait for company
-    metrics: str = ""                       # host:port of the Prometheus page (empty: none)
+    metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class DrafterSection:
     draft_ahead: bool = True
     rounds_log: str | None = None           # JSON line per verdict (demo statistics, tests)
     drop_verdicts: int = 0                  # test hook: discard the first N verdicts
+    metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,9 @@ class ContractSection:
     low_rounds: int = 4
     low_ratio: int | None = None
     fallback: list[str] = field(default_factory=lambda: ["reduce", "switch", "self_decode"])
-    self_load: int | None = 60
-    self_max: int | None = 16
+    self_load: int | None = 60              # self_decode only at or below this verifier load
+    self_max: int | None = None             # tokens per self-decoding period (absent: no limit,
+                                            # so a poor draft never fails a request)
     sampling: dict[str, int] = field(default_factory=dict)   # temperature_milli, top_k, top_p_milli, seed
 
     def __post_init__(self) -> None:
@@ -109,6 +117,8 @@ class RouterSection:
     drafters: list[DrafterEntry]
     frontdoor: str = ""                     # host:port of the client front door (empty: none)
     frontdoor_tls: bool = False             # TLS 1.3 with client certificates of the deployment's CA
+    served_model_name: str = ""             # the OpenAI API's model name (default: from the model spec)
+    metrics: str = ""                       # host:port of /metrics and /health besides the front door's
     m_init: int = 4
     stall_s: float = 5.0
     monitor_interval_s: float = 0.1
@@ -120,18 +130,19 @@ class RouterSection:
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    uri: str
-    certs: str
-    model: str
-    store: str
-    role: str = ""
-    listen: str = ""
-    protocol: str = "h2"
-    http2: bool = True
-    http3: bool = True
-    commit_log: str = ""
-    ready_file: str = ""
-    log_level: str = "info"
+    uri: str                                # base URI; the URI SAN of the instance's certificate
+    certs: str                              # directory of ca.pem + <name>.pem/.key (`sdcp-fast certs`)
+    model: str                              # tiny:NAME|PATH, table:PATH or hf:PATH
+    store: str                              # object store: embedded:PATH or redis://HOST:PORT/0
+    role: str = ""                          # verifier | drafter | router (must match `serve ROLE`)
+    listen: str = ""                        # host:port to bind (default: the URI's host and port)
+    protocol: str = "h2"                    # how this instance calls its peers: h2 or h3
+    http2: bool = True                      # serve HTTP/2 (TCP)
+    http3: bool = True                      # also serve HTTP/3 on the same port (UDP)
+    commit_log: str = ""                    # verifier and router: file:PATH, redis://..., etcd://...
+    ready_file: str = ""                    # JSON {"uri", "port", "pid", ...} written once serving
+    log_level: str = "info"                 # debug | info | warning | error
+    log_format: str = "text"                # text, or json (one object per line)
     verifier: VerifierSection | None = None
     drafter: DrafterSection | None = None
     router: RouterSection | None = None
@@ -141,6 +152,10 @@ class InstanceConfig:
             raise ConfigError(f"protocol: 'h2' or 'h3', not {self.protocol!r}")
         if self.role and self.role not in ROLES:
             raise ConfigError(f"role: one of {', '.join(ROLES)}, not {self.role!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format: 'text' or 'json', not {self.log_format!r}")
 
     def section(self, role: str):
         """The role's table; a ConfigError when the file has none."""
@@ -216,6 +231,65 @@ def _value(kind, value: Any, where: str) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ConfigError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
     return value
+
+
+# ---------------------------------------------------------------------- reference
+
+
+SECTIONS = {"verifier": VerifierSection, "drafter": DrafterSection, "router": RouterSection}
+
+
+def members(cls: type) -> list[tuple[str, str, str]]:
+    """(name, "type = default", comment) of each member of a schema dataclass; the comment
+    is the one written beside the field in this file (one source for code and help)."""
+    import inspect
+    import re
+
+    comments: dict[str, str] = {}
+    pending = None
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+): [^#]+?(?:#\s*(.*))?$", line)
+        if m:
+            pending = m.group(1)
+            comments[pending] = m.group(2) or ""
+        elif pending and (c := re.match(r"\s+#\s*(.*)$", line)):
+            comments[pending] += " " + c.group(1)     # a comment continued on the next line
+        else:
+            pending = None
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        kind = str(hint) if typing.get_origin(hint) else hint.__name__
+        kind = kind.replace("sdcp_fast.config.", "")
+        if f.default is not dataclasses.MISSING:
+            default = "(absent)" if f.default is None else repr(f.default).replace("'", '"')
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+            default = "[...]" if dataclasses.is_dataclass(value) else repr(value).replace("'", '"')
+        else:
+            default = "(required)"
+        out.append((f.name, f"{kind} = {default}", comments.get(f.name, "")))
+    return out
+
+
+def reference(role: str | None = None) -> str:
+    """The members of an instance's file (those of every role, then the role's table)."""
+    def table(cls, title: str) -> list[str]:
+        lines = [title]
+        for name, kind, comment in members(cls):
+            if cls is InstanceConfig and name in SECTIONS:
+                continue
+            lines.append(f"  {name:<20} {kind:<34} {comment}".rstrip())
+        return lines
+    lines = table(InstanceConfig, "members of every instance (top level):")
+    for name, cls in SECTIONS.items():
+        if role in (None, name):
+            lines += ["", *table(cls, f"[{name}]:")]
+            if cls is RouterSection:
+                lines += ["", *table(DrafterEntry, "[[router.drafters]]:"), "",
+                          *table(ContractSection, "[router.contract]:")]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- writing

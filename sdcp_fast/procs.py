@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import json
 import os
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from . import config as schema
 from .config import (
@@ -191,6 +193,13 @@ class Cluster:
         config = self._config("router", name, port, model, commit_log=self.commit_log, router=section)
         return self._add(Instance("router", name, port, config, self.workdir))
 
+    def add(self, name: str, config: InstanceConfig) -> Instance:
+        """An instance from a config written elsewhere (`sdcp-fast up DIR`): it runs as
+        written, with relative paths relative to the workdir, where its ready file goes."""
+        port = urlsplit(config.uri).port or 443
+        config = dataclasses.replace(config, ready_file=str(self.workdir / f"{name}.ready"))
+        return self._add(Instance(config.role, name, port, config, self.workdir))
+
     def _add(self, instance: Instance) -> Instance:
         if instance.name in self.instances:
             raise ValueError(f"instance {instance.name!r} exists")
@@ -200,10 +209,17 @@ class Cluster:
     # ------------------------------------------------------------------ processes
 
     def start(self, timeout: float = 60.0) -> None:
-        """Certificates for every instance, configs, processes; wait until all serve."""
-        from .transport.certs import make_certs
+        """Certificates for every instance (from the CA of its certs directory, made there if
+        missing; a directory holding a CA certificate without its key is the operator's and is
+        used as it is), configs, processes; wait until all serve."""
+        from .transport.certs import CA_CERT_FILE, CA_KEY_FILE, make_certs
 
-        make_certs(self.certs, [i.uri for i in self.instances.values()])
+        by_dir: dict[Path, list[str]] = {}
+        for i in self.instances.values():
+            by_dir.setdefault(self.workdir / i.config.certs, []).append(i.uri)
+        for directory, uris in by_dir.items():
+            if (directory / CA_KEY_FILE).is_file() or not (directory / CA_CERT_FILE).is_file():
+                make_certs(directory, uris)
         for instance in self.instances.values():
             self.launch(instance)
         self.wait_ready(list(self.instances.values()), timeout)
@@ -217,7 +233,7 @@ class Cluster:
         instance.popen = subprocess.Popen(
             [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
              str(instance.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.workdir,
             start_new_session=True, preexec_fn=die_with_parent())
         log.close()
 

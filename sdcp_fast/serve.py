@@ -2,9 +2,17 @@
 
 The composition root of one process: reads the instance's TOML file (schema in config.py),
 builds the role's service over its model, cache, commit log and client, serves it over
-HTTP/2 + HTTP/3 with mutual TLS (`transport.serve`), and the plain-HTTP pages it has (the
-router's front door, the verifier's metrics) with `transport.asgi.serve_web`.
+HTTP/2 + HTTP/3 with mutual TLS (`transport.serve`), and its plain-HTTP pages with
+`transport.asgi.serve_web`: every role's GET /metrics and GET /health (`metrics.StatusPage`
+at the role's `metrics` host:port), and the router's front door (its own API, the OpenAI
+API, /health and /metrics).
 
+The status page starts first, so /health answers 503 while the model loads; it answers 200
+once the instance serves and its object store and commit log answer. Once serving, the
+instance logs one line with its URLs (the router's includes `OpenAI API at http://.../v1`).
+
+Bad input is one line on stderr and exit code 2: a config error, a missing certificate
+directory, a model that cannot be loaded, a store that cannot be opened, a port in use.
 SIGTERM or SIGINT stops the instance gracefully.
 """
 
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,29 +31,38 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from . import logs
 from .config import ConfigError, InstanceConfig, load
+from .metrics import Health, StatusPage, log_check, store_check
 
 log = logging.getLogger("sdcp_fast.serve")
 Closer = Callable[[], Awaitable[object]]
 
 
+class StartError(Exception):
+    """The instance cannot start for a reason the operator fixes (one line, exit code 2)."""
+
+
 @dataclass
 class Built:
-    """A role's service, what to close after it, and what its ready file adds."""
+    """A role's service, what to close after it, what its ready file adds, its URLs."""
 
     service: object
     closers: list[Closer] = field(default_factory=list)
     ready: dict[str, object] = field(default_factory=dict)
+    urls: list[str] = field(default_factory=list)       # "what URL" pieces of the ready line
 
 
-def host_port(text: str) -> tuple[str, int]:
+def host_port(text: str, what: str = "address") -> tuple[str, int]:
     host, _, port = text.rpartition(":")
+    if not port.isdecimal():
+        raise ConfigError(f"{what}: expected HOST:PORT, got {text!r}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def listen_address(cfg: InstanceConfig) -> tuple[str, int]:
     if cfg.listen:
-        return host_port(cfg.listen)
+        return host_port(cfg.listen, "listen")
     parts = urlsplit(cfg.uri)
     return parts.hostname or "127.0.0.1", parts.port or 443
 
@@ -55,37 +73,96 @@ def commit_log_spec(cfg: InstanceConfig) -> str:
     return cfg.commit_log
 
 
+def web_url(host: str, port: int, path: str = "", tls: bool = False) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"{'https' if tls else 'http'}://{shown}:{port}{path}"
+
+
+# ---------------------------------------------------------------------- what can fail at start
+
+
+def load_model(spec: str, what: str = "model"):
+    from .models import ModelError, load_backend
+
+    try:
+        return load_backend(spec)
+    except (OSError, ModelError, ValueError, KeyError, ImportError) as exc:
+        raise StartError(f"{what} {spec!r} cannot be loaded: {_reason(exc)}") from None
+
+
+async def open_stores(cfg: InstanceConfig, *, with_log: bool):
+    from .cache import CacheError, open_log, open_store
+
+    try:
+        store = await open_store(cfg.store)
+    except (CacheError, OSError, ValueError) as exc:
+        raise StartError(f"store {cfg.store!r} cannot be opened: {_reason(exc)}") from None
+    if not with_log:
+        return store, None
+    spec = commit_log_spec(cfg)
+    try:
+        return store, await open_log(spec)
+    except (CacheError, OSError, ValueError) as exc:
+        await store.close()
+        raise StartError(f"commit_log {spec!r} cannot be opened: {_reason(exc)}") from None
+
+
+async def listen_web(handler, address: str, what: str, *, tls=None):
+    """serve_web at a config's host:port; a port in use is a StartError."""
+    from .transport.asgi import serve_web
+
+    host, port = host_port(address, what)
+    try:
+        return host, await serve_web(handler, host=host, port=port, tls=tls)
+    except OSError as exc:
+        raise StartError(f"{what}: cannot listen on {host}:{port}: {_reason(exc)}") from None
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+async def status_page(address: str, registry, health: Health, built: Built) -> None:
+    """The role's /metrics and /health at `address` (empty: none)."""
+    if not address:
+        return
+    host, page = await listen_web(StatusPage(registry, health), address, "metrics")
+    built.closers.insert(0, page.stop)
+    built.ready["metrics_port"] = page.port
+    built.urls.append(f"metrics {web_url(host, page.port, '/metrics')}")
+    built.urls.append(f"health {web_url(host, page.port, '/health')}")
+
+
 # ---------------------------------------------------------------------- building each role
 
 
-async def build_verifier(cfg: InstanceConfig, tls, client) -> Built:
-    from .cache import open_log, open_store
-    from .models import load_backend
-    from .transport.asgi import serve_web
-    from .verifier import EngineConfig, MetricsPage, VerifierConfig, VerifierService
+async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Built:
+    from .verifier import EngineConfig, Metrics, VerifierConfig, VerifierService
 
     v = cfg.section("verifier")
     config = VerifierConfig(
         uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri,
         output_wait_s=v.output_wait_s, status_interval_s=v.status_interval_s, ttl_ms=v.ttl_ms,
         publish_kv_every=v.publish_kv_every)
-    backend = load_backend(cfg.model)
-    store = await open_store(cfg.store)
-    commit_log = await open_log(commit_log_spec(cfg))
-    service = VerifierService(config, backend, store, commit_log, client=client,
-                              engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms))
-    closers: list[Closer] = [store.close, commit_log.close]
-    if v.metrics:
-        host, port = host_port(v.metrics)
-        page = await serve_web(MetricsPage(service.metrics), host=host, port=port)
-        closers.insert(0, page.stop)
-    return Built(service, closers)
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(v.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, commit_log = await open_stores(cfg, with_log=True)
+    built.closers += [store.close, commit_log.close]
+    health.add("store", store_check(store))
+    health.add("commit_log", log_check(commit_log))
+    built.service = VerifierService(config, backend, store, commit_log, client=client, metrics=metrics,
+                                    engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms))
+    return built
 
 
-async def build_drafter(cfg: InstanceConfig, tls, client) -> Built:
-    from .cache import open_store
+async def build_drafter(cfg: InstanceConfig, tls, client, health: Health) -> Built:
     from .drafter import DrafterConfig, DrafterService
-    from .models import load_backend
+    from .drafter.metrics import Metrics
 
     d = cfg.section("drafter")
     config = DrafterConfig(
@@ -95,9 +172,15 @@ async def build_drafter(cfg: InstanceConfig, tls, client) -> Built:
         max_q_republish=d.max_q_republish, publish_draft_kv=d.publish_draft_kv,
         draft_kv_every=d.draft_kv_every, draft_ahead=d.draft_ahead, rounds_log=d.rounds_log,
         drop_verdicts=d.drop_verdicts)
-    backend = load_backend(cfg.model)
-    store = await open_store(cfg.store)
-    return Built(DrafterService(config, backend, store, client=client), [store.close])
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(d.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, _ = await open_stores(cfg, with_log=False)
+    built.closers.append(store.close)
+    health.add("store", store_check(store))
+    built.service = DrafterService(config, backend, store, client=client, metrics=metrics)
+    return built
 
 
 def contract_defaults(c):
@@ -116,34 +199,56 @@ def contract_defaults(c):
         self_load=c.self_load, self_max=c.self_max, sampling=sampling)
 
 
-async def build_router(cfg: InstanceConfig, tls, client) -> Built:
-    from .cache import open_log, open_store
-    from .models import load_backend
-    from .router import FrontDoor, RouterConfig, RouterService
-    from .transport.asgi import serve_web
+def served_model_name(spec: str) -> str:
+    """The OpenAI API's name of a model: the demo name, or the last part of its path
+    (without the file suffix): tiny:demo-target -> demo-target, hf:/m/SmolLM2 -> SmolLM2."""
+    kind, _, arg = spec.partition(":")
+    name = Path(arg.rstrip("/")).name or arg
+    return name if kind == "hf" else Path(name).stem
+
+
+async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Built:
+    from .core.messages import ROLE_DRAFTER, ROLE_VERIFIER
+    from .router import FrontDoor, OpenAIRoutes, RouterConfig, RouterService
+    from .router.metrics import Metrics
 
     r = cfg.section("router")
     drafters = []
     for entry in r.drafters:
-        digest = entry.model_digest or (load_backend(entry.model).digest.hex() if entry.model else "")
-        if not digest:
+        if entry.model_digest:
+            try:
+                digest = bytes.fromhex(entry.model_digest)
+            except ValueError:
+                raise ConfigError(f"router.drafters: {entry.uri}: model_digest is not hex") from None
+        elif entry.model:
+            digest = load_model(entry.model, f"router.drafters: {entry.uri}: model").digest
+        else:
             raise ConfigError(f"router.drafters: {entry.uri} needs model or model_digest")
-        drafters.append((entry.uri, bytes.fromhex(digest)))
+        drafters.append((entry.uri, digest))
     config = RouterConfig(
         uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
         monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
         target_kv=r.target_kv, session_load=r.session_load, contract=contract_defaults(r.contract))
-    backend = load_backend(cfg.model)
-    store = await open_store(cfg.store)
-    commit_log = await open_log(commit_log_spec(cfg))
-    service = RouterService(config, backend, store, commit_log, client=client)
-    built = Built(service, [store.close, commit_log.close])
+    metrics = Metrics()
+    built = Built(None)
+    await status_page(r.metrics, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, commit_log = await open_stores(cfg, with_log=True)
+    built.closers += [store.close, commit_log.close]
+    health.add("store", store_check(store))
+    health.add("commit_log", log_check(commit_log))
+    service = built.service = RouterService(config, backend, store, commit_log, client=client, metrics=metrics)
+    health.details = lambda: {"verifiers_live": len(service.registry.live(ROLE_VERIFIER)),
+                              "drafters_live": len(service.registry.live(ROLE_DRAFTER))}
     if r.frontdoor:
-        host, port = host_port(r.frontdoor)
-        door = await serve_web(FrontDoor(service), host=host, port=port,
-                               tls=tls if r.frontdoor_tls else None)
-        built.closers.insert(0, door.stop)
-        built.ready["frontdoor_port"] = door.port
+        name = r.served_model_name or served_model_name(cfg.model)
+        door = FrontDoor(service, openai=OpenAIRoutes(service, name), status=StatusPage(metrics.registry, health))
+        host, page = await listen_web(door, r.frontdoor, "frontdoor", tls=tls if r.frontdoor_tls else None)
+        built.closers.insert(0, page.stop)
+        built.ready["frontdoor_port"] = page.port
+        built.ready["model_name"] = name
+        built.urls[:0] = [f"OpenAI API at {web_url(host, page.port, '/v1', r.frontdoor_tls)}",
+                          f"metrics {web_url(host, page.port, '/metrics', r.frontdoor_tls)}"]
     return built
 
 
@@ -153,54 +258,78 @@ BUILDERS = {"verifier": build_verifier, "drafter": build_drafter, "router": buil
 # ---------------------------------------------------------------------- running
 
 
+def tls_for(cfg: InstanceConfig):
+    from .transport import TLSConfig
+
+    if not Path(cfg.certs).is_dir():
+        raise StartError(f"certs: no directory {cfg.certs!r} (create it with `sdcp-fast certs`)")
+    try:
+        return TLSConfig.for_instance(cfg.certs, cfg.uri)
+    except (OSError, ValueError) as exc:
+        raise StartError(f"certs: no certificate for {cfg.uri} in {cfg.certs}: {_reason(exc)}") from None
+
+
 async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
-    from .transport import Client, TLSConfig, serve
+    from .transport import Client, serve
 
     if cfg.role and cfg.role != role:
         raise ConfigError(f"{where} is a {cfg.role} config, not a {role} one")
-    tls = TLSConfig.for_instance(cfg.certs, cfg.uri)
+    tls = tls_for(cfg)
+    health = Health()
     client = Client(tls, cfg.protocol, timeout=10.0)
+    built = Built(None)
+    server = service = None
     try:
-        built = await BUILDERS[role](cfg, tls, client)
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    service = built.service
-    await service.start()
-    host, port = listen_address(cfg)
-    server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if cfg.ready_file:
-        info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}
-        tmp = Path(cfg.ready_file + ".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(cfg.ready_file)
-    log.info("%s %s serving on %s:%d", role, cfg.uri, host, server.port)
-    await stop.wait()
-    log.info("%s %s stopping", role, cfg.uri)
-    await server.stop(grace=1.0)
-    await service.stop()
+        try:
+            built = await BUILDERS[role](cfg, tls, client, health)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        service = built.service
+        await service.start()
+        host, port = listen_address(cfg)
+        try:
+            server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2)
+        except OSError as exc:
+            raise StartError(f"listen: cannot listen on {host}:{port}: {_reason(exc)}") from None
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        health.mark_ready()
+        if cfg.ready_file:
+            info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}
+            tmp = Path(cfg.ready_file + ".tmp")
+            tmp.write_text(json.dumps(info))
+            tmp.replace(cfg.ready_file)
+        protocols = " + ".join(p for p, on in (("HTTP/2", cfg.http2), ("HTTP/3", cfg.http3)) if on)
+        log.info("%s ready: %s", role, "; ".join(
+            [*built.urls, f"SDCP {cfg.uri} ({protocols} with mutual TLS on {host}:{server.port})"]))
+        await stop.wait()
+        log.info("%s %s stopping", role, cfg.uri)
+    finally:
+        await _shut_down(server, service, built, client)
+    return 0
+
+
+async def _shut_down(server, service, built: Built, client) -> None:
+    if server is not None:
+        await server.stop(grace=1.0)
+    if service is not None:
+        with contextlib.suppress(Exception):
+            await service.stop()
     for close in built.closers:
         try:
             await close()
         except Exception as exc:   # closing is best effort: the process ends anyway
             log.debug("close failed: %s", exc)
     await client.close()
-    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         cfg = load(args.config, args.role)
-    except ConfigError as exc:
-        print(f"sdcp-fast serve: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=getattr(logging, cfg.log_level.upper(), logging.INFO), stream=sys.stderr,
-                        format=f"%(asctime)s {args.role} %(levelname)s %(name)s: %(message)s")
-    try:
+        logs.setup(cfg.log_level, cfg.log_format, args.role)
         return asyncio.run(run(args.role, cfg, Path(args.config).name))
-    except ConfigError as exc:
+    except (ConfigError, StartError) as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ from ..refs import draft_kv_ref, read_token_list
 from ..reports import RouterLink
 from ..transport import Authorizer, Call, Router
 from .drafting import DraftBatcher
+from .metrics import Metrics
 from .session import Built, DraftSession, round_record, verdict_fingerprint
 
 log = logging.getLogger("sdcp_fast.drafter")
@@ -61,8 +62,10 @@ class DrafterConfig:
 
 
 class DrafterService:
-    def __init__(self, config: DrafterConfig, backend, store, *, client=None):
+    def __init__(self, config: DrafterConfig, backend, store, *, client=None,
+                 metrics: Metrics | None = None):
         self.config = config
+        self.metrics = metrics or Metrics()
         self.backend = backend
         self.store = store
         self.client = client
@@ -77,6 +80,8 @@ class DrafterService:
         self.tasks = TaskSet()
         self._busy_mark = (time.perf_counter(), 0.0)
         self._load = 0
+        self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions.values() if s.running()),
+                           load=lambda: self._load)
         self.router = Router(authorizer=Authorizer({"assignments": set(config.routers)}))
         self.router.add_message("POST", "/assignments", self.post_assignment, body=Assignment,
                                 resource="assignments")

@@ -246,6 +246,7 @@ class DraftSession:
             await asyncio.shield(self._release_refs(leased))
             raise
         seconds = time.perf_counter() - started
+        self.service.metrics.draft_seconds.observe(seconds)
         proposal = Proposal(self.id, self.epoch, self.round + 1, self.service.config.uri,
                             self.committed, self.digest, tuple(tokens), self.service.status(),
                             q_rows=q_ref, draft_kv=draft_kv)
@@ -274,6 +275,8 @@ class DraftSession:
                 reply, failure = None, str(exc)
             problem = reply.problem if reply is not None else None
             kind = problem.kind if problem is not None else None
+            if not (reply is not None and reply.ok):
+                self.service.metrics.outcome(kind or "no_answer")
             if failure is not None or kind == Kind.UNAVAILABLE:
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since
@@ -291,6 +294,7 @@ class DraftSession:
                     built.retries += 1
                     continue   # test hook: as if the response were lost in transit
                 self.timing.observe_verify(time.perf_counter() - sent_at)
+                self.service.metrics.verdict(built.proposal.m, verdict.accepted)
                 return verdict
             if kind == Kind.Q_UNAVAILABLE and built.rows is not None:
                 republished += 1

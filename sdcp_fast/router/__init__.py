@@ -4,14 +4,15 @@ and serves clients through its front door.
     RouterService(RouterConfig(uri, verifiers=(...), drafters=((uri, model_digest), ...)),
                   target_backend, store, commit_log, client=Client(tls, protocol))
     await service.start(); serve it with sdcp_fast.transport.serve(service, ...)
-    serve_web(FrontDoor(service), host=..., port=..., tls=None | TLSConfig)   # transport.asgi
+    serve_web(FrontDoor(service, openai=OpenAIRoutes(service, "model-name")), host=..., port=...)
 """
 
 from .frontdoor import FrontDoor
+from .openai_api import OpenAIRoutes
 from .peers import Peers, Refused
 from .registry import Registry
 from .service import ContractDefaults, RouterConfig, RouterService
 from .sessions import RouterSession
 
-__all__ = ["ContractDefaults", "FrontDoor", "Peers", "Refused", "Registry", "RouterConfig",
+__all__ = ["ContractDefaults", "FrontDoor", "OpenAIRoutes", "Peers", "Refused", "Registry", "RouterConfig",
            "RouterService", "RouterSession"]

@@ -14,6 +14,9 @@ option). SDCP leaves client-facing APIs open (section 1.4); this one is
     GET  /v1/generations/{id}[/stream?from=n]  session info (JSON), or its stream from index n
     POST /v1/generations/{id}/policy       {"sampling": {...}} -> {"from_round": r}
     GET  /v1/instances                     the router's registry (JSON)
+    GET  /v1/models, POST /v1/completions, POST /v1/chat/completions
+                                           the OpenAI-compatible API (openai_api.py)
+    GET  /health, GET /metrics             readiness and the router's Prometheus series
 
 Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detail for
 problems the router raises). Tokens are streamed exactly once each, in order: the stream
@@ -49,12 +52,18 @@ class HTTPError(Exception):
 
 
 class FrontDoor:
-    """The WebHandler of the front door: `serve_web(FrontDoor(router), host=..., port=...)`."""
+    """The WebHandler of the front door: `serve_web(FrontDoor(router, ...), host=..., port=...)`.
+    `openai` serves the OpenAI routes and `status` /health and /metrics, when given."""
 
-    def __init__(self, router: RouterService):
+    def __init__(self, router: RouterService, *, openai=None, status=None):
         self.router = router
+        self.pages = [page for page in (status, openai) if page is not None]
 
     async def handle(self, request: WebRequest) -> WebResponse | StreamingResponse:
+        for page in self.pages:
+            answer = await page.answer(request)
+            if answer is not None:
+                return answer
         try:
             return await self._route(request)
         except HTTPError as exc:

@@ -20,10 +20,16 @@ RETRY_S = 0.25
 
 
 class OutputRelay:
-    def __init__(self, peers: Peers, *, timeout_s: float, on_verifier_lost):
+    def __init__(self, peers: Peers, *, timeout_s: float, on_verifier_lost, on_unasked_fail=None,
+                 on_output=None, on_end=None):
         self.peers = peers
         self.timeout_s = timeout_s                 # bound of one long poll
         self.on_verifier_lost = on_verifier_lost   # (session, verifier, epoch, where): see failover.py
+        # (session, verifier, epoch) -> True when a final "fail" is not the end: the contract
+        # did not ask for fail, and the router places the session again
+        self.on_unasked_fail = on_unasked_fail or (lambda s, verifier, epoch: False)
+        self.on_output = on_output or (lambda s, tokens: None)   # new tokens arrived
+        self.on_end = on_end or (lambda s: None)                 # the final output arrived
 
     async def read(self, s: RouterSession) -> None:
         """Take the session's output until its final output."""
@@ -39,6 +45,8 @@ class OutputRelay:
                     await fetch
                 continue
             out = fetch.result()
+            if s.cancelled is not None:   # cancelled meanwhile: nothing more is taken
+                return
             if isinstance(out, Refused):
                 if out.kind == Kind.STALE_EPOCH:
                     self.on_verifier_lost(s, verifier, epoch, "output")
@@ -50,10 +58,17 @@ class OutputRelay:
                 # after the placement changes or a short wait, not at once
                 await s.wait_changed(RETRY_S)
                 continue
-            s.add_output(list(out.tokens[n - out.start:]))
+            new = list(out.tokens[n - out.start:])
+            if new:
+                self.on_output(s, new)
+                s.add_output(new)
+            if out.final and out.finish != Action.FINISH and self.on_unasked_fail(s, verifier, epoch):
+                await s.wait_changed(RETRY_S)       # until the session is placed again
+                continue
             if out.final:
                 s.finish = out.finish if out.finish in (Action.FINISH, Action.FAIL) else Action.FAIL
                 s.finished_at = time.monotonic()
                 s.place(f"final-{s.finish.name.lower()}")
                 s.notify()
+                self.on_end(s)
                 log.info("session %s: %s with %d tokens", s.id.hex(), s.finish.name.lower(), len(s.tokens))

@@ -49,6 +49,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from ..aio import TaskSet
+from ..cache import Fenced
 from ..core.messages import (
     ROLE_DRAFTER,
     ROLE_VERIFIER,
@@ -64,6 +65,7 @@ from ..refs import commit_log_name, decode_instance_id
 from ..transport import Authorizer, Call, Router
 from .committed import CommittedLog
 from .failover import Failover
+from .metrics import Metrics
 from .peers import Peers, Refused
 from .placement import Placement
 from .registry import Registry
@@ -84,7 +86,7 @@ class ContractDefaults:
     low_ratio: int | None = None
     fallback: tuple[Action, ...] = (Action.REDUCE, Action.SWITCH, Action.SELF_DECODE)
     self_load: int | None = 60
-    self_max: int | None = 16
+    self_max: int | None = None           # absent: once reached, self-decoding lasts while load allows
     sampling: Sampling | None = None
 
 
@@ -107,9 +109,15 @@ class RouterConfig:
 
 
 class RouterService:
-    def __init__(self, config: RouterConfig, backend, store, commit_log, *, client):
+    def __init__(self, config: RouterConfig, backend, store, commit_log, *, client,
+                 metrics: Metrics | None = None):
         self.config = config
         self.backend = backend          # the target model's tokenizer and digests
+        self.commit_log = commit_log
+        self.metrics = metrics or Metrics()
+        self.metrics.watch(
+            running=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is not None),
+            waiting=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is None))
         self.registry = Registry(session_load=config.session_load)
         for uri in config.verifiers:
             self.registry.add(uri, ROLE_VERIFIER)
@@ -123,7 +131,8 @@ class RouterService:
         self.failover = Failover(self.registry, self.peers, self.committed, commit_log, self.placement,
                                  target_kv=config.target_kv)
         self.relay = OutputRelay(self.peers, timeout_s=config.output_timeout_s,
-                                 on_verifier_lost=self._verifier_lost)
+                                 on_verifier_lost=self._verifier_lost, on_unasked_fail=self._unasked_fail,
+                                 on_output=self._output, on_end=self._ended)
         self.tasks = TaskSet()
         self._ops: dict[bytes, int] = {}           # session -> control steps pending
         instances = {*config.verifiers, *(uri for uri, _ in config.drafters)}
@@ -192,16 +201,23 @@ class RouterService:
         sid = os.urandom(16)
         s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid))
         self.sessions[sid] = s
+        self.metrics.prompt_tokens.inc(len(prompt))
         deadline = time.monotonic() + wait_for_instances_s
-        while True:
-            async with s.lock:
-                opened = await self.placement.open(s, exclude=set())
-            if opened:
-                break
-            if time.monotonic() > deadline:
-                del self.sessions[sid]
-                raise problem(Kind.UNAVAILABLE, "no verifier could open the session")
-            await asyncio.sleep(0.2)
+        try:
+            while True:
+                async with s.lock:
+                    opened = await self.placement.open(s, exclude=set())
+                if opened:
+                    break
+                if time.monotonic() > deadline:
+                    del self.sessions[sid]
+                    raise problem(Kind.UNAVAILABLE, "no verifier could open the session")
+                await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            # the client went away while the session was being opened: a verifier may have
+            # opened it already, so it is fenced like any cancelled session
+            self.cancel(s)
+            raise
         self.tasks.spawn(self.relay.read(s))
         self._start_op(s, self.assign(s, why="created"), always=True)
         return s
@@ -228,6 +244,71 @@ class RouterService:
             if s.drafter is not None:
                 await self.placement.resend(s)
             return from_round
+
+    def cancel(self, s: RouterSession, reason: str = "abort") -> None:
+        """End a session for its client: "abort" (the client went away) or "stop" (a stop
+        string was met). Its commit log is fenced with epoch + 1, so the verifier's next
+        append is refused: it stops serving the session, its drafter's next proposal is
+        answered sdcp-stale-epoch and the drafter stops too. At most the round under way
+        at each is wasted."""
+        if s.done:
+            return
+        s.cancelled = reason
+        s.finished_at = time.monotonic()
+        s.place("cancelled", reason=reason)
+        s.notify()
+        self._ended(s)
+        log.info("session %s: cancelled (%s) at %d tokens", s.id.hex(), reason, len(s.tokens))
+        self.tasks.spawn(self._fence_cancelled(s))
+
+    async def _fence_cancelled(self, s: RouterSession) -> None:
+        async with s.lock:       # after a control step under way (it sees the session done)
+            epoch = s.epoch + 1
+            try:
+                await self.commit_log.fence(s.commit_log, epoch)
+            except Fenced:
+                return           # fenced higher already: nobody can commit at this epoch
+            except Exception as exc:   # the store is unreachable: the verifier stops at idle_s
+                log.warning("session %s: fencing the cancelled session failed: %s", s.id.hex(), exc)
+                return
+            s.epoch = epoch
+
+    # ------------------------------------------------------------------ metrics hooks
+
+    def _output(self, s: RouterSession, tokens: list[int]) -> None:
+        now = time.monotonic()
+        first = s.first_token_at is None
+        gap = now - (s.last_output_at or s.created)
+        s.last_output_at = now
+        self.metrics.output(len(tokens), gap, first, now - s.created)
+
+    def _ended(self, s: RouterSession) -> None:
+        reason = s.finish_reason or "fail"
+        self.metrics.finished.labels(finished_reason=reason).inc()
+        self.metrics.e2e.observe((s.finished_at or time.monotonic()) - s.created)
+
+    def _unasked_fail(self, s: RouterSession, verifier: str | None, epoch: int) -> bool:
+        """The verifier ended the session with fail. Under a contract whose ladder has no
+        fail, that only means the ladder ran out while the verifier was too loaded to
+        decode the session itself: the session is placed again (fenced, resumed from its
+        commit log on the least-loaded verifier, a fresh ladder there) rather than failed.
+        Every round commits at least one token, so this ends at max_new at the latest."""
+        if Action.FAIL in s.contract.fallback:
+            return False
+        if (verifier, epoch) == (s.verifier, s.epoch) and not s.resume_pending and not s.verifier_lost:
+            log.warning("session %s: %s ended it with fail, which the contract did not ask for; "
+                        "placing it again", s.id.hex(), verifier)
+            s.verifier_lost = True
+            s.replace_why = "unasked_fail"
+            s.place("unasked-fail")
+        return True
+
+    async def _failover(self, s: RouterSession) -> None:
+        epoch, pending = s.epoch, s.resume_pending
+        await self.failover.run(s)
+        if not s.resume_pending and (s.epoch != epoch or pending):   # resumed somewhere
+            self.metrics.replacements.labels(why=s.replace_why or "failover").inc()
+            s.replace_why = None
 
     # ------------------------------------------------------------------ control steps
 
@@ -280,7 +361,7 @@ class RouterService:
                 if s.id in self._ops or s.verifier is None:
                     continue
                 if self.failover.needed(s):
-                    self._start_op(s, self.failover.run(s))
+                    self._start_op(s, self._failover(s))
                 elif s.drafter is not None and not self.registry.is_live(s.drafter):
                     log.warning("session %s: drafter %s expired", s.id.hex(), s.drafter)
                     self._start_op(s, self.assign(s, exclude={s.drafter}, why="drafter expired"))

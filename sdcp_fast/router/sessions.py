@@ -23,6 +23,9 @@ class RouterSession:
     policy_from_round: int | None = None
     tokens: list[int] = field(default_factory=list)   # output o[1..n] received, in order
     finish: Action | None = None              # FINISH or FAIL once the final output arrived
+    cancelled: str | None = None              # ended by the router: "abort" (the client went
+                                              # away) or "stop" (a stop string was met)
+    replace_why: str | None = None            # why the next failover runs (metrics)
     needs_drafter: bool = False               # no drafter could be assigned yet: retry
     verifier_lost: bool = False               # the verifier said sdcp-stale-epoch: resume
     resume_pending: bool = False              # log fenced at `epoch`, session not open anywhere yet
@@ -32,12 +35,26 @@ class RouterSession:
     first_token_at: float | None = None
     finished_at: float | None = None
     last_progress: float = field(default_factory=time.monotonic)
+    last_output_at: float | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one control step at a time
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def done(self) -> bool:
-        return self.finish is not None
+        return self.finish is not None or self.cancelled is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's words: stop (a stop token or string), length (max_new), abort, fail."""
+        if self.cancelled is not None:
+            return self.cancelled
+        if self.finish is None:
+            return None
+        if self.finish != Action.FINISH:
+            return "fail"
+        if self.tokens and self.tokens[-1] in self.contract.stop:
+            return "stop"
+        return "length" if len(self.tokens) >= self.contract.max_new else "stop"
 
     def notify(self) -> None:
         """Wake everyone waiting for new output or a new placement."""
@@ -73,6 +90,7 @@ class RouterSession:
             "id": self.id.hex(), "epoch": self.epoch, "verifier": self.verifier,
             "drafter": self.drafter, "committed": len(self.tokens), "tokens": list(self.tokens),
             "finish": None if self.finish is None else self.finish.name.lower(),
+            "finish_reason": self.finish_reason,
             "history": list(self.history),
             "seconds": None if self.finished_at is None else round(self.finished_at - self.created, 4),
         }

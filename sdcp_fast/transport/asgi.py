@@ -10,8 +10,9 @@ mutual TLS); this adapter is for clients and scrapers.
 
 `WebRequest(method, path, query, headers, body)`: the whole body, at most `max_body` bytes
 (413 otherwise), read within `read_timeout_s` (408 otherwise). A `StreamingResponse` sends
-its chunks as they come (server-sent events) and stops when the client goes away. An
-exception that escapes the handler is a logged 500 `{"error": "internal error"}`.
+its chunks as they come (server-sent events) and stops when the client goes away; a handler still
+working on its answer when the client goes away is cancelled. An exception that escapes the
+handler is a logged 500 `{"error": "internal error"}`.
 
 With `tls`, clients must present a certificate from `tls.ca` (TLS 1.3). Hypercorn over TCP
 does not hand the client certificate to the app, so the handler learns no identity: any
@@ -109,8 +110,24 @@ class WebApp:
             query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)),
             headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])},
             body=body)
+        # the handler runs while we watch the connection: a client that goes away before the
+        # answer cancels it (the OpenAI routes then cancel the generation)
+        handling = asyncio.ensure_future(self.handler.handle(request))
+        watching = asyncio.ensure_future(_client_gone(receive))
         try:
-            response = await self.handler.handle(request)
+            await asyncio.wait({handling, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            if not handling.done():
+                handling.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watching
+        if not handling.done() or handling.cancelled():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await handling
+            return
+        try:
+            response = handling.result()
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
             await _send(send, WebResponse.json(500, {"error": "internal error"}))
@@ -155,11 +172,7 @@ async def _stream(response: StreamingResponse, receive, send) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    async def client_gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    pumping, watching = asyncio.ensure_future(pump()), asyncio.ensure_future(client_gone())
+    pumping, watching = asyncio.ensure_future(pump()), asyncio.ensure_future(_client_gone(receive))
     try:
         await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -173,6 +186,12 @@ async def _stream(response: StreamingResponse, receive, send) -> None:
                 await aclose()
     if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
         log.warning("stream ended by an error: %s", pumping.exception())
+
+
+async def _client_gone(receive) -> None:
+    """Returns once the client has disconnected."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _lifespan(receive, send) -> None:

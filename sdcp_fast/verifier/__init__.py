@@ -10,9 +10,9 @@ lock); metrics.py counts what happens.
 """
 
 from .engine import Engine, EngineConfig, RoundResult
-from .metrics import Metrics, MetricsPage
+from .metrics import Metrics
 from .service import VerifierConfig, VerifierService
 from .sessions import ServedSession, ServedSessions
 
-__all__ = ["Engine", "EngineConfig", "Metrics", "MetricsPage", "RoundResult", "ServedSession", "ServedSessions",
+__all__ = ["Engine", "EngineConfig", "Metrics", "RoundResult", "ServedSession", "ServedSessions",
            "VerifierConfig", "VerifierService"]

@@ -229,9 +229,9 @@ class Engine:
 
     async def _process(self, batch: list[_Queued]) -> None:
         started = time.perf_counter()
-        self.metrics.observe("batch_size", len(batch))
+        self.metrics.batch_size.observe(len(batch))
         for item in batch:
-            self.metrics.observe("queue_wait_seconds", started - item.enqueued)
+            self.metrics.queue_wait.observe(started - item.enqueued)
         dev = self._dev
         fetches = [item.fetch for item in batch if item.fetch is not None]
         prefetched = sum(f.early for f in fetches)
@@ -293,12 +293,11 @@ class Engine:
     def _record(self, times: BatchTimes) -> None:
         """Keep the batch's split; the results are back, so every event has completed."""
         self.batch_times.append(times)
-        self.metrics.observe("forward_seconds", times.forward_ms / 1e3)
-        self.metrics.observe("kernel_seconds", times.kernel_ms / 1e3)
-        self.metrics.observe("commit_seconds", times.commit_ms / 1e3)
+        self.metrics.forward_seconds.observe(times.forward_ms / 1e3)
+        self.metrics.kernel_seconds.observe(times.kernel_ms / 1e3)
         if times.q_jobs:
-            self.metrics.observe("q_staging_seconds", times.q_staging_ms / 1e3)
-            self.metrics.observe("q_wait_seconds", times.q_wait_ms / 1e3)
+            self.metrics.q_staging_seconds.observe(times.q_staging_ms / 1e3)
+            self.metrics.q_wait_seconds.observe(times.q_wait_ms / 1e3)
 
     async def _score(self, batch: list[_Queued]) -> tuple[list[tuple[int, _Queued]], torch.Tensor | None]:
         """One forward pass for the batch; the jobs the model cannot score are refused
@@ -333,7 +332,7 @@ class Engine:
             log.warning("session %s: commit of round %d refused by the log; no longer served",
                         session.id.hex(), job.round)
             session.commit_result(False)
-            self.metrics.inc("fenced_total")
+            self.metrics.fenced.inc()
             served.wake()
             self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"),
                        settled=True)
@@ -341,8 +340,7 @@ class Engine:
         served.log_position = position + 1
         verdict = session.commit_result(True)   # durable: the round stands whatever follows
         await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
-        self.metrics.inc("verdicts_total", action=verdict.action.name.lower() if verdict else "self")
-        self.metrics.observe("accepted_tokens", outcome.accepted)
+        self.metrics.committed(job.m, outcome.accepted, verdict.action if verdict else None)
         served.wake()
         if not item.future.done():
             item.future.set_result(RoundResult(verdict=verdict, settled=True))
@@ -356,8 +354,10 @@ class Engine:
         which is also the read-after-append check of section 6.8."""
         timeout = self.config.append_timeout_s
         try:
+            started = time.perf_counter()
             await asyncio.wait_for(self.commit_log.append(
                 session.commit_log, data, epoch=session.epoch, expected=position), timeout)
+            self.metrics.append_seconds.observe(time.perf_counter() - started)
             return _APPENDED
         except Fenced:
             return _SUPERSEDED
@@ -388,6 +388,6 @@ class Engine:
         self._fail(item, prob)
 
     def _fail(self, item: _Queued, prob: Problem, *, settled: bool = False) -> None:
-        self.metrics.inc("problems_total", type=prob.kind.suffix)
+        self.metrics.problem(prob.kind)
         if not item.future.done():
             item.future.set_result(RoundResult(problem=prob, settled=settled))

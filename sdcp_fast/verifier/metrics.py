@@ -1,94 +1,105 @@
-"""Counters and histograms in the Prometheus text format, served on a port of their own.
+"""The verifier's Prometheus series (prometheus-client; the page is `metrics.StatusPage`).
 
-Kept deliberately small (no client library): labelled counters and fixed-bucket histograms,
-rendered on demand. `MetricsPage` is the plain-HTTP handler that answers GET /metrics (the
-composition root serves it with `transport.asgi.serve_web`).
+The speculative-decoding set, named as vLLM's under `sdcp_` so the same charts work:
+
+    sdcp_spec_decode_num_drafts_total              rounds with a proposal, committed
+    sdcp_spec_decode_num_draft_tokens_total        draft tokens verified (sum of M)
+    sdcp_spec_decode_num_accepted_tokens_total     draft tokens accepted (sum of a)
+    sdcp_spec_decode_num_accepted_tokens_per_pos_total{position="0".."63"}
+    sdcp_escalations_total{action}                 reduce | switch | self_decode | fail
+    sdcp_verdicts_total{action}                    every committed proposal round, by action
+    sdcp_self_decoded_tokens_total                 tokens the verifier decoded itself
+    sdcp_proposals_total                           proposals received (retries included)
+    sdcp_problems_total{type}                      refusals, by problem type (every type listed)
+    sdcp_fenced_appends_total                      appends refused because a newer epoch fenced the log
+    sdcp_batch_size, sdcp_queue_wait_seconds, sdcp_forward_seconds, sdcp_kernel_seconds,
+    sdcp_q_staging_seconds, sdcp_q_wait_seconds (what the kernel waited for q rows after the
+    forward), sdcp_commit_log_append_seconds, sdcp_accepted_tokens (per round)   histograms
+    sdcp_sessions, sdcp_load_percent, sdcp_queue_depth                       gauges
+
+Acceptance rate = accepted_tokens / draft_tokens; mean accepted length per round
+= 1 + accepted_tokens / drafts (README).
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import defaultdict
+from collections.abc import Callable
 
-from ..transport.asgi import WebRequest, WebResponse
+from prometheus_client import CollectorRegistry
 
-BUCKETS = {
-    "batch_size": (1, 2, 4, 8, 16, 32, 64, 128, 256),
-    "accepted_tokens": (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
-    "forward_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2),
-    "kernel_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
-    "queue_wait_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
-    "commit_seconds": (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1),
-    "q_staging_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
-    "q_wait_seconds": (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
-}
-HELP = {
-    "proposals_total": "Proposals received",
-    "verdicts_total": "Rounds committed, by verdict action (self: a self-decoded token)",
-    "problems_total": "Requests refused, by problem type",
-    "fenced_total": "Commit-log appends refused by a newer epoch",
-    "batch_size": "Jobs per forward pass",
-    "accepted_tokens": "Accepted draft tokens per round",
-    "forward_seconds": "Target forward pass time per batch",
-    "kernel_seconds": "Verify kernel time per batch",
-    "queue_wait_seconds": "Time a job waited for its batch",
-    "commit_seconds": "Commit-log appends and verdicts per batch",
-    "q_staging_seconds": "q rows read and copied to the device per batch",
-    "q_wait_seconds": "Time the verify kernel waited for q rows after the forward pass",
-}
-PREFIX = "sdcp_"
+from ..core.messages import Action
+from ..core.problems import Kind
+from ..metrics import PREFIX, STEP_BUCKETS, counter, gauge, histogram, new_registry
+
+MAX_POSITIONS = 64          # m_max <= 64 (draft section 4.1): every position is known up front
+VERDICT_ACTIONS = ("continue", "reduce", "switch", "self_decode", "finish", "fail")
+ESCALATIONS = ("reduce", "switch", "self_decode", "fail")
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.counters: dict[str, dict[tuple, float]] = defaultdict(lambda: defaultdict(float))
-        self.histograms: dict[str, tuple[list[int], list[float]]] = {}
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry if registry is not None else new_registry()
+        self.proposals = counter(r, "proposals", "Proposals received (retries included)")
+        self.drafts = counter(r, "spec_decode_num_drafts", "Rounds with a proposal, committed")
+        self.draft_tokens = counter(r, "spec_decode_num_draft_tokens", "Draft tokens verified (sum of M)")
+        self.accepted_tokens = counter(r, "spec_decode_num_accepted_tokens", "Draft tokens accepted (sum of a)")
+        self.accepted_per_pos = counter(
+            r, "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each position (0-based)",
+            labels={"position": [str(n) for n in range(MAX_POSITIONS)]})
+        self.escalations = counter(r, "escalations", "Escalations applied, by action", labels={"action": ESCALATIONS})
+        self.verdicts = counter(r, "verdicts", "Committed proposal rounds, by verdict action",
+                                labels={"action": VERDICT_ACTIONS})
+        self.self_decoded = counter(r, "self_decoded_tokens", "Tokens the verifier decoded itself")
+        self.problems = counter(r, "problems", "Requests and rounds refused, by problem type",
+                                labels={"type": [k.suffix for k in Kind]})
+        self.fenced = counter(r, "fenced_appends", "Commit-log appends refused by a newer epoch")
+        self.batch_size = histogram(r, "batch_size", "Jobs per forward pass", (1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.accepted_per_round = histogram(r, "accepted_tokens", "Accepted draft tokens per round",
+                                            (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        self.forward_seconds = histogram(r, "forward_seconds", "Target forward pass time per batch", STEP_BUCKETS)
+        self.kernel_seconds = histogram(r, "kernel_seconds", "Verify kernel time per batch", STEP_BUCKETS)
+        self.queue_wait = histogram(r, "queue_wait_seconds", "Time a job waited for its batch", STEP_BUCKETS)
+        self.append_seconds = histogram(r, "commit_log_append_seconds", "Commit-log append time per round",
+                                        STEP_BUCKETS)
+        self.q_staging_seconds = histogram(r, "q_staging_seconds", "q rows read and copied to the device per batch",
+                                           STEP_BUCKETS)
+        self.q_wait_seconds = histogram(r, "q_wait_seconds",
+                                        "Time the verify kernel waited for q rows after the forward pass", STEP_BUCKETS)
 
-    def inc(self, name: str, amount: float = 1, **labels: str) -> None:
-        self.counters[name][tuple(sorted(labels.items()))] += amount
+    def watch(self, *, sessions: Callable[[], float], load: Callable[[], float],
+              queue: Callable[[], float]) -> None:
+        """Gauges read from the service at scrape time."""
+        gauge(self.registry, "sessions", "Sessions served (open, not yet finished, failed or fenced)", sessions)
+        gauge(self.registry, "load_percent", "Verifier load as reported to the router", load)
+        gauge(self.registry, "queue_depth", "Jobs waiting for a batch", queue)
 
-    def observe(self, name: str, value: float) -> None:
-        buckets = BUCKETS[name]
-        counts, totals = self.histograms.setdefault(name, ([0] * (len(buckets) + 1), [0.0, 0.0]))
-        counts[bisect.bisect_left(buckets, value)] += 1
-        totals[0] += value
-        totals[1] += 1
+    # ------------------------------------------------------------------ events
+
+    def problem(self, kind: Kind) -> None:
+        self.problems.labels(type=kind.suffix).inc()
+
+    def committed(self, m: int, accepted: int, action: Action | None) -> None:
+        """One committed round: a proposal of M tokens with a accepted and its verdict's
+        action, or (action None) a self-decoded token."""
+        if action is None:
+            self.self_decoded.inc()
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(m)
+        self.accepted_tokens.inc(accepted)
+        for position in range(min(accepted, MAX_POSITIONS)):
+            self.accepted_per_pos.labels(position=str(position)).inc()
+        self.accepted_per_round.observe(accepted)
+        name = action.name.lower()
+        self.verdicts.labels(action=name).inc()
+        if name in ESCALATIONS:
+            self.escalations.labels(action=name).inc()
+
+    # ------------------------------------------------------------------ reading (tests, benchmarks)
 
     def count(self, name: str, **labels: str) -> float:
-        return self.counters[name].get(tuple(sorted(labels.items())), 0.0)
+        """The value of `sdcp_<name>_total` (a trailing `_total` in `name` is allowed)."""
+        return self.value(name.removesuffix("_total") + "_total", **labels)
 
-    def render(self) -> str:
-        lines: list[str] = []
-        for name, series in sorted(self.counters.items()):
-            lines += [f"# HELP {PREFIX}{name} {HELP.get(name, name)}", f"# TYPE {PREFIX}{name} counter"]
-            for labels, value in sorted(series.items()):
-                lines.append(f"{PREFIX}{name}{_labels(labels)} {value:g}")
-        for name, (counts, (total, n)) in sorted(self.histograms.items()):
-            lines += [f"# HELP {PREFIX}{name} {HELP.get(name, name)}", f"# TYPE {PREFIX}{name} histogram"]
-            cumulative = 0
-            for bound, count in zip((*BUCKETS[name], "+Inf"), counts, strict=True):
-                cumulative += count
-                lines.append(f'{PREFIX}{name}_bucket{{le="{bound}"}} {cumulative}')
-            lines += [f"{PREFIX}{name}_sum {total:g}", f"{PREFIX}{name}_count {n:g}"]
-        return "\n".join(lines) + "\n"
-
-
-def _labels(labels: tuple) -> str:
-    if not labels:
-        return ""
-    inner = ",".join(f'{k}="{v}"' for k, v in labels)
-    return "{" + inner + "}"
-
-
-class MetricsPage:
-    """GET /metrics (scrapers rarely speak mTLS: the page has a port of its own)."""
-
-    CONTENT_TYPE = "text/plain; version=0.0.4"
-
-    def __init__(self, metrics: Metrics):
-        self.metrics = metrics
-
-    async def handle(self, request: WebRequest) -> WebResponse:
-        if request.method == "GET" and request.path == "/metrics":
-            return WebResponse(200, self.metrics.render().encode(), self.CONTENT_TYPE)
-        return WebResponse(404, b"not found\n", self.CONTENT_TYPE)
+    def value(self, sample: str, **labels: str) -> float:
+        return self.registry.get_sample_value(PREFIX + sample, labels) or 0.0

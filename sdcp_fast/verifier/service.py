@@ -79,6 +79,8 @@ class VerifierService:
         self.sessions = ServedSessions()
         self.engine = Engine(self.target, store, commit_log, self.sessions, config=engine_config,
                              device=device, metrics=self.metrics)
+        self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions if not s.machine.closed),
+                           load=lambda: self.engine.load, queue=lambda: self.engine.queue_depth)
         self.tasks = TaskSet()
         self.client = client
         self.link: RouterLink | None = None     # to the router, once started with a router_uri
@@ -170,7 +172,7 @@ class VerifierService:
         return state
 
     async def propose(self, call: Call, msg: Proposal) -> Verdict:
-        self.metrics.inc("proposals_total")
+        self.metrics.proposals.inc()
         served = self.sessions.get(msg.session)
         if served is None:
             raise problem(Kind.NOT_FOUND, "no such session")
@@ -179,7 +181,7 @@ class VerifierService:
         try:
             step = session.check(call.caller, msg)
         except ProblemError as exc:
-            self.metrics.inc("problems_total", type=exc.problem.kind.suffix)
+            self.metrics.problem(exc.problem.kind)
             raise
         if isinstance(step, Replay):
             return step.verdict

@@ -146,6 +146,9 @@ def test_round_loop_commits_greedy_output_within_the_limits(tmp_path):
             assert (await b.assign(b.assignment(sid, contract, m_init=2))).status == 204
             output = await b.finished(sid)
             assert output == greedy(b.target_spec, [1, 2, 3], 50)
+            # the output is final once the last round is appended, a moment before its
+            # verdict reaches the drafter (and its rounds log): wait for the loop to end
+            await asyncio.wait_for(asyncio.shield(b.draft_session(sid).task), 30)
             log = [r for r in (b.tmp / "rounds.jsonl").read_text().splitlines()]
             import json
             records = [json.loads(x) for x in log]

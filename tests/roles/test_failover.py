@@ -192,6 +192,12 @@ def test_dropped_verdicts_are_retried_and_identical(started):
     result = fd.generate(PROMPTS[0], max_new=80)   # the client asserts index continuity
     assert result["end"]["finish"] == "finish"
     assert result["tokens"] == greedy(target, PROMPTS[0], 80)
+    # the output is final once the last round is appended, a moment before its verdict
+    # reaches the drafter's rounds log: wait for the finishing round there
+    deadline = time.monotonic() + 20
+    while not any(x.get("action") == "finish" for x in rounds(cluster.workdir / "d1.rounds.jsonl")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     log = rounds(cluster.workdir / "d1.rounds.jsonl")
     dropped = [x for x in log if x.get("dropped")]
     kept = {(x["session"], x["epoch"], x["round"]): x for x in log if not x.get("dropped")}

@@ -38,7 +38,7 @@ async def test_fenced_log_stops_the_session_and_releases_nothing(h):
     entries = await h.log.read(f"log/{sid.hex()}")
     assert [e.kind for e in entries] == ["commit", "fence"]
     assert h.service.sessions[sid].machine.committed == 3       # round 2 was discarded
-    assert h.service.metrics.count("fenced_total") == 1
+    assert h.service.metrics.count("fenced_appends") == 1
 
 
 @harness_test
@@ -116,22 +116,34 @@ async def test_resume_on_failover_continues_the_digest_chain(h):
 
 @harness_test
 async def test_metrics_are_served_in_prometheus_format(h):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sdcp_fast.metrics import Health, StatusPage
     from sdcp_fast.transport.asgi import serve_web
-    from sdcp_fast.verifier import MetricsPage
     contract, sid, state = await opened(h)
     await h.propose(sid, state, greedy(h.backend, [1, 2, 3], 2))
-    server = await serve_web(MetricsPage(h.service.metrics), host="127.0.0.1", port=0)
+    server = await serve_web(StatusPage(h.service.metrics.registry, Health()), host="127.0.0.1", port=0)
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-    body = (await reader.read()).decode()
+    raw = (await reader.read()).decode()
     writer.close()
     await server.stop()
-    assert body.startswith("HTTP/1.1 200")
-    assert "content-type: text/plain; version=0.0.4" in body
-    assert 'sdcp_verdicts_total{action="continue"} 1' in body
-    assert "sdcp_proposals_total 1" in body
-    assert 'sdcp_batch_size_bucket{le="1"} 1' in body
-    assert "sdcp_forward_seconds_count 1" in body
+    head, _, body = raw.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 200")
+    assert "content-type: text/plain; version=" in head
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body) for s in family.samples}
+    assert samples[("sdcp_verdicts_total", (("action", "continue"),))] == 1
+    assert samples[("sdcp_verdicts_total", (("action", "fail"),))] == 0      # every action from the start
+    assert samples[("sdcp_proposals_total", ())] == 1
+    assert samples[("sdcp_spec_decode_num_draft_tokens_total", ())] == 2
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_total", ())] == 2
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_per_pos_total", (("position", "1"),))] == 1
+    assert samples[("sdcp_spec_decode_num_accepted_tokens_per_pos_total", (("position", "2"),))] == 0
+    assert samples[("sdcp_batch_size_bucket", (("le", "1.0"),))] == 1
+    assert samples[("sdcp_forward_seconds_count", ())] == 1
+    assert samples[("sdcp_commit_log_append_seconds_count", ())] == 1
+    assert samples[("sdcp_sessions", ())] == 1
 
 
 async def test_published_target_kv_lets_another_verifier_resume(tmp_path):

@@ -1,0 +1,68 @@
+"""What the OpenAI routes need from the target's tokenizer: the chat prompt and the
+end-of-sequence tokens.
+
+- `chat_prompt(backend, messages) -> [ids]`: the tokenizer's own chat template when it has
+  one (Hugging Face tokenizers: `apply_chat_template(..., add_generation_prompt=True)`).
+  A tokenizer without one (the demo's byte tokenizer, table models) gets the documented
+  plain fallback, one line per message and an open assistant turn:
+
+      system: You are terse.
+      user: Hello
+      assistant:
+
+  (with a space after the last colon). The demo pair was trained on Python code, so its
+  chat is no conversation, but the API works the same way for it as for a real model.
+- `eos_ids(backend) -> {ids}`: the tokens that end a generation by default: the tokenizer's
+  eos token, the model's generation config eos ids, and the usual end-of-turn tokens when
+  the vocabulary has them (`<|im_end|>`, `<|eot_id|>`, `<|end|>`, `<|endoftext|>`).
+  None for the byte and table tokenizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+def _hf_tokenizer(backend):
+    tokenizer = getattr(backend, "tokenizer", None)
+    return tokenizer if hasattr(tokenizer, "apply_chat_template") else None
+
+
+def has_template(backend) -> bool:
+    tokenizer = _hf_tokenizer(backend)
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt(backend, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Prompt token ids for `messages` ([{"role", "content"}], content already text)."""
+    if has_template(backend):
+        ids = _hf_tokenizer(backend).apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):          # some versions answer a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return backend.encode(fallback_text(messages))
+
+
+def fallback_text(messages: Sequence[dict[str, str]]) -> str:
+    lines = [f"{m['role']}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nassistant: "
+
+
+def eos_ids(backend) -> frozenset[int]:
+    ids: set[int] = set()
+    tokenizer = _hf_tokenizer(backend)
+    if tokenizer is not None:
+        if getattr(tokenizer, "eos_token_id", None) is not None:
+            ids.add(int(tokenizer.eos_token_id))
+        vocab = tokenizer.get_vocab()
+        ids.update(int(vocab[name]) for name in END_OF_TURN if name in vocab)
+    config = getattr(getattr(backend, "model", None), "generation_config", None)
+    configured = getattr(config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, list | tuple):
+        ids.update(int(t) for t in configured)
+    return frozenset(t for t in ids if 0 <= t < backend.vocab_size)

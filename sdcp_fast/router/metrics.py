@@ -1,0 +1,57 @@
+"""The router's Prometheus series (prometheus-client), named as vLLM's under `sdcp_`:
+
+    sdcp_num_requests_running                 generations placed on a verifier, not yet ended
+    sdcp_num_requests_waiting                 generations waiting for a verifier to open them
+    sdcp_time_to_first_token_seconds          request received -> first committed token
+    sdcp_inter_token_latency_seconds          gap between committed tokens after the first
+                                              burst (a burst of k tokens after a gap t counts
+                                              k gaps of t / k)
+    sdcp_e2e_request_latency_seconds          request received -> end
+    sdcp_prompt_tokens_total, sdcp_generation_tokens_total
+    sdcp_request_success_total{finished_reason}   stop | length | abort | fail
+    sdcp_replacements_total{why}              sessions the router moved to a verifier:
+                                              failover (verifier lost) | unasked_fail (the
+                                              ladder ran out under a contract without fail)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from ..metrics import PREFIX, REQUEST_BUCKETS, STEP_BUCKETS, counter, gauge, histogram, new_registry
+
+FINISHED_REASONS = ("stop", "length", "abort", "fail")
+REPLACEMENTS = ("failover", "unasked_fail")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry if registry is not None else new_registry()
+        self.ttft = histogram(r, "time_to_first_token_seconds", "Time to the first committed token",
+                              REQUEST_BUCKETS)
+        self.itl = histogram(r, "inter_token_latency_seconds", "Time between committed tokens", STEP_BUCKETS)
+        self.e2e = histogram(r, "e2e_request_latency_seconds", "Request latency, end to end", REQUEST_BUCKETS)
+        self.prompt_tokens = counter(r, "prompt_tokens", "Prompt tokens of the requests")
+        self.generation_tokens = counter(r, "generation_tokens", "Tokens generated (committed)")
+        self.finished = counter(r, "request_success", "Requests ended, by finish reason",
+                                labels={"finished_reason": FINISHED_REASONS})
+        self.replacements = counter(r, "replacements", "Sessions re-placed on a verifier, by why",
+                                    labels={"why": REPLACEMENTS})
+
+    def watch(self, *, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        gauge(self.registry, "num_requests_running", "Generations placed on a verifier", running)
+        gauge(self.registry, "num_requests_waiting", "Generations waiting for a verifier", waiting)
+
+    def output(self, tokens: int, gap_s: float, first: bool, since_request_s: float) -> None:
+        """`tokens` new committed tokens arrived `gap_s` after the previous ones."""
+        self.generation_tokens.inc(tokens)
+        if first:            # the first burst's wait is the time to first token
+            self.ttft.observe(since_request_s)
+            return
+        for _ in range(tokens):
+            self.itl.observe(gap_s / tokens)
+
+    def value(self, sample: str, **labels: str) -> float:
+        return self.registry.get_sample_value(PREFIX + sample, labels) or 0.0

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible routes of the router's front door (what vLLM serves, so the
+official `openai` client and the tools built on it work unchanged):
+
+    GET  /v1/models
+    POST /v1/completions          prompt (text, or token ids), streaming or not
+    POST /v1/chat/completions     messages, rendered with the tokenizer's chat template
+                                  (router/chat.py), streaming or not
+
+Members: `model` (the served model name), `max_tokens` (chat also `max_completion_tokens`),
+`temperature`, `top_p`, `top_k`, `seed`, `stop` (a string or a list: matched on the text;
+the text before the stop string is returned), `n` (1 only), `stream`, `stream_options`
+(`include_usage`). Each request is one SDCP session under the router's default contract:
+
+- temperature 0 -> rule 1 (greedy: the output is the target's argmax decoding);
+  temperature > 0 -> rule 2 (speculative sampling: the output follows the target's
+  distribution under temperature, top_k, top_p, seed); temperature absent -> the
+  deployment's default contract (rule and sampling profile), top_k / top_p / seed applied
+  on top of its profile;
+- the model's end-of-sequence tokens are stop tokens of the contract (they end the
+  generation at the verifier) and are left out of the text;
+- a stop string ends the session at once (router.cancel: the verifier and drafter stop),
+  and so does a client that disconnects.
+
+finish_reason is "stop" (an end-of-sequence token or a stop string) or "length"
+(max_tokens). Streams are server-sent events of chunk objects ending with `data: [DONE]`;
+errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
+status for bad input (404 for an unknown model), 503 when no verifier can take the
+request. A generation the contract ends with "fail" (only when the operator's contract
+asks for it) is a 500 error, or an error chunk in a stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.messages import Sampling
+from ..core.problems import ProblemError
+from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
+from . import chat
+from .service import RouterService
+from .sessions import RouterSession
+from .textstream import TextStream
+
+RECHECK_S = 15.0
+MAX_STOP_STRINGS = 16
+RULE_GREEDY, RULE_SAMPLING = 1, 2
+UNSUPPORTED = {   # member -> the value that means "not used" (anything else is refused)
+    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> WebResponse:
+        return WebResponse.json(self.status, self.body())
+
+
+@dataclass
+class Request:
+    """One parsed completion request."""
+
+    chat: bool
+    prompt: list[int]
+    max_tokens: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    rule: int
+    sampling: Sampling | None
+
+
+class OpenAIRoutes:
+    def __init__(self, router: RouterService, model_name: str):
+        self.router = router
+        self.model_name = model_name
+        self.eos = chat.eos_ids(router.backend)
+        self.created = int(time.time())
+        backend = router.backend
+        self.context = getattr(backend, "max_seq_len", None) or getattr(getattr(backend, "cfg", None),
+                                                                         "max_seq_len", None)
+
+    async def answer(self, request: WebRequest) -> WebResponse | StreamingResponse | None:
+        """The answer to an OpenAI route, or None for another path."""
+        routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
+        path = request.path.rstrip("/")
+        if path not in routes:
+            return None
+        try:
+            if request.method != routes[path]:
+                raise APIError(405, f"{request.method} is not allowed on {path}")
+            if path == "/v1/models":
+                return WebResponse.json(200, {"object": "list", "data": [self.model_card()]})
+            return await self.complete(self.parse(_json(request.body), chat=path.endswith("chat/completions")))
+        except APIError as exc:
+            return exc.response()
+        except ProblemError as exc:
+            p = exc.problem
+            return APIError(p.status, p.detail or p.kind.title, code=p.kind.suffix).response()
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sdcp-fast",
+                "root": self.model_name, "max_model_len": self.context}
+
+    # ------------------------------------------------------------------ requests
+
+    def parse(self, body: dict[str, Any], *, chat: bool) -> Request:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "model is required (a string)", param="model")
+        if model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found", type="NotFoundError")
+        for name, unused in UNSUPPORTED.items():
+            if body.get(name) not in unused:
+                raise APIError(400, f"{name} is not supported", param=name)
+        if body.get("n", 1) not in (None, 1):
+            raise APIError(400, "n must be 1", param="n")
+        response_format = body.get("response_format")
+        if response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format other than text is not supported", param="response_format")
+        prompt = self.chat_prompt(body.get("messages")) if chat else self.completion_prompt(body.get("prompt"))
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
+        stream = _bool(body.get("stream"), "stream", False)
+        options = body.get("stream_options")
+        if options is not None and (not isinstance(options, dict) or not stream):
+            raise APIError(400, "stream_options needs stream = true and must be an object", param="stream_options")
+        include_usage = _bool((options or {}).get("include_usage"), "stream_options.include_usage", False)
+        rule, sampling = self.sampling(body)
+        return Request(chat, prompt, self.max_tokens(body, len(prompt), chat), self.stop_strings(body.get("stop")),
+                       stream, include_usage, rule, sampling)
+
+    def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]          # a batch of one
+        if isinstance(prompt, str):
+            try:
+                return list(self.router.backend.encode(prompt))
+            except Exception as exc:
+                raise APIError(400, f"the prompt cannot be encoded: {exc}", param="prompt") from None
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+            vocab = self.router.backend.vocab_size
+            if not all(0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+            return list(prompt)
+        raise APIError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                       param="prompt")
+
+    def chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages")
+        plain = []
+        for n, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise APIError(400, f"messages[{n}] must be an object with a role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):    # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise APIError(400, f"messages[{n}]: only text content parts are supported",
+                                   param="messages")
+                content = "".join(p["text"] for p in content)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise APIError(400, f"messages[{n}].content must be text", param="messages")
+            plain.append({"role": m["role"], "content": content})
+        try:
+            return chat.chat_prompt(self.router.backend, plain)
+        except Exception as exc:   # a template that refuses the roles given, or bad text
+            raise APIError(400, f"the messages cannot be rendered: {exc}", param="messages") from None
+
+    def max_tokens(self, body: dict, prompt_len: int, is_chat: bool) -> int:
+        name = "max_completion_tokens" if is_chat and body.get("max_completion_tokens") is not None \
+            else "max_tokens"
+        value = body.get(name)
+        room = None if self.context is None else self.context - prompt_len
+        if room is not None and room < 1:
+            raise APIError(400, f"this model's maximum context length is {self.context} tokens; "
+                                f"the prompt has {prompt_len}", param="messages" if is_chat else "prompt")
+        if value is None:
+            default = self.router.config.contract.max_new
+            return default if room is None else min(default, room)
+        if not _is_int(value) or value < 1:
+            raise APIError(400, f"{name} must be a positive integer", param=name)
+        if room is not None and value > room:
+            raise APIError(400, f"this model's maximum context length is {self.context} tokens; the prompt "
+                                f"has {prompt_len} and {name} asks for {value}", param=name)
+        return value
+
+    def stop_strings(self, stop) -> list[str]:
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise APIError(400, "stop must be a string or a list of strings", param="stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings", param="stop")
+        return [s for s in stops if s]
+
+    def sampling(self, body: dict) -> tuple[int, Sampling | None]:
+        """(rule, profile) of the request (see the module's docstring)."""
+        default = self.router.config.contract
+        profile = {} if default.sampling is None else dict(default.sampling.to_obj())
+        rule = default.rule
+        temperature = _number(body.get("temperature"), "temperature", 0.0, 2.0)
+        if temperature is not None:
+            rule = RULE_GREEDY if temperature == 0 else RULE_SAMPLING
+            profile = {"temperature_milli": round(temperature * 1000)}
+        top_p = _number(body.get("top_p"), "top_p", 0.0, 1.0)
+        if top_p is not None:
+            if top_p <= 0:
+                raise APIError(400, "top_p must be in (0, 1]", param="top_p")
+            profile.pop("top_p_milli", None)
+            if top_p < 1:
+                profile["top_p_milli"] = max(1, round(top_p * 1000))
+        top_k = body.get("top_k")
+        if top_k is not None:
+            if not _is_int(top_k) or top_k < -1:
+                raise APIError(400, "top_k must be an integer >= -1 (-1 or 0: all tokens)", param="top_k")
+            profile.pop("top_k", None)
+            if top_k > 0:
+                profile["top_k"] = top_k
+        seed = body.get("seed")
+        if seed is not None:
+            if not _is_int(seed) or not 0 <= seed < 1 << 64:
+                raise APIError(400, "seed must be an integer in [0, 2^64)", param="seed")
+            profile["seed"] = seed
+        return rule, Sampling.from_obj(profile) if profile else None
+
+    # ------------------------------------------------------------------ generation
+
+    async def complete(self, req: Request) -> WebResponse | StreamingResponse:
+        contract = self.router.make_contract(
+            max_new=req.max_tokens, rule=req.rule, sampling=req.sampling,
+            stop=tuple(sorted({*self.router.config.contract.stop, *self.eos})))
+        s = await self.router.generate(req.prompt, contract)
+        kind = "chat.completion" if req.chat else "text_completion"
+        reply = Reply(f"{'chatcmpl' if req.chat else 'cmpl'}-{os.urandom(12).hex()}", kind, int(time.time()),
+                      self.model_name, req.chat)
+        if req.stream:
+            return StreamingResponse(200, self.stream(s, req, reply))
+        text, last = "", Piece("", None, 0)
+        try:
+            async for last in self.follow(s, req):
+                text += last.delta
+        finally:
+            self.router.cancel(s)      # a client gone before the end: no-op once it ended
+        if last.finish == "fail":
+            raise APIError(500, f"the generation failed after {last.used} tokens (the contract's escalation "
+                                "ladder ended in fail)", code="sdcp_fail")
+        return WebResponse.json(200, reply.whole(text, last.finish, _usage(len(req.prompt), last.used)))
+
+    async def stream(self, s: RouterSession, req: Request, reply: Reply) -> AsyncIterator[bytes]:
+        try:
+            if req.chat:
+                yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+            last = Piece("", None, 0)
+            async for last in self.follow(s, req):
+                if last.delta:
+                    yield _sse(reply.chunk(last.delta))
+            if last.finish == "fail":
+                yield _sse(APIError(500, f"the generation failed after {last.used} tokens",
+                                    code="sdcp_fail").body())
+            else:
+                yield _sse(reply.chunk(None, last.finish))
+                if req.include_usage:
+                    yield _sse(reply.usage_chunk(_usage(len(req.prompt), last.used)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.router.cancel(s)      # the client went away (or it ended: then a no-op)
+
+    async def follow(self, s: RouterSession, req: Request) -> AsyncIterator[Piece]:
+        """Text deltas as the session's output comes; the last piece carries the finish
+        reason. A stop string ends the session here."""
+        text = TextStream(self.router.backend.decode, stop=req.stop, hidden=self.eos)
+        seen = 0
+        while True:
+            changed, done, tokens = s.changed_event(), s.done, list(s.tokens)
+            if len(tokens) > seen or done:
+                seen = len(tokens)
+                delta = text.feed(tokens, final=done)
+                if text.stopped is not None:
+                    self.router.cancel(s, "stop")
+                    yield Piece(delta, "stop", text.tokens_used or len(tokens))
+                    return
+                if done:
+                    yield Piece(delta, s.finish_reason, len(tokens))
+                    return
+                if delta:
+                    yield Piece(delta, None, len(tokens))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), RECHECK_S)
+
+
+@dataclass(frozen=True)
+class Piece:
+    delta: str              # text to send
+    finish: str | None      # the finish reason, on the last piece
+    used: int               # completion tokens so far (up to the stop string's end once stopped)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The shapes of one completion's answers."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    chat: bool
+
+    def _base(self, object: str) -> dict:
+        return {"id": self.id, "object": object, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
+        choice = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._base(self.object), "choices": [choice], "usage": usage}
+
+    def chunk(self, delta: str | dict | None, finish: str | None = None) -> dict:
+        """A stream chunk: text (or, for chat, a delta object) and the finish reason at the end."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
+            return {**self._base("chat.completion.chunk"), "choices": [choice]}
+        choice["text"] = delta or ""
+        return {**self._base("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._base(kind), "choices": [], "usage": usage}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _json(body: bytes) -> dict:
+    try:
+        obj = json.loads(body or b"{}")
+    except ValueError:
+        raise APIError(400, "the body is not JSON") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "the body must be a JSON object")
+    return obj
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _bool(value, name: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name} must be true or false", param=name)
+    return value
+
+
+def _number(value, name: str, low: float, high: float) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise APIError(400, f"{name} must be a number in [{low:g}, {high:g}]", param=name)
+    return float(value)

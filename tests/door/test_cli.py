@@ -1,0 +1,234 @@
+"""The command line as an operator meets it: every error is one line on stderr, no
+traceback, exit code 2; --version; serve --help lists every member; digest --model; the
+logs in JSON; `sdcp-fast up` with the example deployment, driven by the openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sdcp_fast import config as schema
+from sdcp_fast.models import load_backend
+from sdcp_fast.procs import free_port
+from sdcp_fast.transport import make_certs
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
+
+
+def cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sdcp_fast.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+
+
+def verifier_config(tmp_path: Path, **changes) -> Path:
+    """A verifier's config with working certificates, store and log (changes: members)."""
+    port = free_port()
+    uri = f"https://127.0.0.1:{port}/"
+    make_certs(tmp_path / "certs", [uri])
+    text = (f'role = "verifier"\nuri = "{uri}"\ncerts = "{tmp_path / "certs"}"\nmodel = "tiny:demo-target"\n'
+            f'store = "embedded:{tmp_path / "mlc"}"\ncommit_log = "file:{tmp_path / "log"}"\n')
+    for key, value in changes.items():
+        text = re.sub(rf"^{key} = .*$", f"{key} = {json.dumps(value)}", text, flags=re.M) \
+            if re.search(rf"^{key} = ", text, re.M) else text + f"{key} = {json.dumps(value)}\n"
+    text += '[verifier]\nrouters = ["https://127.0.0.1:1/"]\n'
+    path = tmp_path / "v.toml"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------- errors: one line, exit 2
+
+
+def test_digest_with_a_prompt_that_is_not_token_ids():
+    assert_one_line_error(cli("digest", str(EXAMPLES / "contract.json"), "--prompt", "hello"),
+                          "--prompt", "token ids")
+
+
+def test_digest_of_a_missing_contract_file(tmp_path):
+    assert_one_line_error(cli("digest", str(tmp_path / "nope.json")), "nope.json", "No such file")
+
+
+def test_digest_of_a_contract_that_does_not_parse(tmp_path):
+    bad = tmp_path / "c.json"
+    bad.write_text("{not json")
+    assert_one_line_error(cli("digest", str(bad)), "c.json", "does not parse")
+
+
+def test_digest_of_a_model_that_does_not_exist(tmp_path):
+    assert_one_line_error(cli("digest", "--model", f"tiny:{tmp_path / 'missing.safetensors'}"),
+                          "cannot be loaded", "missing.safetensors")
+
+
+def test_serve_with_a_missing_config_file(tmp_path):
+    assert_one_line_error(cli("serve", "verifier", "--config", str(tmp_path / "none.toml")), "none.toml")
+
+
+def test_serve_with_a_misspelt_member_names_the_closest_one(tmp_path):
+    config = verifier_config(tmp_path)
+    config.write_text(config.read_text() + "max_bacth = 8\n")
+    assert_one_line_error(cli("serve", "verifier", "--config", str(config)),
+                          "unknown member 'max_bacth'", "did you mean 'max_batch'?")
+
+
+def test_serve_with_a_missing_certificate_directory(tmp_path):
+    config = verifier_config(tmp_path, certs=str(tmp_path / "no-certs"))
+    assert_one_line_error(cli("serve", "verifier", "--config", str(config)), "certs", "no-certs")
+
+
+def test_serve_with_a_wrong_model_path(tmp_path):
+    config = verifier_config(tmp_path, model="tiny:/nowhere/model.safetensors")
+    assert_one_line_error(cli("serve", "verifier", "--config", str(config)), "tiny:/nowhere/model.safetensors",
+                          "cannot be loaded")
+
+
+def test_serve_on_a_port_in_use(tmp_path):
+    config = verifier_config(tmp_path)
+    port = int(re.search(r":(\d+)/", config.read_text()).group(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        done = cli("serve", "verifier", "--config", str(config))
+    assert_one_line_error(done, f"127.0.0.1:{port}", "in use")
+
+
+def test_serve_with_a_metrics_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = verifier_config(tmp_path)
+        config.write_text(config.read_text() + f'metrics = "127.0.0.1:{port}"\n')
+        done = cli("serve", "verifier", "--config", str(config))
+    assert_one_line_error(done, "metrics", f"127.0.0.1:{port}", "in use")
+
+
+def test_serve_with_a_bad_log_format(tmp_path):
+    config = verifier_config(tmp_path, log_format="xml")
+    assert_one_line_error(cli("serve", "verifier", "--config", str(config)), "log_format")
+
+
+def test_up_with_a_directory_without_configs(tmp_path):
+    assert_one_line_error(cli("up", str(tmp_path)), "no *.toml")
+
+
+# ---------------------------------------------------------------------- what operators ask for
+
+
+def test_version():
+    done = cli("--version")
+    assert done.returncode == 0 and re.fullmatch(r"sdcp-fast \d+\.\d+\.\d+\S*\n", done.stdout)
+
+
+def test_serve_help_lists_every_member_of_every_role():
+    done = cli("serve", "--help")
+    assert done.returncode == 0
+    for cls in (schema.InstanceConfig, *schema.SECTIONS.values(), schema.ContractSection, schema.DrafterEntry):
+        for name, _, _ in schema.members(cls):
+            if cls is schema.InstanceConfig and name in schema.SECTIONS:
+                assert f"[{name}]:" in done.stdout     # the role's table, listed below
+                continue
+            assert re.search(rf"^\s+{name}\s", done.stdout, re.M), name
+    assert "docs/CONFIG.md" in done.stdout
+
+
+def test_config_reference_page_is_up_to_date():
+    """docs/CONFIG.md holds `config.reference()` verbatim."""
+    assert schema.reference() in (REPO / "docs" / "CONFIG.md").read_text()
+
+
+def test_digest_of_a_model():
+    done = cli("digest", "--model", "tiny:demo-draft")
+    backend = load_backend("tiny:demo-draft")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"model_digest     {backend.digest.hex()}",
+                                        f"tokenizer_digest {backend.tokenizer_digest.hex()}",
+                                        f"vocab_size       {backend.vocab_size}"]
+
+
+def test_json_logs(tmp_path):
+    """log_format = "json": every line of the log is a JSON object (the instance stops at
+    once here, on a port in use, after logging)."""
+    config = verifier_config(tmp_path, log_format="json", log_level="debug")
+    port = int(re.search(r":(\d+)/", config.read_text()).group(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        done = cli("serve", "verifier", "--config", str(config))
+    assert done.returncode == 2
+    *logged, error = done.stderr.strip().splitlines()
+    records = [json.loads(line) for line in logged]
+    assert records and all({"time", "level", "role", "logger", "message"} <= set(r) for r in records)
+    assert error.startswith("sdcp-fast serve: ")
+
+
+# ---------------------------------------------------------------------- sdcp-fast up examples/deployment
+
+
+def rewrite_ports(src: Path, dst: Path) -> dict[int, int]:
+    """The example configs with each port replaced by a free one (ports are shared by the
+    TOML files, so the same map serves all)."""
+    texts = {p.name: p.read_text() for p in src.glob("*.toml")}
+    ports = sorted({int(m) for t in texts.values() for m in re.findall(r"127\.0\.0\.1:(\d+)", t)})
+    mapping = {port: free_port() for port in ports}
+    dst.mkdir()
+    for name, text in texts.items():
+        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{mapping[int(m.group(1))]}", text)
+        (dst / name).write_text(text)
+        schema.loads(text, name)           # still a valid config
+    return mapping
+
+
+@pytest.mark.timeout(180)
+def test_up_starts_the_example_deployment_and_serves_the_openai_api(tmp_path):
+    import openai
+
+    mapping = rewrite_ports(EXAMPLES / "deployment", tmp_path / "deployment")
+    front = mapping[8000]
+    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", str(tmp_path / "deployment"),
+                             "--workdir", str(tmp_path / "work")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == f"OpenAI API at http://127.0.0.1:{front}/v1\n", (line, proc.stderr.read() if
+                                                                         proc.poll() is not None else "")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        r = client.chat.completions.create(model="demo-target", max_tokens=12, temperature=0,
+                                           messages=[{"role": "user", "content": "def main():"}])
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+        assert sorted(p.name for p in (tmp_path / "work").glob("*.log")) == \
+            ["drafter-1.log", "drafter-2.log", "router.log", "verifier.log"]
+        assert (tmp_path / "work" / "certs" / "ca.pem").is_file()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0
+    time.sleep(0.2)
+    for ready in (tmp_path / "work").glob("*.ready"):
+        pid = json.loads(ready.read_text())["pid"]
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), ready
+    shutil.rmtree(tmp_path / "work", ignore_errors=True)
