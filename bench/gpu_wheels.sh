@@ -24,6 +24,7 @@ WANTED=(
   h2 hpack hyperframe   # sdcp_fast.transport's HTTP/2 server, imported by the verifier package
   hypercorn priority wsproto   # sdcp_fast.transport.asgi (the metrics page)
   redis         # tests/cache/conftest.py (the GPU-tier tests' directory)
+  sniffio       # anyio/httpx at run time; not in the machine's package list
 )
 
 pins=()
