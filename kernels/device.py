@@ -12,6 +12,7 @@ buffers are plain memory. The same code therefore runs, and is tested, on both.
         ready = device.event()        # recorded on the side stream
     device.wait(ready)                # the current stream waits for it (CPU: nothing to do)
     buf = device.host_empty(n)        # pinned on CUDA (async copies), plain memory on CPU
+    with device.use(): ...            # the calling thread's current device (Triton reads it)
 
 Events also time things: `later.since(earlier)` is milliseconds between two events of
 one device (CUDA: device timestamps, valid once both completed; CPU: host clock).
@@ -29,21 +30,23 @@ class Event:
     """A point in a stream's work. CPU: complete when recorded, timed by the host clock."""
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         self._cuda = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
         self._at = 0.0
 
     def record(self) -> Event:
         """Mark the current stream's work so far (CPU: now)."""
         if self._cuda is not None:
-            self._cuda.record()
+            self._cuda.record(torch.cuda.current_stream(self._device))
         else:
             self._at = time.perf_counter()
         return self
 
     def wait(self) -> None:
-        """Make the current stream wait for this event; the host does not block."""
+        """Make the current stream (of this event's device) wait for this event; the host
+        does not block."""
         if self._cuda is not None:
-            self._cuda.wait()
+            self._cuda.wait(torch.cuda.current_stream(self._device))
 
     def synchronize(self) -> None:
         """Block the host until the event completed (CPU: it already has)."""
@@ -79,6 +82,11 @@ class Device:
     @property
     def type(self) -> str:
         return self.torch.type
+
+    def use(self):
+        """A context in which this device is the current one (kernel launchers such as
+        Triton's read it from the calling thread; worker threads start on device 0)."""
+        return torch.cuda.device(self.torch) if self.is_cuda else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def side(self):

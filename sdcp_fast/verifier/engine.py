@@ -262,11 +262,12 @@ class Engine:
             logits = logits.to(self.device)   # a no-op when the model runs on the engine's device
 
             def verify():   # in a worker thread: the event loop keeps taking requests
-                dev.wait(landed.ready if landed is not None else None)
-                kernel_began = dev.event()
-                launched = verify_step.launch(jobs, logits, q, starts, problems, path=self.kernels_path)
-                kernel_done = dev.event()
-                return verify_step.collect(launched), kernel_began, kernel_done
+                with dev.use():
+                    dev.wait(landed.ready if landed is not None else None)
+                    kernel_began = dev.event()
+                    launched = verify_step.launch(jobs, logits, q, starts, problems, path=self.kernels_path)
+                    kernel_done = dev.event()
+                    return verify_step.collect(launched), kernel_began, kernel_done
 
             outcomes, kernel_began, kernel_done = await asyncio.to_thread(verify)
         finally:

@@ -234,7 +234,8 @@ def test_device_interface_is_a_no_op_on_the_cpu():
         t = dev.empty(2, 3)
         t.copy_(torch.ones(2, 3), non_blocking=True)
         b = dev.event()
-    dev.wait(b)
+    with dev.use():
+        dev.wait(b)
     b.synchronize()
     assert b.done() and b.since(a) >= 0 and torch.equal(t, torch.ones(2, 3))
     assert not dev.host_empty(4).is_pinned() and dev.torch == torch.device("cpu")
