@@ -16,7 +16,8 @@ to `max_batch` jobs), then per batch:
    appends of the batch concurrently; only then are verdicts released and output woken.
 
 The kernel path follows the model's device (Triton on CUDA, the CPU path on the CPU);
-SDCP_KERNELS_PATH overrides it; the choice is logged once. On the CPU the same code runs,
+SDCP_KERNELS_PATH overrides it; the choice is made at start and logged once, with the first
+batch. On the CPU the same code runs,
 with streams and events as no-ops (`kernels.device`). Each batch's time split (forward, q
 staging and how much of it the kernel waited for, kernel, commit) is kept in
 `batch_times` and in the metrics.
@@ -142,8 +143,8 @@ class Engine:
         self.device = torch.device(device) if device is not None else target.device
         self.metrics = metrics or Metrics()
         self.kernels_path = kernels.choose_path(self.device)   # SDCP_KERNELS_PATH overrides
-        log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device,
-                 f"{KERNELS_PATH_VAR} set" if os.environ.get(KERNELS_PATH_VAR) else "chosen by the device")
+        self._path_reason = f"{KERNELS_PATH_VAR} set" if os.environ.get(KERNELS_PATH_VAR) else "chosen by the device"
+        self._path_logged = False   # logged with the first batch: a start that fails says nothing more
         self._dev = Device(self.device)
         prefetch = config.prefetch_q
         self._prefetch = self._dev.is_cuda if prefetch is None else prefetch
@@ -229,6 +230,9 @@ class Engine:
 
     async def _process(self, batch: list[_Queued]) -> None:
         started = time.perf_counter()
+        if not self._path_logged:
+            self._path_logged = True
+            log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device, self._path_reason)
         self.metrics.batch_size.observe(len(batch))
         for item in batch:
             self.metrics.queue_wait.observe(started - item.enqueued)
