@@ -1,12 +1,66 @@
-"""What pyproject.toml cannot say: the package list under the kernels/ -> sdcp_fast.kernels mapping.
+"""What pyproject.toml cannot say: the package list under the kernels/ -> sdcp_fast.kernels
+mapping, and the native CPU op (csrc/) built with torch's extension tools.
 
-(The optional CUDA extension, when csrc/ holds one, is built on demand at run time with
-torch's extension loader on CUDA machines only, so nothing is compiled here.)
+The op compiles against the torch of the environment that installs the package, so build
+without pip's build isolation (which would fetch another torch, a CUDA build of several GB on
+these machines) - the Makefile does:
+
+    pip install --no-build-isolation -e '.[dev]'
+
+The op is optional. Without torch at build time (an isolated build) or without a working C++
+compiler the package installs without it, this script says so, and sdcp_fast.kernels uses
+kernels/cpu.py (kernels/native.py says so once at run time). The library is loaded with
+torch.ops.load_library, not imported: it has no Python bindings, only TORCH_LIBRARY ops.
 """
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from setuptools import find_packages, setup
 
 packages = ["sdcp_fast", *(f"sdcp_fast.{p}" for p in find_packages("sdcp_fast"))]
 packages += ["sdcp_fast.kernels", *(f"sdcp_fast.kernels.{p}" for p in find_packages("kernels"))]
 
-setup(packages=packages)
+NATIVE = "sdcp_fast.kernels._native"
+CSRC = Path("csrc")
+SOURCES = ["sdcp_ops.cpp", "cpu/verify_cpu.cpp", "cpu/rows.cpp", "cpu/vector_loops_scalar.cpp",
+           "cpu/vector_loops_avx2.cpp", "cpu/vector_loops_avx512.cpp"]
+
+
+def say(message: str) -> None:
+    print(f"sdcp-fast setup: {message}", file=sys.stderr)
+
+
+def native_build() -> dict:
+    """ext_modules and cmdclass for the native op, or nothing when torch is not importable."""
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        say(f"torch is not importable here (isolated build?): {NATIVE} is not built; "
+            "kernels/cpu.py serves. Build with `pip install --no-build-isolation`.")
+        return {}
+
+    class OptionalBuildExtension(BuildExtension):
+        """A failed compile leaves the package without the op instead of failing the install."""
+
+        def run(self) -> None:
+            try:
+                super().run()
+            except Exception as exc:  # noqa: BLE001 (compiler missing or broken: any error)
+                say(f"{NATIVE} not built ({type(exc).__name__}: {exc}); kernels/cpu.py serves.")
+
+    # every source in the project's own namespace (sources with torch headers take ~20 s each)
+    ext = CppExtension(
+        NATIVE,
+        sources=[str(CSRC / s) for s in SOURCES],
+        include_dirs=[str((CSRC / "cpu").resolve())],
+        extra_compile_args=["-O3", "-Wall", "-Wno-unused-parameter"],
+    )
+    # ninja is not a dependency: setuptools compiles the sources one by one
+    return {"ext_modules": [ext],
+            "cmdclass": {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}}
+
+
+setup(packages=packages, **native_build())

@@ -6,8 +6,9 @@ Public API:
 - `build_batch(logits, proposals, q=None)` from `ProposalInput` values.
 - `sample(probs, uniforms)`, `greedy(logits)`, `bad_rows(logits)` for rows without a
   proposal (the drafter's tokens, the verifier's self-decoded ones; see `sample.py`).
-Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | triton), else
-Triton for CUDA tensors when triton imports, the CPU path otherwise.
+Path choice: `path` argument, else env `SDCP_KERNELS_PATH` (reference | cpu | native | triton),
+else Triton for CUDA tensors when triton imports; on CPU tensors the native op (csrc/, see
+native.py) when it is built, the torch CPU path (cpu.py) otherwise.
 """
 
 from .batch import (

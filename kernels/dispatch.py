@@ -1,8 +1,10 @@
-"""Choose the implementation: Triton for CUDA tensors, the CPU path otherwise.
+"""Choose the implementation: Triton for CUDA tensors; on the CPU the native op (csrc/) when
+it is built, kernels/cpu.py otherwise.
 
 Override with the `path` argument or the SDCP_KERNELS_PATH environment variable
-("reference", "cpu" or "triton"; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before
-triton is imported, which is how the tests run the kernels without a GPU).
+("reference", "cpu", "native" or "triton"; "native" runs on CPU tensors only; "triton" on CPU
+tensors needs TRITON_INTERPRET=1 set before triton is imported, which is how the tests run the
+kernels without a GPU).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from functools import cache
 
 import torch
 
-from . import cpu, reference
+from . import cpu, native, reference
 from .batch import (
     DEFAULT_TEMPERATURE_MILLI,
     DEFAULT_TOP_K,
@@ -22,7 +24,7 @@ from .batch import (
     VerifyResult,
 )
 
-PATHS = ("reference", "cpu", "triton")
+PATHS = ("reference", "cpu", "native", "triton")
 ENV_VAR = "SDCP_KERNELS_PATH"
 
 
@@ -36,17 +38,25 @@ def _triton_module():
 
 
 def available_paths() -> tuple[str, ...]:
-    return PATHS if _triton_module() is not None else ("reference", "cpu")
+    return tuple(p for p in PATHS if (p != "triton" or _triton_module() is not None)
+                 and (p != "native" or native.available()))
 
 
 def choose_path(device: torch.device, path: str | None = None) -> str:
     path = path or os.environ.get(ENV_VAR) or None
     if path is None:
-        return "triton" if device.type == "cuda" and _triton_module() is not None else "cpu"
+        if device.type == "cuda":
+            return "triton" if _triton_module() is not None else "cpu"
+        return "native" if native.available() else "cpu"
     if path not in PATHS:
         raise VerifyInputError(f"unknown kernels path {path!r}; choose one of {PATHS}")
     if path == "triton" and _triton_module() is None:
         raise VerifyInputError("kernels path 'triton' requested but triton is not importable")
+    if path == "native":
+        if device.type != "cpu":
+            raise VerifyInputError(f"kernels path 'native' runs on CPU tensors, not {device.type}")
+        if not native.available():
+            raise VerifyInputError(f"kernels path 'native' requested but {native.unavailable_reason()}")
     return path
 
 
@@ -58,6 +68,8 @@ def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
         return reference.verify(batch)
     if chosen == "cpu":
         return cpu.verify(batch)
+    if chosen == "native":
+        return native.verify(batch)
     return _triton_module().verify(batch)
 
 
@@ -93,6 +105,8 @@ def target_probs(logits: torch.Tensor, temperature_milli=None, top_k=None, top_p
         out = reference.target_probs(lg, t, k, p)
     elif chosen == "cpu":
         out = cpu.target_probs(lg, t, k, p)
+    elif chosen == "native":
+        out = native.target_probs(lg, t, k, p)
     else:
         out = _triton_module().target_probs(lg, t, k, p)
     return out[0] if squeeze else out

@@ -24,6 +24,7 @@ session's committed sequence (prompt + committed output).
 
     load_backend(spec: str, **options) -> Backend
         # "tiny:demo-target" | "tiny:demo-draft" | "tiny:PATH" | "table:PATH" | "hf:PATH"
+        # drafts for a real target: "gguf:SOURCE" | "ngram:TOKENIZER" | "distilled:NAME"
 
 Errors (base.py), all subclasses of ModelError: UnknownSession, SessionExists,
 InvalidTokens, KVCapacityError (tiny: max_kv_bytes, default 1 GiB, and max_seq_len per
@@ -33,7 +34,10 @@ Backends are not thread-safe: one caller (e.g. the verifier's engine thread) dri
 instance. Prompts must be non-empty (there is no BOS token).
 
 Backends: tiny.TinyBackend (built-in GPT, real KV cache, packed ragged batch),
-table.TableBackend (+ table.write_table), hf.HFBackend (recomputation, lazy transformers).
+table.TableBackend (+ table.write_table), hf.HFBackend (recomputation, lazy transformers),
+llamacpp.LlamaCppBackend (llama.cpp, a TinyBackend subclass), ngram.NgramBackend (prompt
+lookup, no model), distilled.load_distilled (a TinyBackend over a draft built on the
+target's GGUF).
 """
 
 from .base import (

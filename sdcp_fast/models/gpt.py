@@ -156,10 +156,12 @@ class Transformer(nn.Module):
         return self.output(self.norm(x))
 
     # -- inference: packed ragged batch over per-sequence KV buffers ---------------------------
-    def forward_cached(self, batch: RaggedBatch) -> torch.Tensor:
-        """Logits [T, V] for the packed new tokens; writes their K/V into the caches in place.
+    def forward_cached(self, batch: RaggedBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, V] for the packed new tokens (or [len(rows), V] for the packed rows
+        `rows` only: a prefill needs its last row, and the head can cost as much as the
+        layers); writes the K/V of all T tokens into the caches in place.
 
-        The projections, MLPs and the output head run once over all T packed tokens of all
+        The projections, MLPs and the output head run once over all packed tokens of all
         sequences (no padding); attention runs per sequence over a view of its own buffer,
         so no past K/V is ever copied.
         """
@@ -184,6 +186,8 @@ class Transformer(nn.Module):
                 )
             x = x + layer.attention.out(torch.cat(outs, dim=2))
             x = x + layer.feed_forward(layer.ffn_norm(x))
+        if rows is not None:
+            x = x[:, rows]
         return self.output(self.norm(x))[0]
 
 

@@ -5,6 +5,9 @@
                    next to it is used if present, else the byte tokenizer
     table:PATH     a [V, V] table model (see table.py)
     hf:PATH        a transformers causal LM + tokenizer from a local directory (lazy import)
+    gguf:SOURCE    the target's GGUF run by llama.cpp, a draft (llamacpp.py; [real] extra)
+    ngram:TOKENIZER  prompt-lookup drafting, no model (ngram.py)
+    distilled:NAME   a draft on the target's GGUF: trained, or its first layers (distilled.py)
 
 Keyword options go to the backend's constructor (e.g. max_kv_bytes for tiny).
 """
@@ -37,4 +40,18 @@ def load_backend(spec: str, **options) -> Backend:
         from .hf import HFBackend  # transformers is imported only here
 
         return HFBackend(arg, **options)
-    raise BackendSpecError(f"unknown model kind {kind!r} in {spec!r} (tiny, table, hf)")
+    if kind == "gguf":
+        from .llamacpp import LlamaCppBackend  # llama-cpp-python is imported only here
+
+        return LlamaCppBackend.from_spec(arg, **options)
+    if kind == "ngram":
+        from .ngram import NgramBackend
+
+        return NgramBackend.from_spec(arg, **options)
+    if kind == "distilled":
+        from .distilled import load_distilled
+
+        return load_distilled(arg, **options)
+    raise BackendSpecError(
+        f"unknown model kind {kind!r} in {spec!r} (tiny, table, hf, gguf, ngram, distilled)"
+    )

@@ -139,12 +139,16 @@ class TinyBackend:
         if not prompt:
             raise InvalidTokens("empty prompt: the model has no BOS token to start from")
         self._check_length(len(prompt))
-        self._sessions[session] = _Session(committed=prompt)
+        self._sessions[session] = self._new_session(prompt)
         try:
             self.score([(session, [])])  # prefill; also caches the first row of logits
         except BaseException:
             self.release(session)
             raise
+
+    def _new_session(self, committed: list[int]) -> _Session:
+        """A session's state (a subclass may attach its own resources, or refuse)."""
+        return _Session(committed=committed)
 
     def committed(self, session: bytes) -> list[int]:
         return list(self._get(session).committed)
@@ -208,9 +212,9 @@ class TinyBackend:
                 old = s.rows if s.rows is not None else torch.empty(
                     0, self.vocab_size, dtype=self.dtype, device=self.device)
                 s.rows = old if new_rows is None else torch.cat([old, new_rows])
-            else:  # computed from p.start <= first_row; keep rows from first_row on
+            else:  # computed from p.start <= first_row; rows come from first_row on
                 s.rows_start = p.first_row
-                s.rows = new_rows[p.first_row - p.start :]
+                s.rows = new_rows
             out.append(s.rows[: len(p.full) - p.first_row])
         return torch.cat(out)
 
@@ -227,9 +231,14 @@ class TinyBackend:
         return _Plan(s, full, first_row, min(h, first_row), False)
 
     def _forward(self, plans: list[_Plan]) -> list[torch.Tensor]:
-        tokens, positions, starts, pasts, caches = [], [], [0], [], []
+        """Feed each plan's tokens from p.start on; return, per plan, the logits rows of
+        positions max(p.start, p.first_row) onwards (earlier rows are never asked for)."""
+        tokens, positions, starts, pasts, caches, rows, row_starts = [], [], [0], [], [], [], [0]
         for p in plans:
             new = p.full[p.start :]
+            first = max(p.start, p.first_row)
+            rows.extend(range(starts[-1] + first - p.start, starts[-1] + len(new)))
+            row_starts.append(len(rows))
             tokens.extend(new)
             positions.extend(range(p.start, len(p.full)))
             starts.append(starts[-1] + len(new))
@@ -242,10 +251,11 @@ class TinyBackend:
                 starts=starts,
                 past_lengths=pasts,
                 caches=caches,
-            )
+            ),
+            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long).to(self.device),
         )
         # Copies: a session's cached rows must not pin the whole batch's logits in memory.
-        return [logits[starts[b] : starts[b + 1]].clone() for b in range(len(plans))]
+        return [logits[row_starts[b] : row_starts[b + 1]].clone() for b in range(len(plans))]
 
     # -- memory -----------------------------------------------------------------------------
     def _check_length(self, n: int) -> None:
@@ -302,7 +312,7 @@ class TinyBackend:
             raise KVImportError(f"KV shape {list(blob.kv.shape)} does not match model {expect}")
         if blob.kv is None and blob.kv_tokens:
             raise KVImportError("KV blob claims cached tokens but carries no K/V")
-        s = _Session(committed=committed)
+        s = self._new_session(committed)
         if blob.kv_tokens:
             need = self._capacity_for(blob.kv_tokens, cfg.max_seq_len) * self._bytes_per_position
             if self.kv_bytes() + need > self.max_kv_bytes:

@@ -15,12 +15,12 @@ to `max_batch` jobs), then per batch:
 4. for each job: `session.complete` -> commit-log append -> `session.commit_result`, all
    appends of the batch concurrently; only then are verdicts released and output woken.
 
-The kernel path follows the model's device (Triton on CUDA, the CPU path on the CPU);
-SDCP_KERNELS_PATH overrides it; the choice is made at start and logged once, with the first
-batch. On the CPU the same code runs,
-with streams and events as no-ops (`kernels.device`). Each batch's time split (forward, q
-staging and how much of it the kernel waited for, kernel, commit) is kept in
-`batch_times` and in the metrics.
+The kernel path follows the model's device (Triton on CUDA; on the CPU the native op when
+built, else the torch CPU path); SDCP_KERNELS_PATH overrides it; the choice is made at start
+and logged once, with the first batch. On the CPU the same code runs, with streams and
+events as no-ops (`kernels.device`). Each batch's time split (forward, q staging and how
+much of it the kernel waited for, kernel, commit) is kept in `batch_times` and in the
+metrics.
 
 A job whose q rows cannot be fetched, or whose q(x) is not positive, or whose logits hold
 NaN, is refused without consuming its round; the rest of the batch goes on.

@@ -116,7 +116,10 @@ def test_kill_9_loses_no_acknowledged_record(tmp_path):
         assert line, "writer died early"
         acknowledged.append(int(line))
     os.kill(writer.pid, signal.SIGKILL)
-    rest, _ = writer.communicate(timeout=30)
+    # read the rest through the same buffered file: communicate(timeout=...) reads the raw
+    # descriptor and would miss lines already in this file's buffer
+    rest = writer.stdout.read()
+    writer.wait(timeout=30)
     acknowledged += [int(line) for line in rest.split()]  # printed before the kill landed
     assert writer.returncode == -signal.SIGKILL
     assert acknowledged == list(range(len(acknowledged)))

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
-from sdcp_fast.kernels import ProposalInput, VerifyBatch, VerifyResult, build_batch
+from sdcp_fast.kernels import ProposalInput, VerifyBatch, VerifyResult, build_batch, native
 from sdcp_fast.kernels.reference import trace_batch
 
 
 def interpreting() -> bool:
     """Whether Triton runs in its CPU interpreter (set before triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def require_native() -> None:
+    """Skip when the native op is not built, or fail when SDCP_REQUIRE_NATIVE=1 (`make test`
+    sets it: there a missing build is a broken build, not a machine without a compiler)."""
+    if not native.available():
+        why = f"native op unavailable: {native.unavailable_reason()}"
+        if os.environ.get("SDCP_REQUIRE_NATIVE") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
 
 
 BOUNDARY_TOL = 1e-6  # a draw may differ from the reference only this close to a CDF boundary

@@ -1,7 +1,8 @@
-"""Statistical exactness of rule 2 on the CPU path, and the power to catch a wrong rule.
+"""Statistical exactness of rule 2 on the CPU paths (kernels/cpu.py and the native op), and the
+power to catch a wrong rule.
 
 For fixed target rows p[1..M+1] and draft rows q[1..M], every trial is one proposal (tokens
-drawn from q, fresh uniforms); all trials go through the CPU path as large batches. The
+drawn from q, fresh uniforms); all trials go through the path under test as large batches. The
 committed token at position j (present when a >= j - 1) must follow p[j]: a chi-square test
 per position with p-value threshold ALPHA. A deliberately wrong rule (the extra token after a
 rejection drawn from p instead of the residual max(0, p - q)) must fail the same test, and the
@@ -10,6 +11,7 @@ test's computed power against it is checked to be at least MIN_POWER.
 
 import pytest
 import torch
+from kernel_cases import require_native
 from scipy import stats
 from sdcp_fast.kernels import VerifyBatch, build_batch, verify
 from sdcp_fast.kernels.batch import ProposalInput
@@ -41,7 +43,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cumulative, (u * cumulative[-1]).contiguous(), right=True)
 
 
-def run_trials(logits_rows, q_rows, sampling, trials, gen):
+def run_trials(logits_rows, q_rows, sampling, trials, gen, path):
     """Committed tokens per position (j = 1..M+1), for the kernel's rule and for the wrong
     rule on the same trials (after a rejection, the extra token drawn from p[a+1] with the
     same uniform instead of from the residual)."""
@@ -57,7 +59,7 @@ def run_trials(logits_rows, q_rows, sampling, trials, gen):
         acc_u = torch.rand(n, m, generator=gen, dtype=torch.float64)
         extra_u = torch.rand(n, m + 1, generator=gen, dtype=torch.float64)
         batch = _trial_batch(logits_rows, q_rows, sampling, tokens, acc_u, extra_u)
-        res = verify(batch, path="cpu")
+        res = verify(batch, path=path)
         assert not bool(res.bad_q.any() or res.nan_logits.any())
         accepted, extra = res.accepted, res.extra_token
         rejected = accepted < m
@@ -109,13 +111,16 @@ CASES = [
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("path", ["cpu", "native"])
 @pytest.mark.parametrize("vocab,m,sampling,trials", CASES)
-def test_committed_tokens_follow_target(vocab, m, sampling, trials):
+def test_committed_tokens_follow_target(vocab, m, sampling, trials, path):
+    if path == "native":
+        require_native()
     gen = torch.Generator().manual_seed(vocab)
     logits_rows = torch.randn(m + 1, vocab, generator=gen) * 1.5
     # a draft that disagrees with the target: both rejections and acceptances are common
     q_rows = torch.softmax(logits_rows[:m] * 0.5 + torch.randn(m, vocab, generator=gen), dim=-1)
-    committed, wrong, p_rows = run_trials(logits_rows, q_rows, sampling, trials, gen)
+    committed, wrong, p_rows = run_trials(logits_rows, q_rows, sampling, trials, gen, path)
     for j in range(m + 1):
         counts = torch.bincount(committed[j], minlength=vocab)
         pvalue, dof = chi_square(counts, p_rows[j])

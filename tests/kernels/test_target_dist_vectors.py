@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import interpreting
+from kernel_cases import interpreting, require_native
 from sdcp_fast.kernels import target_probs
 
 VECTORS = Path("/work/shared/vectors/sdcp-vectors.json")
@@ -22,11 +22,15 @@ def load_cases() -> list[dict]:
 CASES = load_cases()
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "native", "triton"])
 def test_vectors_all_rows_in_one_call(impl, device):
     if impl == "triton":
         if (device.type == "cpu") != interpreting():
             pytest.skip("Triton runs on CUDA tensors, or on CPU tensors in the interpreter")
+    if impl == "native":
+        if device.type != "cpu":
+            pytest.skip("the native op runs on CPU tensors")
+        require_native()
     for case in CASES:
         s = case["sampling"]
         logits = torch.tensor(case["logits"], dtype=torch.float32, device=device)
@@ -39,8 +43,11 @@ def test_vectors_all_rows_in_one_call(impl, device):
         assert torch.equal(got.cpu() > 0, want > 0), s
 
 
-def test_vectors_batched_profiles_per_row():
-    """All vectors of one width as one batch with [rows] profile tensors (CPU path)."""
+@pytest.mark.parametrize("impl", ["cpu", "native"])
+def test_vectors_batched_profiles_per_row(impl):
+    """All vectors of one width as one batch with [rows] profile tensors (CPU paths)."""
+    if impl == "native":
+        require_native()
     by_width: dict[int, list[dict]] = {}
     for case in CASES:
         by_width.setdefault(len(case["logits"]), []).append(case)
@@ -49,6 +56,6 @@ def test_vectors_batched_profiles_per_row():
         prof = [(c["sampling"].get("temperature_milli", 1000), c["sampling"].get("top_k", 0),
                  c["sampling"].get("top_p_milli", 1000)) for c in cases]
         t, k, p = (torch.tensor(col) for col in zip(*prof, strict=True))
-        got = target_probs(logits, t, k, p, path="cpu").double()
+        got = target_probs(logits, t, k, p, path=impl).double()
         want = torch.tensor([c["p"] for c in cases], dtype=torch.float64)
         assert torch.allclose(got, want, atol=TOL, rtol=0)

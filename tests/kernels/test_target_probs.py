@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from kernel_cases import TEMPERATURES, TOP_PS, random_logits, top_ks
+from kernel_cases import TEMPERATURES, TOP_PS, random_logits, require_native, top_ks
 from sdcp_fast.kernels import VerifyInputError, target_probs
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -51,11 +51,15 @@ def test_wide_rows_top_p_beyond_candidates(target, vocab):
     assert torch.allclose(got.double(), want, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "native", "triton"])
 def test_ties_keep_smaller_ids_exactly(device, impl):
-    from kernel_cases import interpreting
+    from kernel_cases import interpreting, require_native
     if impl == "triton" and (device.type == "cpu") != interpreting():
         pytest.skip("Triton runs on CUDA tensors, or on CPU tensors in the interpreter")
+    if impl == "native":
+        if device.type != "cpu":
+            pytest.skip("the native op runs on CPU tensors")
+        require_native()
     logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 3.0, 0.0]], device=device)
 
     def kept(t, k, p):
@@ -78,15 +82,18 @@ def test_ties_keep_smaller_ids_exactly(device, impl):
     assert target_probs(swapped, 1000, 1, 1000, path=impl)[0].cpu().tolist() == [0, 1, 0, 0]
 
 
-def test_defaults_and_bad_profiles():
+@pytest.mark.parametrize("impl", ["cpu", "native"])
+def test_defaults_and_bad_profiles(impl):
+    if impl == "native":
+        require_native()
     logits = torch.randn(3, 50)
-    plain = target_probs(logits, path="cpu")
+    plain = target_probs(logits, path=impl)
     assert torch.allclose(plain, torch.softmax(logits, dim=-1), atol=1e-6)
-    one = target_probs(logits[0], 500, None, None, path="cpu")
+    one = target_probs(logits[0], 500, None, None, path=impl)
     assert one.shape == (50,)
     with pytest.raises(VerifyInputError):
-        target_probs(logits, top_p_milli=1001, path="cpu")
+        target_probs(logits, top_p_milli=1001, path=impl)
     with pytest.raises(VerifyInputError):
-        target_probs(logits, temperature_milli=torch.tensor([1, 2]), path="cpu")
+        target_probs(logits, temperature_milli=torch.tensor([1, 2]), path=impl)
     with pytest.raises(VerifyInputError):
         target_probs(logits, path="cuda-magic")

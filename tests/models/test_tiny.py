@@ -97,11 +97,11 @@ class CountingModel:
         self.calls: list[list[int]] = []
         inner = backend.model.forward_cached
 
-        def forward_cached(batch):
+        def forward_cached(batch, rows=None):
             self.calls.append(
                 [batch.starts[i + 1] - batch.starts[i] for i in range(len(batch.caches))]
             )
-            return inner(batch)
+            return inner(batch, rows)
 
         backend.model.forward_cached = forward_cached
 

@@ -1,0 +1,24 @@
+// The `sdcp` operator library: the schemas every device's implementation registers against
+// (cpu/verify_cpu.cpp for CPU tensors). Python reaches them as torch.ops.sdcp.<name>, through
+// kernels/native.py, which documents the tensors; a CUDA implementation would live in
+// csrc/cuda/ and register the same schemas with TORCH_LIBRARY_IMPL(sdcp, CUDA, m).
+#include <torch/library.h>
+
+namespace sdcp {
+
+// Bumped whenever a schema or its meaning changes: kernels/native.py refuses a stale build.
+constexpr int64_t kNativeVersion = 1;
+
+}  // namespace sdcp
+
+TORCH_LIBRARY(sdcp, m) {
+  m.def(
+      "verify(Tensor logits, Tensor draft_tokens, Tensor num_draft, Tensor rule, "
+      "Tensor temperature_milli, Tensor top_k, Tensor top_p_milli, Tensor? q, Tensor q_start, "
+      "Tensor accept_uniforms, Tensor extra_uniforms, Tensor row_start, Tensor token_start) "
+      "-> (Tensor accepted, Tensor extra_token, Tensor bad_q, Tensor nan_logits)");
+  m.def(
+      "target_probs(Tensor logits, Tensor temperature_milli, Tensor top_k, Tensor top_p_milli) "
+      "-> Tensor");
+  m.def("native_version() -> int", []() -> int64_t { return sdcp::kNativeVersion; });
+}

