@@ -241,14 +241,14 @@ class Engine:
         prefetched = sum(f.early for f in fetches)
         batch_began = dev.event()
         landing = asyncio.create_task(self._stager.land(fetches)) if fetches else None
+        landed = kernel_done = None
         try:
-            scored, logits = await self._score(batch)
-            forward_done = dev.event()
-        finally:
-            # never leave the landing running: it writes into buffers the next batch reuses
-            landed = await landing if landing is not None else None
-        kernel_done = None
-        try:
+            try:
+                scored, logits = await self._score(batch)
+                forward_done = dev.event()
+            finally:
+                # never leave the landing running: it writes into buffers the next batch reuses
+                landed = await landing if landing is not None else None
             if not scored:
                 return
             q, starts, problems = None, {}, {}

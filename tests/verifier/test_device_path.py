@@ -264,3 +264,39 @@ def test_kernel_path_follows_the_device_and_is_logged_once(tmp_path, monkeypatch
     assert path in (("triton",) if DEVICE == "cuda" else ("native", "cpu"))
     lines = [r.getMessage() for r in caplog.records if "verify kernels" in r.getMessage()]
     assert lines == [f"verify kernels: {path} path on {DEVICE} (chosen by the device)"]
+
+
+def test_a_failed_batch_gives_its_q_slots_back(tmp_path, monkeypatch):
+    """A forward pass that fails (a bug, not a refusal) answers 503 and returns the batch's
+    staging slots to the pool: the next proposal is fetched ahead again."""
+    monkeypatch.setenv(kernels.dispatch.ENV_VAR, "cpu")
+
+    async def main():
+        slot = 2 * CFG.vocab_size * 4   # a pool with room for one proposal's rows
+        h = await Harness.start(tmp_path, backend=TinyBackend(model(), DIGEST, device=DEVICE),
+                                engine_config=EngineConfig(prefetch_q=True, q_staging_bytes=slot))
+        try:
+            engine = h.service.engine
+            contract = contract_for(h.backend, rule=2, m_max=8, max_new=60, sampling=Sampling(seed=9))
+            sid, r = await h.open(contract, prompt=(1, 2, 3), sid=bytes(16))
+            state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+            q = torch.full((2, CFG.vocab_size), 1.0 / CFG.vocab_size)
+            await h.store.put("mlc:/q/a", q.numpy().tobytes(), lease_ms=60_000)
+            score = engine.target.score
+
+            async def broken(items):
+                engine.target.score = score
+                raise RuntimeError("a bug in the forward pass")
+
+            engine.target.score = broken
+            failed = await h.propose(sid, state, [4, 5], q_rows="mlc:/q/a")
+            pooled = engine._stager.pooled_bytes
+            ok = await h.propose(sid, state, [4, 5], q_rows="mlc:/q/a")
+            return failed, pooled, ok, list(engine.batch_times)
+        finally:
+            await h.close()
+
+    failed, pooled, ok, times = asyncio.run(asyncio.wait_for(main(), 120))
+    assert failed.status == 503 and ok.status == 200
+    assert pooled == 2 * CFG.vocab_size * 4
+    assert times[-1].prefetched == times[-1].q_jobs == 1   # the one slot was back in the pool
