@@ -4,7 +4,7 @@
 # bench/gpu_machine_packages.txt, and no package registry. At most 6 minutes:
 #
 #   bench/gpu_wheels.sh                 (here, once: the few wheels it needs, into .whl/)
-#   bench/gpu_check.sh OUT_DIR          (there; carry .whl)
+#   bench/gpu_check.sh OUT_DIR          (there; carry .whl; 8 files in OUT_DIR)
 #
 # 1. installs the wheels from $GPU_WHEELS (default .whl/) with pip --no-index into a
 #    temporary folder;
@@ -59,7 +59,8 @@ if [ "$SMOKE" = 1 ]; then
   PIP+=(--python-version 3.12 --implementation cp --only-binary=:all:
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 fi
-"$PY" "${PIP[@]}" "$WHEELS"/*.whl 2>&1 | grep -v "^WARNING: Location" | tee "$OUT/wheels.log"
+# (at most 8 files come back from the device tool: the wheel log goes into environment.txt)
+"$PY" "${PIP[@]}" "$WHEELS"/*.whl 2>&1 | grep -v "^WARNING: Location" | tee "$OUT/environment.txt"
 wheels_rc=${PIPESTATUS[0]}
 
 if [ "$SMOKE" = 1 ]; then
@@ -78,7 +79,7 @@ else
 fi
 cd "$WORK"  # not the repository: its own sdcp_fast/ (without kernels/) must not come first
 
-"$PY" - <<'PY' 2>&1 | tee "$OUT/environment.txt"
+"$PY" - <<'PY' 2>&1 | tee -a "$OUT/environment.txt"
 import torch, triton
 print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NONE")
