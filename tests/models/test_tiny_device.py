@@ -6,6 +6,7 @@ import pytest
 import torch
 from model_helpers import SMALL, random_model
 
+from sdcp_fast.models.base import token_list_bytes
 from sdcp_fast.models.gpt import ModelConfig
 from sdcp_fast.models.tiny import TinyBackend
 
@@ -49,3 +50,16 @@ def test_kv_export_and_import_across_devices(device):
 def test_unsupported_dtype_is_refused():
     with pytest.raises(ValueError):
         TinyBackend(random_model(CFG), bytes(32), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_session_memory_follows_the_model_dtype(device):
+    """The memory budgets (issue 22) count K/V and logits rows at the model's item size."""
+    reference, other = pair(device, torch.bfloat16)
+    for b in (reference, other):
+        b.score([(b"s", [7, 8, 9])])
+    lists = reference.session_bytes(b"s") - reference.kv_bytes() - reference._get(b"s").rows.numel() * 4
+    assert other.session_bytes(b"s") - lists == (reference.session_bytes(b"s") - lists) // 2
+    for n in (0, 100):
+        lists = 2 * token_list_bytes(n)
+        assert other.bytes_for(n) - lists == (reference.bytes_for(n) - lists) // 2
