@@ -38,6 +38,11 @@ def test_gpu_check_rehearsal_passes(tmp_path):
     assert 'failures="0"' in (out / "tests.xml").read_text()
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["points"] and not bench["skipped_for_time"]
+    assert (out / "gpu_bench.log").read_text().strip().splitlines()[-1].startswith("gpu_bench: 3 points, 0 skipped; ")
+    # the device tool brings back 8 files at most: these, and the rehearsal's audit
+    assert {f.name for f in out.iterdir()} == {
+        "environment.txt", "tests.log", "tests.xml", "gpu_bench.log", "gpu_bench.json", "gpu_e2e.log",
+        "gpu_e2e.json", "summary.json", "imports.txt", "imports.log"}
     e2e = json.loads((out / "gpu_e2e.json").read_text())
     points = e2e["points"]
     assert {(p["path"], p["rule"]) for p in points} == {(a, r) for a in ("triton", "torch") for r in (1, 2)}
