@@ -32,7 +32,7 @@ def test_gpu_check_rehearsal_passes(tmp_path):
     assert got.returncode == 0, got.stdout[-6000:] + got.stderr[-3000:]
 
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["smoke"] is True and summary["seconds"] < 360
+    assert summary["smoke"] is True and summary["seconds"] <= 480   # its limit there (270 s on a GPU)
     assert all(summary[k] == 0 for k in ("wheels_rc", "tests_rc", "gpu_bench_rc", "gpu_e2e_rc", "imports_rc"))
     assert "imports ok" in (out / "imports.log").read_text()
     assert 'failures="0"' in (out / "tests.xml").read_text()
