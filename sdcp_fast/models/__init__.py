@@ -24,17 +24,21 @@ session's committed sequence (prompt + committed output).
 
     load_backend(spec: str, **options) -> Backend
         # "tiny:demo-target" | "tiny:demo-draft" | "tiny:PATH" | "table:PATH" | "hf:PATH"
+        # | "hf:FILE.gguf" | "hf:smollm2" | "replay:PATH"; options after "?"
+        # (spec_options.py), e.g. "hf:PATH?dtype=bfloat16&device=cuda&threads=4"
         # drafts for a real target: "gguf:SOURCE" | "ngram:TOKENIZER" | "distilled:NAME"
 
 Errors (base.py), all subclasses of ModelError: UnknownSession, SessionExists,
-InvalidTokens, KVCapacityError (tiny: max_kv_bytes, default 1 GiB, and max_seq_len per
+InvalidTokens, KVCapacityError (tiny and hf: max_kv_bytes, default 1 GiB, and max_seq_len per
 session; raised before any state changes), KVImportError, BackendSpecError.
 
 Backends are not thread-safe: one caller (e.g. the verifier's engine thread) drives each
 instance. Prompts must be non-empty (there is no BOS token).
 
 Backends: tiny.TinyBackend (built-in GPT, real KV cache, packed ragged batch),
-table.TableBackend (+ table.write_table), hf.HFBackend (recomputation, lazy transformers),
+table.TableBackend (+ table.write_table), hf.HFBackend (transformers models and GGUF files,
+a DynamicCache per session, packed ragged batch; lazy import), replay.ReplayBackend (a free,
+always-right draft for benchmarks that plays back recorded continuations),
 llamacpp.LlamaCppBackend (llama.cpp, a TinyBackend subclass), ngram.NgramBackend (prompt
 lookup, no model), distilled.load_distilled (a TinyBackend over a draft built on the
 target's GGUF).

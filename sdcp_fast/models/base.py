@@ -100,6 +100,23 @@ def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]
     return out
 
 
+def check_length(n: int, max_seq_len: int | None) -> None:
+    if max_seq_len is not None and n > max_seq_len:
+        raise KVCapacityError(f"sequence of {n} tokens exceeds max_seq_len {max_seq_len}")
+
+
+def check_new_session(backend, session: bytes, prompt: Sequence[int]) -> list[int]:
+    """What `open` checks before any state changes: the session id is free and the prompt is
+    non-empty, in the vocabulary and within the backend's length cap. Returns the prompt."""
+    if session in backend._sessions:
+        raise SessionExists(f"session {session!r} is already open")
+    prompt = check_tokens(prompt, backend.vocab_size, "prompt")
+    if not prompt:
+        raise InvalidTokens("empty prompt: the model has no BOS token to start from")
+    check_length(len(prompt), backend.max_seq_len)
+    return prompt
+
+
 def common_prefix_length(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the common case, compared in C

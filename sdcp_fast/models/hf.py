@@ -1,68 +1,176 @@
 """Hugging Face transformers backend (`hf:PATH`, the `[hf]` extra; imported lazily).
 
-Loads a causal LM and its tokenizer from a local directory (never the network:
-`local_files_only=True`), in fp32 on the CPU.
+Loads a causal LM and its tokenizer from a local model directory, a `.gguf` file or
+`smollm2` (the GGUF of the [real] extra), never the network (`local_files_only=True`). A
+GGUF file is dequantised once into a cached safetensors copy (gguf_cache.py) and loaded
+from there.
 
-KV choice: **recomputation**. Each `score` runs one batched forward over the full sequences
-C_b + x_b of all sessions (left-padded, with an attention mask and explicit position ids) and
-returns the requested rows. That keeps one code path correct for every architecture
-transformers supports, at the cost of O(len(C)) work per call; the built-in `tiny` backend is
-the one with a real per-session KV cache. Consequently a session holds only its committed
-tokens, `export_kv` carries only those, and `import_kv` needs nothing else.
+Spec options (`hf:PATH?dtype=bfloat16&device=cuda&threads=4`, unknown ones refused):
+  dtype         float32 (default) | bfloat16 | float16: weights, K/V and computation;
+                the returned logits are always fp32
+  device        cpu (default) | cuda | cuda:N
+  threads       torch's intra-op threads for this process (torch.set_num_threads)
+  max_kv_bytes  cap on the K/V of all sessions together (default 1 GiB)
+  max_seq_len   cap on one session's length (default and upper bound: the model's
+                max_position_embeddings / n_positions)
 
-Bounds: sequences longer than the model's position limit (`max_position_embeddings` /
-`n_positions`, when the config has one) raise `KVCapacityError`, and so does a batch of more
-than `max_batch_tokens` padded positions (default 65536), which bounds activation memory.
+KV cache: one transformers `DynamicCache` per session. `open` prefills the prompt; `score`
+computes only the positions the session's cache does not hold (usually the M + 1 new rows:
+the last committed token, whose K/V a commit leaves out, and the proposal); `commit` crops
+the cache to the longest prefix that agrees with the committed sequence (rejected positions
+dropped); `release` frees it. The bookkeeping (which tokens are cached, the logits rows kept
+for a drafter's growing proposal) is prefix_cache.py, shared with the built-in backend.
+
+Batches: all sessions of a `score` go through ONE forward pass as a packed ragged batch
+(hf_ragged.py): the new tokens of every session in one row, each with its own position id,
+attention per session over its own cache through an attention function registered with
+transformers' AttentionInterface. No padding and no copy of any session's past. Measured on
+SmolLM2-135M (fp32, context 200, 1 thread, shared 2-core CPU; bench/RESULTS.md, issue 13):
+one forward per session cost 3 to 7 times a batched pass at 4 and 8 sessions; a left-padded
+batch over per-session caches stacked into one `DynamicCache` cost up to 2.2 times
+transformers' own batched forward (two extra copies of every session's K/V per pass); the
+packed pass stayed within 10% of transformers' own cached forward over one shared cache at
+every shape the verifier (B x M + 1 rows) and the drafter (B x 1) use, 1 to 8 sessions x 1
+to 9 tokens (bench/bench_models.py). So every shape takes the packed pass. Models whose
+attention it cannot reproduce (sliding window, soft-capping, no AttentionInterface) run one
+session per forward with their own attention. transformers' continuous-batching
+`PagedAttentionCache` was not used: it is driven by its own request scheduler and block
+tables, and has no crop to drop rejected positions from one request.
+
+A pass computes at most `max_batch_tokens` (default 4096) new tokens; longer prefills run
+in chunks of that size, which bounds activation memory.
+
+Bounds: a session longer than `max_seq_len`, or K/V of all sessions over `max_kv_bytes`
+(cached tokens x layers x 2 x KV heads x head dim x dtype size), raises `KVCapacityError`
+before any state changes. Kept logits rows add at most (M + 1) x V fp32 per session.
+`session_bytes` reports a session's K/V tensors as allocated (a crop leaves a view of the
+longer tensor until the next update copies) plus rows and token lists; `bytes_for(n)` is
+the most a session of n positions holds, what the verifier's and drafter's budgets reserve.
+
+KV export/import: the kvblob format with the K/V of the committed prefix the cache holds,
+[n_layer, 2, kv_heads, n, head_dim] in the model's dtype; import checks the model digest,
+the shape and the dtype, and builds the session only when all of them hold.
 
 Digest: canonical weights digest (see `weights.py`) of kind "hf" over the state dict's
-tensors and the config as canonical JSON without transformers' bookkeeping keys
-(`transformers_version`, `dtype`, `torch_dtype`, and keys starting with "_").
+tensors as loaded (their dtype included) and the config as canonical JSON without
+transformers' bookkeeping keys (`transformers_version`, `dtype`, `torch_dtype`, keys
+starting with "_"). A GGUF file and its converted copy give the same digest on every load.
 Tokenizer digest: SHA-256 of the canonical JSON of the fast tokenizer's full description
-plus its special-token map.
+plus its special-token map (real_tokenizer.hf_tokenizer_digest, which the drafts on the same
+GGUF use too).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .base import (
-    KVCapacityError,
-    check_distinct_sessions,
-    check_tokens,
-)
-from .token_sessions import TokenListSessions
-from .tokenizer import canonical_json_digest
+from . import hf_ragged, kvblob
+from .base import KVCapacityError, KVImportError
+from .prefix_cache import CachedSession, CachingBackend, Plan
+from .real_tokenizer import SMOLLM2, hf_tokenizer_digest, resolve_gguf
+from .spec_options import choice, positive_int, split_options
 from .weights import canonical_digest
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPEC_OPTIONS = {
+    "dtype": choice(*DTYPES),
+    "device": lambda text: str(torch.device(text)),
+    "threads": positive_int,
+    "max_kv_bytes": positive_int,
+    "max_seq_len": positive_int,
+}
+DEFAULT_MAX_KV_BYTES = 1 << 30
+DEFAULT_MAX_BATCH_TOKENS = 4096
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype"}
 
 
-class HFBackend(TokenListSessions):
+@dataclass(eq=False)
+class _Session(CachedSession):
+    cache: object = None  # transformers DynamicCache, batch 1, len(cached) positions
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        self.restore()
+
+    def restore(self) -> None:
+        """Crop every cache layer back to len(cached): after a truncation, or after a forward
+        that failed with some layers already extended."""
+        for layer in getattr(self.cache, "layers", ()):
+            extra = layer.get_seq_length() - len(self.cached)
+            if extra > 0:
+                layer.crop(-extra)
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """New tokens of one session computed in one pass, and which of their rows to keep."""
+
+    session: _Session
+    tokens: list[int]
+    start: int  # position of tokens[0] (= the session's cached length before the pass)
+    keep_from: int  # index into tokens of the first row to return
+
+
+class HFBackend(CachingBackend):
     kind = "hf"
 
-    def __init__(self, path: str | Path, *, max_batch_tokens: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        threads: int | None = None,
+        max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        max_seq_len: int | None = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        ragged: bool | None = None,
+    ) -> None:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as e:  # pragma: no cover - exercised only without the extra
             raise ImportError("hf: backends need the [hf] extra (transformers)") from e
+        if threads:
+            torch.set_num_threads(threads)
         path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"hf: model directory not found: {path}")
+        if path.suffix.lower() == ".gguf":
+            from .gguf_cache import converted_dir
+
+            path = converted_dir(path)
+        elif not path.is_dir():
+            raise FileNotFoundError(f"hf: model directory or .gguf file not found: {path}")
+        self.device = self.rows_device = torch.device(device)
+        self.dtype = DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, local_files_only=True
-        )
+            str(path), dtype=self.dtype, local_files_only=True
+        ).to(self.device)
         self.model.eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         config = self.model.config
-        self.vocab_size = int(config.vocab_size)
-        self.max_seq_len = getattr(config, "max_position_embeddings", None) or getattr(
-            config, "n_positions", None
-        )
+        text = config.get_text_config()
+        self.vocab_size = int(text.vocab_size)
+        limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+        self.max_seq_len = min(filter(None, (limit, max_seq_len)), default=None)
+        self.max_kv_bytes = max_kv_bytes
         self.max_batch_tokens = max_batch_tokens
+        heads = text.num_attention_heads
+        self.kv_shape = (  # per token: layers, K and V, KV heads, head dim
+            text.num_hidden_layers,
+            2,
+            getattr(text, "num_key_value_heads", None) or heads,
+            getattr(text, "head_dim", None) or text.hidden_size // heads,
+        )
+        n_layer, two, kv_heads, head_dim = self.kv_shape
+        self.bytes_per_token = n_layer * two * kv_heads * head_dim * self.dtype.itemsize
+        self.ragged = hf_ragged.supports_ragged(self.model) if ragged is None else ragged
+        if self.ragged:
+            hf_ragged.register()
+            self.model.set_attn_implementation(hf_ragged.NAME)
         config_dict = {
             k: v
             for k, v in config.to_dict().items()
@@ -73,58 +181,160 @@ class HFBackend(TokenListSessions):
             json.dumps(config_dict, sort_keys=True, separators=(",", ":"), default=str),
             self.model.state_dict(),
         )
-        self.tokenizer_digest = canonical_json_digest(
-            {
-                "tokenizer": json.loads(self.tokenizer.backend_tokenizer.to_str())
-                if getattr(self.tokenizer, "is_fast", False)
-                else self.tokenizer.get_vocab(),
-                "special": {k: str(v) for k, v in self.tokenizer.special_tokens_map.items()},
-            }
-        )
-        self._sessions: dict[bytes, list[int]] = {}
+        self.tokenizer_digest = hf_tokenizer_digest(self.tokenizer)
+        self._sessions: dict[bytes, _Session] = {}
 
+    @classmethod
+    def from_spec(cls, arg: str, **options) -> HFBackend:
+        """`hf:SOURCE?options`: SOURCE is a model directory, a .gguf file or `smollm2`."""
+        source, opts = split_options(arg, SPEC_OPTIONS, "hf")
+        return cls(resolve_gguf(source) if source == SMOLLM2 else source, **(opts | options))
+
+    # -- text -------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, tokens: Sequence[int]) -> str:
         return self.tokenizer.decode(list(tokens))
 
+    # -- sessions (open, commit, score: prefix_cache.CachingBackend) ------------------------
+    def _new_session(self, prompt: list[int]) -> _Session:
+        from transformers import DynamicCache
 
-    @torch.no_grad()
-    def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
-        check_distinct_sessions(items)
-        if not items:
-            return torch.empty(0, self.vocab_size)
-        seqs, firsts = [], []
-        for session, x in items:
-            c = self._get(session)
-            full = c + check_tokens(x, self.vocab_size, "proposal")
-            self._check_length(len(full))
-            seqs.append(full)
-            firsts.append(len(c) - 1)
-        width = max(len(s) for s in seqs)
-        if width * len(seqs) > self.max_batch_tokens:
+        # the packed pass writes each layer directly, so its layers exist from the start
+        # (full-attention layers only: supports_ragged); otherwise the model fills them
+        cache = DynamicCache(config=self.model.config) if self.ragged else DynamicCache()
+        return _Session(committed=prompt, cache=cache)
+
+    def kv_bytes(self) -> int:
+        """Bytes of K/V all sessions hold (what `max_kv_bytes` caps)."""
+        return self.bytes_per_token * sum(len(s.cached) for s in self._sessions.values())
+
+    def session_bytes(self, session: bytes) -> int:
+        """The session's K/V tensors as allocated (a crop keeps a view of the longer tensor
+        until the next update copies: up to one proposal more than its cached tokens), its
+        kept logits rows and token lists."""
+        s = self._get(session)
+        kv = sum(
+            t.untyped_storage().nbytes()
+            for layer in getattr(s.cache, "layers", ())
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+            if t is not None
+        )
+        return kv + self._bookkeeping_bytes(s)
+
+    def bytes_for(self, tokens: int) -> int:
+        """K/V of `tokens` positions (each layer's tensors are exactly as long as the cache:
+        an update concatenates), the fp32 rows of a longest proposal, two token lists."""
+        if self.max_seq_len is not None:
+            tokens = min(tokens, self.max_seq_len)
+        return tokens * self.bytes_per_token + self._bookkeeping_bytes_for(tokens)
+
+    def _reserve(self, plans: list[Plan]) -> None:
+        self._check_kv(sum(len(p.full) - len(p.session.cached) for p in plans))
+
+    # -- scoring ----------------------------------------------------------------------------
+    def _compute(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
+        try:
+            return self._compute_passes(plans)
+        except BaseException:  # layers a failed pass extended are cropped back
+            for p in plans:
+                p.session.restore()
+            raise
+
+    def _compute_passes(self, plans: list[Plan]) -> dict[int, torch.Tensor]:
+        """fp32 rows from each plan's first kept row on, keyed by id(plan); K/V stored.
+        Passes of at most max_batch_tokens new tokens; a long prefill spans several."""
+        rows: dict[int, list[torch.Tensor]] = {id(p): [] for p in plans}
+        done = {id(p): 0 for p in plans}  # tokens of each plan already computed
+        pending = list(plans)
+        while pending:
+            budget, wave = self.max_batch_tokens, []
+            for p in pending:
+                n = min(len(p.new_tokens) - done[id(p)], budget)
+                if n <= 0:
+                    break
+                offset = p.start + done[id(p)]
+                keep_from = min(max(0, p.first_row - offset), n)  # rows before first_row: none
+                wave.append((p, _Chunk(p.session, p.full[offset : offset + n], offset, keep_from)))
+                budget -= n
+            outs = self._forward_ragged([c for _, c in wave]) if self.ragged else [
+                self._forward_one(c) for _, c in wave
+            ]
+            for (p, chunk), out in zip(wave, outs, strict=True):
+                done[id(p)] += len(chunk.tokens)
+                rows[id(p)].append(out)
+            pending = [p for p in pending if done[id(p)] < len(p.new_tokens)]
+        return {key: torch.cat(parts) for key, parts in rows.items()}
+
+    def _forward_ragged(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
+        tokens, positions, spans, keep = [], [], [], []
+        for c in chunks:
+            lo = len(tokens)
+            tokens += c.tokens
+            positions += range(c.start, c.start + len(c.tokens))
+            mask = hf_ragged.causal_offset_mask(c.start, len(c.tokens), self.device)
+            spans.append(hf_ragged.Span(lo, len(tokens), c.session.cache, mask))
+            keep += range(lo + c.keep_from, len(tokens))
+        logits = self.model(
+            input_ids=torch.tensor([tokens], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+            sdcp_ragged=hf_ragged.RaggedLayout(spans),
+        ).logits[0].float()
+        return list(logits.split([len(c.tokens) - c.keep_from for c in chunks]))
+
+    def _forward_one(self, c: _Chunk) -> torch.Tensor:
+        """One session through the model's own attention (models the packed pass cannot take)."""
+        n = len(c.tokens)
+        out = self.model(
+            input_ids=torch.tensor([c.tokens], device=self.device),
+            position_ids=torch.arange(c.start, c.start + n, device=self.device)[None],
+            cache=c.session.cache,
+            use_cache=True,
+            logits_to_keep=torch.arange(c.keep_from, n, device=self.device),
+        )
+        return out.logits[0].float()
+
+    # -- export / import --------------------------------------------------------------------
+    def export_kv(self, session: bytes) -> bytes:
+        """The committed sequence and the K/V of the committed prefix the cache holds."""
+        s = self._get(session)
+        n = s.committed_kv_tokens()
+        kv = None
+        if n:
+            kv = torch.stack(
+                [torch.stack([layer.keys[0, :, :n], layer.values[0, :, :n]])
+                 for layer in s.cache.layers]
+            )  # [n_layer, 2, kv_heads, n, head_dim]
+        return kvblob.pack(self.kind, self.digest, self.vocab_size, s.committed, kv, n)
+
+    def import_kv(self, session: bytes, data: bytes) -> None:
+        blob, committed = kvblob.unpack_for(self, session, data)
+        n = blob.kv_tokens
+        if n and blob.kv is None:
+            raise KVImportError("KV blob claims cached tokens but carries no K/V")
+        if blob.kv is not None:
+            layers, two, heads, dim = self.kv_shape
+            expect = [layers, two, heads, n, dim]
+            if list(blob.kv.shape) != expect:
+                raise KVImportError(f"KV shape {list(blob.kv.shape)} does not match the model's {expect}")
+            if blob.kv.dtype != self.dtype:
+                raise KVImportError(f"KV dtype {blob.kv.dtype} is not the model's {self.dtype}")
+        self._check_kv(n)
+        s = self._new_session(committed)
+        if n:
+            for i, layer in enumerate(blob.kv.to(self.device)):  # [2, kv_heads, n, head_dim]
+                s.cache.update(layer[0][None].contiguous(), layer[1][None].contiguous(), i)
+        s.cached, s.rows_start = committed[:n], n
+        self._sessions[session] = s
+
+    # -- memory -----------------------------------------------------------------------------
+    def _check_kv(self, more_tokens: int) -> None:
+        want = self.kv_bytes() + more_tokens * self.bytes_per_token
+        if want > self.max_kv_bytes:
             raise KVCapacityError(
-                f"batch of {len(seqs)} x {width} positions exceeds max_batch_tokens="
-                f"{self.max_batch_tokens}"
+                f"K/V would grow to {want} bytes, over max_kv_bytes={self.max_kv_bytes}; "
+                "release sessions"
             )
-        pad_id = 0
-        ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, s in enumerate(seqs):  # left padding: every sequence ends at column width-1
-            ids[b, width - len(s) :] = torch.tensor(s)
-            mask[b, width - len(s) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        rows = [
-            logits[b, width - len(s) + first :]
-            for b, (s, first) in enumerate(zip(seqs, firsts, strict=True))
-        ]
-        return torch.cat(rows).float()
-
-
-
-
-
-
-

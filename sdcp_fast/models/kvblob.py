@@ -4,7 +4,8 @@
     u32    header length (big-endian), then the header: canonical JSON with
            backend, model_digest (hex), vocab_size, committed (token list),
            kv_tokens (how many leading committed tokens the K/V covers),
-           kv_shape, kv_dtype ("float32"; shape [] and kv_tokens 0 when no K/V is carried)
+           kv_shape, kv_dtype ("float32", "bfloat16" or "float16", the backend's own;
+           shape [] and kv_tokens 0 when no K/V is carried)
     bytes  the K/V tensor, C order, little-endian
     32 B   SHA-256 of everything above (detects truncation and corruption)
 
@@ -25,6 +26,7 @@ import torch
 from .base import KVImportError, SessionExists, check_tokens
 
 MAGIC = b"SDCPKV1\n"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class SessionBlob:
     vocab_size: int
     committed: list[int]
     kv_tokens: int
-    kv: torch.Tensor | None  # fp32 [n_layer, 2, H, kv_tokens, Dh] for "tiny"; None otherwise
+    kv: torch.Tensor | None  # [n_layer, 2, H, kv_tokens, Dh] ("tiny", "hf"); None otherwise
 
 
 def pack(
@@ -47,8 +49,12 @@ def pack(
 ) -> bytes:
     kv_bytes = b""
     shape: list[int] = []
+    dtype = "float32"
     if kv is not None:
-        kv = kv.detach().to(torch.float32).contiguous()
+        if kv.dtype not in DTYPES.values():
+            kv = kv.to(torch.float32)
+        kv = kv.detach().cpu().contiguous()
+        dtype = str(kv.dtype).removeprefix("torch.")
         shape = list(kv.shape)
         kv_bytes = kv.reshape(-1).view(torch.uint8).numpy().tobytes()
     header = json.dumps(
@@ -59,7 +65,7 @@ def pack(
             "committed": [int(t) for t in committed],
             "kv_tokens": kv_tokens,
             "kv_shape": shape,
-            "kv_dtype": "float32",
+            "kv_dtype": dtype,
         },
         sort_keys=True,
         separators=(",", ":"),
@@ -95,12 +101,16 @@ def unpack(data: bytes, *, backend: str, model_digest: bytes) -> SessionBlob:
     kv = None
     shape = header["kv_shape"]
     if shape:
+        dtype = DTYPES.get(header.get("kv_dtype"))
+        if dtype is None:
+            raise KVImportError(f"KV blob has an unknown kv_dtype {header.get('kv_dtype')!r}")
         n = 1
         for s in shape:
             n *= s
-        if len(payload) != 4 * n:
-            raise KVImportError(f"KV payload is {len(payload)} bytes, header says {4 * n}")
-        kv = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(shape)
+        size = n * dtype.itemsize
+        if len(payload) != size:
+            raise KVImportError(f"KV payload is {len(payload)} bytes, header says {size}")
+        kv = torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
     elif payload:
         raise KVImportError("KV blob carries a payload but no shape")
     return SessionBlob(backend, model_digest, header["vocab_size"], committed, kv_tokens, kv)

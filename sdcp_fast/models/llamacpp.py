@@ -47,10 +47,11 @@ import numpy as np
 import torch
 
 from . import kvblob
-from .base import BackendSpecError, KVCapacityError, ModelError, token_list_bytes
+from .base import BackendSpecError, KVCapacityError, ModelError
+from .prefix_cache import Plan
 from .real_tokenizer import HFTokenizer, cache_dir, ensure_dir, file_sha256, resolve_gguf
 from .spec_options import split_options
-from .tiny import MAX_ROWS, TinyBackend, _Plan, _Session
+from .tiny import TinyBackend, _Session
 from .weights import canonical_digest
 
 OPTIONS = {"threads": int, "sessions": int, "ctx": int, "batch": int, "type": str}
@@ -127,16 +128,13 @@ class LlamaCppBackend(TinyBackend):
         return cls(path, **(opts | options))
 
     def session_bytes(self, session: bytes) -> int:
-        s = self._get(session)
-        rows = s.rows.numel() * 4 if s.rows is not None else 0
-        return self._kv_bytes_per_sequence() + rows + token_list_bytes(len(s.committed)) \
-            + token_list_bytes(len(s.cached))
+        return self._kv_bytes_per_sequence() + self._bookkeeping_bytes(self._get(session))
 
     def bytes_for(self, tokens: int) -> int:
         """llama.cpp's KV is allocated up front for `ctx` positions per sequence, whatever
         the session's length; then the logits rows of a longest proposal, two token lists."""
         tokens = min(tokens, self.max_seq_len)
-        return self._kv_bytes_per_sequence() + MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
+        return self._kv_bytes_per_sequence() + self._bookkeeping_bytes_for(tokens)
 
     def _kv_bytes_per_sequence(self) -> int:
         """One sequence's share of the context's KV: `ctx` positions of K and V in f16
@@ -189,10 +187,10 @@ class LlamaCppBackend(TinyBackend):
         if n > self.max_seq_len:
             raise KVCapacityError(f"sequence of {n} tokens exceeds the per-session ctx={self.max_seq_len}")
 
-    def _reserve(self, plans: list[_Plan]) -> None:
+    def _reserve(self, plans: list[Plan]) -> None:
         """Each sequence's KV stream is allocated up front; `_check_length` bounds it."""
 
-    def _forward(self, plans: list[_Plan]) -> list[torch.Tensor]:
+    def _forward(self, plans: list[Plan]) -> list[torch.Tensor]:
         """One llama_decode call over every plan's new tokens (several if they exceed
         `batch`); rows of positions max(p.start, p.first_row) onwards, per plan."""
         work = []  # (seq, position, token, wants logits)

@@ -1,20 +1,13 @@
 """Session bookkeeping for backends that keep only each session's committed token list
-(no K/V of their own): the table model and the Hugging Face backend. Their KV blobs carry
-the committed sequence alone."""
+(no K/V of their own): the table model and the replay draft. Their KV blobs carry the
+committed sequence alone."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from . import kvblob
-from .base import (
-    InvalidTokens,
-    KVCapacityError,
-    SessionExists,
-    UnknownSession,
-    check_tokens,
-    token_list_bytes,
-)
+from .base import UnknownSession, check_length, check_new_session, check_tokens, token_list_bytes
 
 
 class TokenListSessions:
@@ -29,13 +22,7 @@ class TokenListSessions:
     _sessions: dict[bytes, list[int]]
 
     def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt: the model needs a previous token")
-        self._check_length(len(prompt))
-        self._sessions[session] = prompt
+        self._sessions[session] = check_new_session(self, session, prompt)
 
     def commit(self, session: bytes, emitted: Sequence[int]) -> None:
         committed = self._get(session)
@@ -67,8 +54,7 @@ class TokenListSessions:
         return token_list_bytes(tokens)
 
     def _check_length(self, n: int) -> None:
-        if self.max_seq_len is not None and n > self.max_seq_len:
-            raise KVCapacityError(f"sequence of {n} tokens exceeds the model's {self.max_seq_len}")
+        check_length(n, self.max_seq_len)
 
     def _get(self, session: bytes) -> list[int]:
         try:

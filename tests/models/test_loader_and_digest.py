@@ -8,6 +8,7 @@ from model_helpers import random_model
 from safetensors.torch import save_file
 
 from sdcp_fast.models import Backend, BackendSpecError, load_backend
+from sdcp_fast.models.spec_options import split_options
 from sdcp_fast.models.weights import CONFIG_KEY, canonical_digest, read_safetensors
 
 
@@ -17,7 +18,22 @@ def test_bad_specs():
             load_backend(spec)
     with pytest.raises(FileNotFoundError):
         load_backend("tiny:/nonexistent/model.safetensors")
+    for spec in ["tiny:demo-target?threads=2", "tiny:demo-target?=1", "nope:x?a=1", "tiny:?a=1"]:
+        with pytest.raises(BackendSpecError):
+            load_backend(spec)
 
+
+def test_spec_options_grammar():
+    known = {"threads": int, "dtype": str}
+    assert split_options("/m/model.gguf?dtype=bfloat16&threads=4", known, "hf") == (
+        "/m/model.gguf", {"dtype": "bfloat16", "threads": 4})
+    assert split_options("demo-target", {}, "tiny") == ("demo-target", {})
+    with pytest.raises(BackendSpecError, match=r"unknown option 'thread' \(known: dtype, threads\)"):
+        split_options("y?thread=3", known, "x")
+    with pytest.raises(BackendSpecError, match="given twice"):
+        split_options("y?threads=1&threads=2", known, "x")
+    with pytest.raises(BackendSpecError, match="known: none"):
+        split_options("y?threads=1", {}, "x")
 
 def test_backends_satisfy_the_protocol(tiny_path):
     assert isinstance(load_backend(f"tiny:{tiny_path}"), Backend)
