@@ -28,6 +28,9 @@ default 5 s, `timeout_s=` in any spec's query):
         # epoch exists (retry: returns current length); Fenced if a higher one exists
     await log.read(log: str, start: int = 0) -> list[LogEntry]
     await log.close() -> None
+    await append_batch(log, [Append(log, record, epoch, expected), ...]) -> [int | Exception]
+        # a batch's appends (distinct logs): group commit on the file log, one pipelined
+        # round trip on Redis, concurrent appends elsewhere; each answer as `append`'s
     LogEntry(position: int, kind: "commit" | "fence", epoch: int, record: bytes)
 
     effective_commits(entries) -> list[LogEntry]  # skips commits refused by a later-epoch fence
@@ -44,7 +47,16 @@ qrows.QRowsUnavailable.
 Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
 """
 
-from .api import CommitLog, LogEntry, ObjectStore, effective_commits, object_uri
+from .api import (
+    Append,
+    CommitLog,
+    LogEntry,
+    ObjectStore,
+    append_batch,
+    append_each,
+    effective_commits,
+    object_uri,
+)
 from .errors import (
     BadSpec,
     CacheError,
@@ -61,9 +73,9 @@ from .fencing import check_after_append
 from .specs import open_log, open_store
 
 __all__ = [
-    "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Fenced", "LogEntry",
+    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Fenced", "LogEntry",
     "NotFound", "ObjectStore", "SizeMismatch", "StoreFull", "StoreTimeout",
-    "UnsafeDirectory", "check_after_append", "effective_commits", "load_q_rows", "object_uri",
+    "UnsafeDirectory", "append_batch", "append_each", "check_after_append", "effective_commits", "load_q_rows", "object_uri",
     "open_log", "open_store",
 ]
 
