@@ -11,9 +11,11 @@ drafter sees it). A fresh verifier serves each measurement, so idle sessions of 
 one never count as company the batcher waits for.
 
 Variants run side by side in the same run (alternating, same machine state):
-  before   the verifier's commit-log appends as they were: each session's record appended on
-           its own (file log: one worker-thread call and one fdatasync each)
-  after    group commit: the batch's records in one worker call, synced before any verdict
+  before   the verifier as it was: each session's commit record appended on its own (file log:
+           one worker-thread call and one fdatasync each); every forward pass and verify launch
+           in a worker thread (SDCP_INLINE_BELOW_US=0)
+  after    group commit (the batch's records in one worker call, synced before any verdict);
+           passes and launches measured cheaper than a thread hop run on the event loop
 
 At one session the table also splits the round into stages: from the drafter's side
 (building and encoding the proposal, the HTTP exchange, decoding the verdict) and from the
@@ -68,7 +70,7 @@ DRAFTERS = [f"https://drafter-bench-{n}.example/" for n in range(16)]
 
 # verifier options and environment per variant
 VARIANTS = {
-    "before": ({"group_commit": False}, {}),
+    "before": ({"group_commit": False}, {"SDCP_INLINE_BELOW_US": "0"}),
     "after": ({}, {}),
 }
 
@@ -81,9 +83,27 @@ class Stages:
         self.build = self.exchange = self.decode = 0.0
 
 
+class Window:
+    """The measured window, the same for every drafter process: set by the parent once every
+    session of every process is open and has run a round (spawn and imports take seconds)."""
+
+    def __init__(self, go, times, ready, sessions: int, index: int, out):
+        self.go, self.times, self.ready, self.sessions, self.index, self.out = go, times, ready, sessions, index, out
+        self.opened = 0
+        self.start_at = self.stop_at = math.inf
+
+    def warmed(self) -> None:
+        self.opened += 1
+        if self.opened == self.sessions:
+            self.out.put(("ready", self.index, None))
+
+    def poll(self) -> None:
+        if self.stop_at == math.inf and self.go.is_set():
+            self.start_at, self.stop_at = self.times[0], self.times[1]
+
+
 async def _session(verifier: str, router: Client, client: Client, drafter: str, contract: Contract,
-                   next_token: list[int], start_at: float, stop_at: float, latencies: list[float],
-                   stages: Stages) -> None:
+                   next_token: list[int], window: Window, latencies: list[float], stages: Stages) -> None:
     sid = os.urandom(16)
     prompt = (1, 2, 3)
     opened = SessionOpen(sid, 1, contract, prompt, commit_log_name(sid))
@@ -96,7 +116,12 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
     round_, committed, digest, last = state.round, 0, d0, prompt[-1]
     status = Status(drafter, 1, 10, 0, 2000)
     url = f"{verifier}proposals"
-    while (now := time.monotonic()) < stop_at:
+    first = True
+    while True:
+        window.poll()
+        now = time.monotonic()
+        if now >= window.stop_at:
+            break
         t0 = time.perf_counter()
         tokens, t = [], last
         for _ in range(M):
@@ -111,7 +136,10 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
         verdict = Verdict.from_cbor(response.body)
         t3 = time.perf_counter()
         round_, committed, digest, last = verdict.round, verdict.committed, verdict.digest, verdict.emitted[-1]
-        if now >= start_at and time.monotonic() < stop_at:
+        if first:
+            first = False
+            window.warmed()
+        if now >= window.start_at and time.monotonic() < window.stop_at:
             latencies.append(t3 - t0)
             stages.build += t1 - t0
             stages.exchange += t2 - t1
@@ -119,32 +147,33 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
 
 
 async def _drafter(index: int, verifier: str, certs: str, router_uri: str, protocol: str, sessions: int,
-                   spec: str, start_at: float, stop_at: float) -> tuple[list[float], dict]:
+                   spec: str, go, times, out) -> tuple[list[float], dict]:
     backend = load_backend(spec)
     table = torch.load(Path(spec.removeprefix("table:")).with_suffix(".pt"))
     next_token = table.argmax(dim=1).tolist()
     contract = Contract(target=backend.digest, tokenizer=backend.tokenizer_digest, rule=1, m_max=8,
                         max_new=1 << 30, stop=(), low_rounds=4, fallback=(Action.REDUCE,))
-    router = Client(TLSConfig.for_instance(certs, router_uri), protocol, timeout=30.0)
-    client = Client(TLSConfig.for_instance(certs, DRAFTERS[index]), protocol, timeout=30.0)
+    router = Client(TLSConfig.for_instance(certs, router_uri), protocol, timeout=60.0)
+    client = Client(TLSConfig.for_instance(certs, DRAFTERS[index]), protocol, timeout=60.0)
     latencies: list[float] = []
     stages = Stages()
+    window = Window(go, times, None, sessions, index, out)
     try:
         await asyncio.gather(*(_session(verifier, router, client, DRAFTERS[index], contract, next_token,
-                                        start_at, stop_at, latencies, stages) for _ in range(sessions)))
+                                        window, latencies, stages) for _ in range(sessions)))
     finally:
         await router.close()
         await client.close()
     return latencies, {"build": stages.build, "exchange": stages.exchange, "decode": stages.decode}
 
 
-def _drafter_main(index, verifier, certs, router_uri, protocol, sessions, spec, start_at, stop_at, out):
+def _drafter_main(index, verifier, certs, router_uri, protocol, sessions, spec, go, times, out):
     try:
-        result = asyncio.run(_drafter(index, verifier, certs, router_uri, protocol, sessions, spec,
-                                      start_at, stop_at))
-        out.put((index, result, None))
+        result = asyncio.run(_drafter(index, verifier, certs, router_uri, protocol, sessions, spec, go, times,
+                                      out))
+        out.put(("done", index, result))
     except BaseException as exc:  # reported to the parent, which fails the run
-        out.put((index, None, f"{type(exc).__name__}: {exc}"))
+        out.put(("failed", index, f"{type(exc).__name__}: {exc}"))
 
 
 # ----------------------------------------------------------------------------- the verifier
@@ -184,36 +213,45 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
             processes = min(drafters, sessions)
             shares = [sessions // processes + (n < sessions % processes) for n in range(processes)]
             context = mp.get_context("spawn")
-            out = context.Queue()
-            warmup = 2.0 + 0.02 * sessions
-            start_at = time.monotonic() + warmup
-            stop_at = start_at + seconds
+            out, go, times = context.Queue(), context.Event(), context.Array("d", 2)
             children = [context.Process(target=_drafter_main, daemon=True, args=(
-                n, url, str(cluster.certs), cluster.router_uri, protocol, share, spec, start_at, stop_at, out)) for n, share in enumerate(shares)]
+                n, url, str(cluster.certs), cluster.router_uri, protocol, share, spec, go, times, out))
+                for n, share in enumerate(shares)]
             for child in children:
                 child.start()
+            ready = 0
+            while ready < len(children):
+                kind, _, detail = out.get(timeout=180)
+                if kind == "failed":
+                    raise RuntimeError(f"drafter failed: {detail}\nverifier log:\n{verifier.log_tail()}")
+                ready += kind == "ready"
+            start_at = time.monotonic() + 1.0     # a second of every session running, unmeasured
+            stop_at = start_at + seconds
+            times[0], times[1] = start_at, stop_at
+            go.set()
             time.sleep(max(0.0, start_at - time.monotonic()))
             before = _scrape(metrics_port)
             cpu0 = _cpu_seconds(verifier.pid)
             time.sleep(max(0.0, stop_at - time.monotonic()))
             after = _scrape(metrics_port)
             cpu = _cpu_seconds(verifier.pid) - cpu0
-            results = [out.get(timeout=120) for _ in children]
+            results = []
+            while len(results) < len(children):
+                kind, _, detail = out.get(timeout=120)
+                if kind == "failed":
+                    raise RuntimeError(f"drafter failed: {detail}\nverifier log:\n{verifier.log_tail()}")
+                results.append(detail)
             for child in children:
                 child.join(30)
-            failed = [err for _, _, err in results if err]
-            if failed:
-                raise RuntimeError(f"drafter failed: {failed[0]}\nverifier log:\n{verifier.log_tail()}")
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    latencies = sorted(x for _, (lat, _), _ in results for x in lat)
+    latencies = sorted(x for lat, _ in results for x in lat)
     rounds = len(latencies)
-    drafter_stages = {k: sum(r[1][k] for _, r, _ in results) / max(rounds, 1) for k in ("build", "exchange",
-                                                                                     "decode")}
+    drafter_stages = {k: sum(r[1][k] for r in results) / max(rounds, 1) for k in ("build", "exchange", "decode")}
     verifier_stages = {k: (after[k][0] - before[k][0]) for k in VERIFIER_SERIES if k in after and k in before}
     counts = {k: (after[k][1] - before[k][1]) for k in VERIFIER_SERIES if k in after and k in before}
     return {"variant": variant, "protocol": protocol, "sessions": sessions, "rounds": rounds,
