@@ -37,6 +37,7 @@ import math
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -198,13 +199,16 @@ def _scrape(port: int) -> dict[str, tuple[float, float]]:
 
 
 def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: float, drafters: int,
-            variant: str) -> dict:
+            variant: str, py_spy: Path | None = None) -> dict:
     options, env = VARIANTS[variant]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         cluster = Cluster(workdir / f"{variant}-{protocol}-{sessions}", protocol=protocol, log_level="warning")
-        verifier = cluster.verifier("verifier", model=spec, max_wait_ms=2.0, metrics="127.0.0.1:0", **options)
+        # no router: the drafters here open sessions with a router's certificate, and status
+        # reports to a router that is not there would only cost the verifier retries
+        verifier = cluster.verifier("verifier", model=spec, max_wait_ms=2.0, metrics="127.0.0.1:0",
+                                    router_uri=None, **options)
         make_certs(cluster.certs, [cluster.router_uri, *DRAFTERS])
         with cluster:
             cluster.start(timeout=60)
@@ -232,9 +236,19 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
             time.sleep(max(0.0, start_at - time.monotonic()))
             before = _scrape(metrics_port)
             cpu0 = _cpu_seconds(verifier.pid)
+            spy = None
+            if py_spy is not None:   # where the verifier's CPU goes (collapsed stacks, for flamegraphs)
+                py_spy.mkdir(parents=True, exist_ok=True)
+                spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
+                                        str(verifier.pid), "--duration", str(int(seconds)), "--rate", "250",
+                                        "--nonblocking", "--format", "raw", "--output",
+                                        str(py_spy / f"{variant}-{protocol}-{sessions}.txt")],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(max(0.0, stop_at - time.monotonic()))
             after = _scrape(metrics_port)
             cpu = _cpu_seconds(verifier.pid) - cpu0
+            if spy is not None:
+                spy.wait(30)
             results = []
             while len(results) < len(children):
                 kind, _, detail = out.get(timeout=120)
@@ -282,6 +296,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per row")
     parser.add_argument("--drafters", type=int, default=2, help="drafter processes")
     parser.add_argument("--variants", default="before,after")
+    parser.add_argument("--py-spy", type=Path, help="record the verifier with py-spy into this directory")
     args = parser.parse_args()
     sessions = [int(s) for s in args.sessions.split(",")]
     protocols = args.protocols.split(",")
@@ -297,17 +312,19 @@ def main() -> int:
         for protocol in protocols:
             for n in sessions:
                 for variant in variants:   # alternating: both see the same machine state
-                    row = measure(workdir, spec, protocol, n, args.seconds, args.drafters, variant)
+                    row = measure(workdir, spec, protocol, n, args.seconds, args.drafters, variant, args.py_spy)
                     rows.append(row)
                     print(f"{variant} {protocol} {n}: {row['per_s']:.0f}/s p50 {row['p50'] * 1e3:.2f} ms",
                           file=sys.stderr)
     print(f"load average {os.getloadavg()[0]:.1f} (at the end); {os.cpu_count()} cores; table model V={V}, "
           f"M={M}, every token accepted; {args.drafters} drafter processes\n")
-    print("| variant | protocol | sessions | proposals/s | p50 ms | p99 ms | verifier CPU | jobs/batch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | protocol | sessions | proposals/s | p50 ms | p99 ms | verifier CPU | verifier CPU ms "
+          "per proposal | jobs/batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['variant']} | {r['protocol']} | {r['sessions']} | {r['per_s']:.0f} | {r['p50'] * 1e3:.2f} | "
-              f"{r['p99'] * 1e3:.2f} | {r['verifier_cpu']:.0%} | {r['verifier']['jobs_per_batch']:.1f} |")
+              f"{r['p99'] * 1e3:.2f} | {r['verifier_cpu']:.0%} | "
+              f"{1e3 * r['verifier_cpu'] / max(r['per_s'], 1e-9):.2f} | {r['verifier']['jobs_per_batch']:.1f} |")
     singles = [r for r in rows if r["sessions"] == 1]
     if singles:
         print("\nOne session, mean ms per round by stage (drafter side; verifier metrics per job/batch):\n")
