@@ -16,6 +16,7 @@ Variants run side by side in the same run (alternating, same machine state):
            in a worker thread (SDCP_INLINE_BELOW_US=0)
   after    group commit (the batch's records in one worker call, synced before any verdict);
            passes and launches measured cheaper than a thread hop run on the event loop
+  after-threads  (on request) group commit, every pass and launch in a worker thread
 
 At one session the table also splits the round into stages: from the drafter's side
 (building and encoding the proposal, the HTTP exchange, decoding the verdict) and from the
@@ -73,6 +74,7 @@ DRAFTERS = [f"https://drafter-bench-{n}.example/" for n in range(16)]
 VARIANTS = {
     "before": ({"group_commit": False}, {"SDCP_INLINE_BELOW_US": "0"}),
     "after": ({}, {}),
+    "after-threads": ({}, {"SDCP_INLINE_BELOW_US": "0"}),   # group commit only: every call in a thread
 }
 
 
