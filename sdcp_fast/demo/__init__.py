@@ -12,6 +12,11 @@
    target alone (baseline.py; greedy, batched in one process) for comparison, the
    speedup, and whether the outputs are identical (under rule 1 they must be).
 5. With --plot PATH, a PNG of accepted tokens and m_cap per round (needs matplotlib).
+6. With --routers N (N >= 2): N routers share the sessions (a session table beside the
+   commit log, one lease each). Once every prompt is under way the router the client
+   streams from is killed (SIGKILL); another one takes its sessions over within two lease
+   TTLs, and the client resumes each stream there with its id and from=n. The report says
+   when each session was taken over, and the outputs are still identical to the target's.
 
 Every process is stopped on exit, on an error and on Ctrl-C. SDCP_DEMO_TARGET and
 SDCP_DEMO_DRAFT (model specs) replace the shipped pair, e.g. for a development build.
@@ -28,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import deployment
+from . import deployment, failover
 from .baseline import target_alone
 from .client import Generation, generate_all, wait_live
 from .report import plot, print_table, print_texts
@@ -52,12 +57,12 @@ def main(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, terminate)
     code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=args.max_new,
-                  workdir=args.workdir, plot=args.plot)
+                  workdir=args.workdir, plot=args.plot, routers=getattr(args, "routers", 1))
     return code
 
 
 def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: str | None = None,
-        plot: str | None = None) -> tuple[int, dict]:
+        plot: str | None = None, routers: int = 1) -> tuple[int, dict]:
     """The demo; returns (exit code, summary of the table's last rows) for bench/bench_demo.py."""
     target_spec = os.environ.get("SDCP_DEMO_TARGET", "tiny:demo-target")
     draft_spec = os.environ.get("SDCP_DEMO_DRAFT", "tiny:demo-draft")
@@ -75,7 +80,7 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: s
     root.mkdir(parents=True, exist_ok=True)
     from ..procs import Cluster
 
-    cluster = Cluster(root, protocol=protocol)
+    cluster = Cluster(root, protocol=protocol, routers=max(1, routers))
     try:
         return _run(cluster, protocol, target, draft, target_spec, draft_spec, PROMPTS[:n_prompts],
                     max_new, plot)
@@ -96,17 +101,23 @@ def _run(cluster, protocol: str, target, draft, target_spec: str, draft_spec: st
     deployment.plan(cluster, target_spec, draft_spec, draft.digest.hex(), max_new)
     started = time.perf_counter()
     http = {"h2": "HTTP/2", "h3": "HTTP/3"}[protocol]
-    print(f"starting router, verifier and 2 drafters as processes ({http} + mutual TLS 1.3 on "
+    names = deployment.router_names(len(cluster.router_ports))
+    routers = "router" if len(names) == 1 else f"{len(names)} routers"
+    print(f"starting {routers}, verifier and 2 drafters as processes ({http} + mutual TLS 1.3 on "
           f"loopback) ...", flush=True)
     cluster.start(timeout=90)
-    front = cluster.instances["router"].frontdoor_url
-    wait_live(front, 3, timeout=30)   # verifier and drafters report status
-    print(f"all serving after {time.perf_counter() - started:.1f} s; front door {front}\n", flush=True)
+    fronts = [cluster.instances[name].frontdoor_url for name in names]
+    for front in fronts:
+        wait_live(front, 3, timeout=30)   # verifier and drafters report status to every router
+    print(f"all serving after {time.perf_counter() - started:.1f} s; front door {fronts[0]}\n", flush=True)
 
     generations = [Generation(p) for p in prompts]
-    wall = generate_all(front, generations, max_new)
+    killer = failover.kill_first_router(cluster, names, generations, max_new) if len(names) > 1 else None
+    wall = generate_all(fronts, generations, max_new)
     failed = [g for g in generations if g.error or g.finish != "finish"]
     records = deployment.rounds(cluster)
+    if killer is not None:
+        failover.report(cluster, names, generations, killer)
     cluster.stop()   # the comparison runs alone on the CPU
 
     print("\ndecoding the same prompts with the target alone (greedy; batched, then one by one) ...",

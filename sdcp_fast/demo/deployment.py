@@ -1,6 +1,7 @@
-"""The demo's deployment: a router, a verifier (the target model) and two drafters (the
-draft model) as separate `sdcp-fast serve` processes, speaking HTTP/2 (or HTTP/3) with
-mutual TLS on loopback, sharing an embedded object store and a file commit log."""
+"""The demo's deployment: a router (or several, sharing the sessions), a verifier (the target
+model) and two drafters (the draft model) as separate `sdcp-fast serve` processes, speaking
+HTTP/2 (or HTTP/3) with mutual TLS on loopback, sharing an embedded object store, a file
+commit log and the routers' session table beside it."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ from ..drafter import rounds_from_file
 from ..procs import Cluster
 
 DRAFTERS = ("drafter-1", "drafter-2")
+LEASE_TTL_S = 2.0      # a router silent this long loses its sessions to another
+
+
+def router_names(routers: int) -> list[str]:
+    return ["router"] + [f"router-{n}" for n in range(2, routers + 1)]
 
 
 def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int) -> None:
-    """Add the instances and their configs; `cluster.start()` launches them."""
+    """Add the instances and their configs (as many routers as the cluster was made for);
+    `cluster.start()` launches them."""
     # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
     cluster.verifier("verifier", model=target_spec, max_wait_ms=1.0, ttl_ms=3000, status_interval_s=0.5)
     for name in DRAFTERS:
         cluster.drafter(name, model=draft_spec, ttl_ms=2000, status_interval_s=0.4)
-    cluster.router(model=target_spec, drafter_models={name: draft_digest for name in DRAFTERS},
-                   contract={"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
-                             "fallback": ["reduce", "switch", "self_decode"], "self_load": 60,
-                             "self_max": 16})
+    for router in router_names(len(cluster.router_ports)):
+        cluster.router(model=target_spec, drafter_models={d: draft_digest for d in DRAFTERS}, name=router,
+                       contract={"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
+                                 "fallback": ["reduce", "switch", "self_decode"], "self_load": 60,
+                                 "self_max": 16},
+                       lease_ttl_s=LEASE_TTL_S)
 
 
 def rounds(cluster: Cluster) -> list[dict]:
