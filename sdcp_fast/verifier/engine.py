@@ -45,7 +45,7 @@ import torch
 
 from .. import kernels
 from ..aio import cancel_and_wait
-from ..cache import Fenced
+from ..cache import Append, Fenced, append_batch, append_each
 from ..cache.qrows import QFetch, QRowStager
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem
@@ -97,6 +97,7 @@ class EngineConfig:
     max_wait_ms: float = 2.0      # how long the first job of a batch waits for company (it
                                   # stops waiting once no other session could add a job)
     batching: bool = True         # False: one job per pass (the benchmark's baseline)
+    group_commit: bool = True     # False: each commit record appended alone (the benchmark's baseline)
     append_timeout_s: float = 5.0
     q_buffer_bytes: int = 256 << 20   # largest device q-row buffer kept between batches
     q_staging_bytes: int = 512 << 20  # host slots for q rows fetched ahead (pinned on CUDA)
@@ -279,12 +280,7 @@ class Engine:
             # copies into them) has finished
             self._stager.release(fetches, after=kernel_done or (landed.ready if landed else None))
         t_commit = time.perf_counter()
-        results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(items, outcomes, strict=True)),
-                                       return_exceptions=True)
-        for item, result in zip(items, results, strict=True):
-            if isinstance(result, Exception):   # a bug: that job alone is answered 503
-                log.error("commit of round %d failed", item.job.round, exc_info=result)
-                self._fail(item, Problem(Kind.UNAVAILABLE, f"commit failed: {result}"))
+        await self._commit(items, outcomes)
         commit_ms = (time.perf_counter() - t_commit) * 1e3
         self._record(BatchTimes(
             jobs=len(items), q_jobs=len(fetches), prefetched=prefetched,
@@ -313,15 +309,34 @@ class Engine:
             self._refuse(batch[n], Problem(Kind.UNAVAILABLE, f"the target model cannot score this session: {exc}"))
         return [(n, item) for n, item in enumerate(batch) if n not in refused], logits
 
-    async def _commit(self, item: _Queued, outcome: JobOutcome) -> None:
-        served, session, job = item.served, item.session, item.job
-        if outcome.problem is not None:
-            self._refuse(item, outcome.problem)
+    async def _commit(self, batch: list[_Queued], outcomes: list[JobOutcome]) -> None:
+        """Complete every job, append the batch's records together (group commit: one
+        durable write on the file log, one round trip on Redis), then settle each job."""
+        ready: list[tuple[_Queued, object, int, bytes, int]] = []   # (item, record, accepted, data, position)
+        for item, outcome in zip(batch, outcomes, strict=True):
+            if outcome.problem is not None:
+                self._refuse(item, outcome.problem)
+                continue
+            try:
+                record = item.session.complete(item.job, outcome.accepted, outcome.extra, self.load)
+            except Exception as exc:   # a bug: that job alone is answered 503
+                self._broken(item, exc)
+                continue
+            ready.append((item, record, outcome.accepted, record.to_cbor(), item.served.log_position))
+        if not ready:
             return
-        record = session.complete(job, outcome.accepted, outcome.extra, self.load)
-        data = record.to_cbor()
-        position = served.log_position
-        appended = await self._append(session, data, position)
+        answers = await self._append_all([(item.session, data, position) for item, _, _, data, position in ready])
+        results = await asyncio.gather(*(self._settle(item, record, accepted, position, answer)
+                                         for (item, record, accepted, _, position), answer in zip(ready, answers,
+                                                                                                  strict=True)),
+                                       return_exceptions=True)
+        for (item, *_), result in zip(ready, results, strict=True):
+            if isinstance(result, Exception):
+                self._broken(item, result)
+
+    async def _settle(self, item: _Queued, record, accepted: int, position: int, appended: str) -> None:
+        """What the log said of one job's append: its verdict, or why there is none."""
+        served, session, job = item.served, item.session, item.job
         if appended is _NOT_APPENDED:
             session.commit_failed()
             prob = Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed")
@@ -345,32 +360,49 @@ class Engine:
         served.log_position = position + 1
         verdict = session.commit_result(True)   # durable: the round stands whatever follows
         await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
-        self.metrics.committed(job.m, outcome.accepted, verdict.action if verdict else None)
+        self.metrics.committed(job.m, accepted, verdict.action if verdict else None)
         served.wake()
         if not item.future.done():
             item.future.set_result(RoundResult(verdict=verdict, settled=True))
 
-    async def _append(self, session, data: bytes, position: int):
-        """Append one commit record at `position`: _APPENDED, _SUPERSEDED (fenced, or another
-        record holds the position) or _NOT_APPENDED (store unreachable: nothing landed).
+    async def _append_all(self, records: list[tuple]) -> list[str]:
+        """Append each (session, record bytes, position) of a batch in one `append_batch`:
+        per record _APPENDED, _SUPERSEDED (fenced, or another record holds the position) or
+        _NOT_APPENDED (store unreachable: nothing landed).
 
         An append that failed or timed out may still have landed (the store finished the
         write after we stopped waiting), so the answer comes from reading the log back,
         which is also the read-after-append check of section 6.8."""
         timeout = self.config.append_timeout_s
+        appends = [Append(session.commit_log, data, session.epoch, position) for session, data, position in records]
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
-            await asyncio.wait_for(self.commit_log.append(
-                session.commit_log, data, epoch=session.epoch, expected=position), timeout)
-            self.metrics.append_seconds.observe(time.perf_counter() - started)
-            return _APPENDED
-        except Fenced:
-            return _SUPERSEDED
-        except Exception as exc:   # Conflict, timeout, connection trouble: look at the log
-            log.warning("session %s: append at %d failed (%s: %s); reading the log back",
-                        session.id.hex(), position, type(exc).__name__, exc)
+            batched = append_batch if self.config.group_commit else append_each
+            answers = await asyncio.wait_for(batched(self.commit_log, appends), timeout)
+        except Exception as exc:   # the batch as a whole timed out or failed: read each back
+            answers = [exc] * len(appends)
+        elapsed = time.perf_counter() - started
+        outcomes = []
+        for (session, _data, position), answer in zip(records, answers, strict=True):
+            if not isinstance(answer, Exception):
+                self.metrics.append_seconds.observe(elapsed)
+                outcomes.append(_APPENDED)
+            elif isinstance(answer, Fenced):
+                outcomes.append(_SUPERSEDED)
+            else:   # Conflict, timeout, connection trouble: look at the log
+                log.warning("session %s: append at %d failed (%s: %s); reading the log back",
+                            session.id.hex(), position, type(answer).__name__, answer)
+                outcomes.append(None)
+        missing = [n for n, o in enumerate(outcomes) if o is None]
+        read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
+        for n, outcome in zip(missing, read_back, strict=True):
+            outcomes[n] = outcome
+        return outcomes
+
+    async def _read_back(self, session, data: bytes, position: int) -> str:
         try:
-            entries = await asyncio.wait_for(self.commit_log.read(session.commit_log, position), timeout)
+            entries = await asyncio.wait_for(self.commit_log.read(session.commit_log, position),
+                                             self.config.append_timeout_s)
         except Exception as exc:
             log.error("session %s: commit log unreadable: %s", session.id.hex(), exc)
             return _NOT_APPENDED
@@ -382,6 +414,11 @@ class Engine:
         if first.kind == "commit" and first.epoch == session.epoch and first.record == data:
             return _APPENDED
         return _SUPERSEDED
+
+    def _broken(self, item: _Queued, exc: BaseException) -> None:
+        """A bug in one job's commit: that job alone is answered 503."""
+        log.error("commit of round %d failed", item.job.round, exc_info=exc)
+        self._fail(item, Problem(Kind.UNAVAILABLE, f"commit failed: {exc}"))
 
     def _refuse(self, item: _Queued, prob: Problem) -> None:
         if item.session.inflight is item.job:
