@@ -6,6 +6,7 @@
     table:PATH     a [V, V] table model (see table.py)
     hf:PATH        a transformers causal LM + tokenizer from a local directory (lazy import)
     gguf:SOURCE    the target's GGUF run by llama.cpp, a draft (llamacpp.py; [real] extra)
+    twin:SOURCE    the target's GGUF run by the native int8 decoder, a draft (twin.py)
     ngram:TOKENIZER  prompt-lookup drafting, no model (ngram.py)
     distilled:NAME   a draft on the target's GGUF: trained, or its first layers (distilled.py)
 
@@ -44,6 +45,10 @@ def load_backend(spec: str, **options) -> Backend:
         from .llamacpp import LlamaCppBackend  # llama-cpp-python is imported only here
 
         return LlamaCppBackend.from_spec(arg, **options)
+    if kind == "twin":
+        from .twin import TwinBackend
+
+        return TwinBackend.from_spec(arg, **options)
     if kind == "ngram":
         from .ngram import NgramBackend
 
@@ -53,5 +58,5 @@ def load_backend(spec: str, **options) -> Backend:
 
         return load_distilled(arg, **options)
     raise BackendSpecError(
-        f"unknown model kind {kind!r} in {spec!r} (tiny, table, hf, gguf, ngram, distilled)"
+        f"unknown model kind {kind!r} in {spec!r} (tiny, table, hf, gguf, twin, ngram, distilled)"
     )
