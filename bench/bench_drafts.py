@@ -29,8 +29,9 @@ forcing) gives q there. The target's greedy token at t is argmax p_t, whatever t
   takes the accepted prefix to be distributed like the target's sample (exact where p = q).
 * Tokens per round at M: 1 + sum_{i=1..M} mean_t prod_{j<i} (m or a).
 * Costs, through the Backend protocol as the drafter calls it: one `score` per drafted token
-  on a growing proposal (context ~200 tokens), for 1, 4 and 8 sessions per call (wall clock,
-  and the calling thread's CPU time, which a busy machine disturbs less for one-thread drafts);
+  on a growing proposal (context ~200 tokens), for 1, 4 and 8 sessions per call, at one torch
+  thread as a drafter process runs (wall clock, and the calling thread's CPU time, which a
+  busy machine disturbs less);
   the target's cached forward (transformers, DynamicCache) for 1, 4, 6, 9 new tokens at a
   context of 200, for 1 and 4 sessions, interpolated linearly in M + 1.
 * Expected speedup at M (one session): tokens per round x t_target(1) / (M x t_draft +
@@ -150,8 +151,12 @@ def chain_stats(ok: list[torch.Tensor], max_m: int) -> tuple[list[float], list[f
 def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: int = 3) -> tuple[float, float]:
     """(wall, thread CPU) seconds per `score` step when `sessions` sessions each draft one more
     token (as the drafter's batcher calls it), over `rounds` rounds of `m` tokens with a commit
-    between."""
+    between. At one torch thread, as each serving process runs (procs.Cluster sets
+    OMP_NUM_THREADS): with two, torch's copies of logits rows wait on OpenMP barriers while
+    the other core is busy, which measured 2-3x the draft's own cost on a loaded machine."""
     sids = [f"c{k}".encode() for k in range(sessions)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for s in sids:
         backend.open(s, context)
     try:
@@ -174,6 +179,7 @@ def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: i
     finally:
         for s in sids:
             backend.release(s)
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
