@@ -40,6 +40,9 @@ bench: $(STAMP)
 	$(VPY) bench/bench_models.py
 	$(VPY) bench/bench_verifier.py
 	$(VPY) bench/bench_demo.py
+	$(VPY) bench/bench_decode.py
+	$(VPY) bench/bench_session_memory.py
+	$(VPY) bench/bench_hostile.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info kernels/_native*.so

@@ -23,7 +23,14 @@ member the schema does not know is a `ConfigError` naming it, with the closest k
 Relative paths (certs, embedded store, file commit log, ready_file) are relative to the
 working directory of the process (`sdcp-fast up DIR` runs each instance in its work dir).
 
-and one table for the role: [verifier], [drafter] or [router] (see the dataclasses).
+one table for the role: [verifier], [drafter] or [router] (see the dataclasses), and an
+optional [transport] table: the limits the instance's HTTP/2 and HTTP/3 server holds hostile
+clients to (`transport.limits.Limits`; every member has a default), e.g.
+
+    [transport]
+    max_connections_per_client = 16
+    idle_timeout = 300.0
+    body_limits = { proposals = 65536 }
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from .transport.limits import Limits
 
 PROTOCOLS = ("h2", "h3")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -61,6 +70,11 @@ class VerifierSection:
     max_batch: int = 64                     # jobs per forward pass
     max_wait_ms: float = 2.0                # the first job's wait for company
     metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
+    max_sessions: int = 4096
+    session_memory_mb: int = 2048           # budget of all sessions' state, model KV included
+    retire_idle_s: float = 30.0             # over budget, sessions idle this long may be retired
+    max_context_tokens: int = 32768         # the longest session a memory reservation counts with
+    idle_s: float = 1800.0                  # a session untouched this long is retired
 
 
 @dataclass(frozen=True)
@@ -70,6 +84,8 @@ class DrafterSection:
     ttl_ms: int = 2000
     status_interval_s: float = 0.5
     max_sessions: int = 64
+    session_memory_mb: int = 1024           # budget of all sessions' state, draft KV included
+    max_context_tokens: int = 32768         # the longest session a memory reservation counts with
     max_batch: int = 32                     # sessions per draft step
     request_timeout_s: float = 5.0
     give_up_after_s: float = 10.0           # no verdict for this long: stop
@@ -146,6 +162,7 @@ class InstanceConfig:
     verifier: VerifierSection | None = None
     drafter: DrafterSection | None = None
     router: RouterSection | None = None
+    transport: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -278,7 +295,7 @@ def reference(role: str | None = None) -> str:
     def table(cls, title: str) -> list[str]:
         lines = [title]
         for name, kind, comment in members(cls):
-            if cls is InstanceConfig and name in SECTIONS:
+            if cls is InstanceConfig and (name in SECTIONS or name == "transport"):
                 continue
             lines.append(f"  {name:<20} {kind:<34} {comment}".rstrip())
         return lines
@@ -289,6 +306,7 @@ def reference(role: str | None = None) -> str:
             if cls is RouterSection:
                 lines += ["", *table(DrafterEntry, "[[router.drafters]]:"), "",
                           *table(ContractSection, "[router.contract]:")]
+    lines += ["", *table(Limits, "[transport] (every role; limits against hostile clients, docs/TRANSPORT.md):")]
     return "\n".join(lines)
 
 

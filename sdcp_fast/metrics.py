@@ -67,6 +67,17 @@ def counter(registry: CollectorRegistry, name: str, doc: str,
     return metric
 
 
+def refusal_counter(registry: CollectorRegistry) -> Callable[[str], None]:
+    """`sdcp_refusals_total{kind}`: the transport's refusals of hostile or broken clients
+    (every kind of `transport.refusals.Kind` from the start); returns what counts one, for
+    `transport.Refusals(on_count=...)`."""
+    from .transport.refusals import Kind
+
+    kinds = [v for k, v in vars(Kind).items() if not k.startswith("_") and isinstance(v, str)]
+    metric = counter(registry, "refusals", "Refusals of the transport, by kind", labels={"kind": kinds})
+    return lambda kind: metric.labels(kind=kind).inc()
+
+
 def histogram(registry: CollectorRegistry, name: str, doc: str, buckets: Iterable[float]) -> Histogram:
     return Histogram(PREFIX + name, doc, registry=registry, buckets=tuple(buckets))
 

@@ -100,7 +100,7 @@ def token_list_bytes(tokens: Sequence[int]) -> bytes:
 
 def token_list_from_bytes(data: bytes, what: str) -> tuple[int, ...]:
     try:
-        tokens = cbor.loads(data, max_size=MAX_TOKEN_LIST_BYTES)
+        tokens = cbor.loads(data, max_size=MAX_TOKEN_LIST_BYTES, max_items=MAX_TOKEN_LIST_BYTES)
     except cbor.DecodeError as exc:
         raise problem(Kind.BAD_REQUEST, f"{what} object is not a CBOR token list: {exc}") from None
     if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 1 << 32 for t in tokens):

@@ -2,7 +2,8 @@
 
 The composition root of one process: reads the instance's TOML file (schema in config.py),
 builds the role's service over its model, cache, commit log and client, serves it over
-HTTP/2 + HTTP/3 with mutual TLS (`transport.serve`), and its plain-HTTP pages with
+HTTP/2 + HTTP/3 with mutual TLS (`transport.serve`, under the config's `[transport]`
+limits, its refusals counted as `sdcp_refusals_total{kind}`), and its plain-HTTP pages with
 `transport.asgi.serve_web`: every role's GET /metrics and GET /health (`metrics.StatusPage`
 at the role's `metrics` host:port), and the router's front door (its own API, the OpenAI
 API, /health and /metrics).
@@ -33,7 +34,7 @@ from urllib.parse import urlsplit
 
 from . import logs
 from .config import ConfigError, InstanceConfig, load
-from .metrics import Health, StatusPage, log_check, store_check
+from .metrics import Health, StatusPage, log_check, refusal_counter, store_check
 
 log = logging.getLogger("sdcp_fast.serve")
 Closer = Callable[[], Awaitable[object]]
@@ -51,6 +52,7 @@ class Built:
     closers: list[Closer] = field(default_factory=list)
     ready: dict[str, object] = field(default_factory=dict)
     urls: list[str] = field(default_factory=list)       # "what URL" pieces of the ready line
+    count_refusal: Callable[[str], None] | None = None  # the transport's refusals, into the metrics
 
 
 def host_port(text: str, what: str = "address") -> tuple[str, int]:
@@ -146,9 +148,11 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
     config = VerifierConfig(
         uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri,
         output_wait_s=v.output_wait_s, status_interval_s=v.status_interval_s, ttl_ms=v.ttl_ms,
-        publish_kv_every=v.publish_kv_every)
+        publish_kv_every=v.publish_kv_every, max_sessions=v.max_sessions,
+        memory_budget_bytes=v.session_memory_mb << 20, retire_idle_s=v.retire_idle_s,
+        max_context_tokens=v.max_context_tokens, idle_s=v.idle_s)
     metrics = Metrics()
-    built = Built(None)
+    built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(v.metrics, metrics.registry, health, built)
     backend = load_model(cfg.model)
     store, commit_log = await open_stores(cfg, with_log=True)
@@ -171,9 +175,10 @@ async def build_drafter(cfg: InstanceConfig, tls, client, health: Health) -> Bui
         request_timeout_s=d.request_timeout_s, give_up_after_s=d.give_up_after_s,
         max_q_republish=d.max_q_republish, publish_draft_kv=d.publish_draft_kv,
         draft_kv_every=d.draft_kv_every, draft_ahead=d.draft_ahead, rounds_log=d.rounds_log,
-        drop_verdicts=d.drop_verdicts)
+        drop_verdicts=d.drop_verdicts, memory_budget_bytes=d.session_memory_mb << 20,
+        max_context_tokens=d.max_context_tokens)
     metrics = Metrics()
-    built = Built(None)
+    built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(d.metrics, metrics.registry, health, built)
     backend = load_model(cfg.model)
     store, _ = await open_stores(cfg, with_log=False)
@@ -230,7 +235,7 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
         monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
         target_kv=r.target_kv, session_load=r.session_load, contract=contract_defaults(r.contract))
     metrics = Metrics()
-    built = Built(None)
+    built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(r.metrics, metrics.registry, health, built)
     backend = load_model(cfg.model)
     store, commit_log = await open_stores(cfg, with_log=True)
@@ -270,7 +275,7 @@ def tls_for(cfg: InstanceConfig):
 
 
 async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
-    from .transport import Client, serve
+    from .transport import Client, Refusals, serve
 
     if cfg.role and cfg.role != role:
         raise ConfigError(f"{where} is a {cfg.role} config, not a {role} one")
@@ -288,7 +293,8 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
         await service.start()
         host, port = listen_address(cfg)
         try:
-            server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2)
+            server = await serve(service, host=host, port=port, tls=tls, http3=cfg.http3, http2=cfg.http2,
+                                 limits=cfg.transport, refusals=Refusals(on_count=built.count_refusal))
         except OSError as exc:
             raise StartError(f"listen: cannot listen on {host}:{port}: {_reason(exc)}") from None
         stop = asyncio.Event()
@@ -329,6 +335,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = load(args.config, args.role)
         logs.setup(cfg.log_level, cfg.log_format, args.role)
+        # aioquic logs every stream a client resets at INFO: under attack, a line per request;
+        # the transport's own refusal lines are rate-limited instead (transport/refusals.py)
+        logging.getLogger("quic").setLevel(max(logging.getLogger().getEffectiveLevel(), logging.WARNING))
         return asyncio.run(run(args.role, cfg, Path(args.config).name))
     except (ConfigError, StartError) as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)

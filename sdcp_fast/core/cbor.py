@@ -8,8 +8,15 @@ None and float.
 
 Decoding refuses, each with its own `DecodeError` subclass: truncated input, trailing
 bytes, indefinite lengths, duplicate map keys, tags and undefined simple values, nesting
-deeper than `max_depth`, and bodies over `max_size`. Non-shortest integer heads are
-well-formed CBOR and are accepted (digests are always computed over our own re-encoding).
+deeper than `max_depth`, more than `max_items` data items in all, and bodies over
+`max_size`. Non-shortest integer heads are well-formed CBOR and are accepted (digests are
+always computed over our own re-encoding).
+
+Work is bounded by the input before anything is allocated for it: a declared string length
+is checked against the bytes left, a declared array or map count against both the bytes
+left (every item takes at least one byte) and the items left, so a lying head costs one
+comparison, and rejection time grows linearly in the input (bench/bench_decode.py measures
+the slowest rejection per input size).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import Any
 
 DEFAULT_MAX_SIZE = 1 << 20  # 1 MiB: a proposal is ~0.4 KB, a long prompt a few hundred KB
 DEFAULT_MAX_DEPTH = 16      # SDCP messages nest at most 4 deep (session-open.resume, contract.sampling)
+DEFAULT_MAX_ITEMS = 1 << 16  # data items in one input: a session-open's inline prompt is the longest list
 
 
 class DecodeError(ValueError):
@@ -48,6 +56,10 @@ class TooDeep(DecodeError):
 
 
 class TooLarge(DecodeError):
+    pass
+
+
+class TooManyItems(DecodeError):
     pass
 
 
@@ -133,12 +145,13 @@ def dumps(obj: Any) -> bytes:
 
 
 class _Reader:
-    __slots__ = ("data", "pos", "max_depth")
+    __slots__ = ("data", "pos", "max_depth", "items_left")
 
-    def __init__(self, data: bytes, max_depth: int):
+    def __init__(self, data: bytes, max_depth: int, max_items: int):
         self.data = data
         self.pos = 0
         self.max_depth = max_depth
+        self.items_left = max_items
 
     def take(self, n: int) -> bytes:
         end = self.pos + n
@@ -166,6 +179,9 @@ class _Reader:
     def item(self, depth: int) -> Any:
         if depth > self.max_depth:
             raise TooDeep(f"nesting deeper than {self.max_depth}")
+        self.items_left -= 1
+        if self.items_left < 0:
+            raise TooManyItems("more data items than allowed")
         initial = self.take(1)[0]
         major, info = initial >> 5, initial & 0x1F
         if major == 7:
@@ -183,26 +199,58 @@ class _Reader:
             except UnicodeDecodeError as exc:
                 raise DecodeError(f"text string is not UTF-8: {exc}") from None
         if major == 4:
-            self.check_count(value)
-            return [self.item(depth + 1) for _ in range(value)]
+            self.check_count(value, 1)
+            return self.array(value, depth + 1)
         if major == 5:
-            self.check_count(value)
+            self.check_count(value, 2)
             result: dict[Any, Any] = {}
             for _ in range(value):
                 key = self.item(depth + 1)
                 if not isinstance(key, int | str | bytes):
                     raise Unsupported(f"map key of type {type(key).__name__}")
                 if key in result:
-                    raise DuplicateKey(f"duplicate map key {key!r}")
+                    raise DuplicateKey(f"duplicate map key {_short(key)}")
                 result[key] = self.item(depth + 1)
             return result
         raise Unsupported(f"tag {value} at offset {self.pos}")
 
-    def check_count(self, count: int) -> None:
-        # every element takes at least one byte: a count beyond the rest is a lie, refuse it
-        # before allocating anything for it
-        if count > len(self.data) - self.pos:
+    def array(self, count: int, depth: int) -> list[Any]:
+        """`count` items; unsigned integers below 2**32 (token lists, the bulk of every large
+        message) are read inline, anything else through `item`."""
+        if count and depth > self.max_depth:
+            raise TooDeep(f"nesting deeper than {self.max_depth}")
+        data, out, pos, end = self.data, [], self.pos, len(self.data)
+        inline = 0
+        for _ in range(count):
+            if pos >= end:
+                raise Truncated(f"array item at offset {pos}: input ends")
+            head = data[pos]
+            if head < 24:
+                out.append(head)
+                pos += 1
+            elif 24 <= head <= 26 and pos + (1 << (head - 24)) < end:
+                size = 1 << (head - 24)
+                out.append(int.from_bytes(data[pos + 1:pos + 1 + size], "big"))
+                pos += 1 + size
+            else:
+                self.pos, self.items_left = pos, self.items_left - inline
+                inline = 0
+                out.append(self.item(depth))
+                pos = self.pos
+                continue
+            inline += 1
+        self.pos, self.items_left = pos, self.items_left - inline
+        if self.items_left < 0:  # nested items used up what the rest of this array needed
+            raise TooManyItems("more data items than allowed")
+        return out
+
+    def check_count(self, count: int, per_entry: int) -> None:
+        # every item takes at least one byte: a count beyond the rest is a lie; refuse it, or
+        # one beyond the items still allowed, before allocating anything for it
+        if count * per_entry > len(self.data) - self.pos:
             raise Truncated(f"count {count} exceeds the remaining {len(self.data) - self.pos} bytes")
+        if count * per_entry > self.items_left:
+            raise TooManyItems(f"count {count} exceeds the data items still allowed")
 
     def simple(self, info: int) -> Any:
         if info == 20:
@@ -222,12 +270,18 @@ class _Reader:
         raise Unsupported(f"simple value {info} at offset {self.pos - 1}")
 
 
+def _short(value: Any) -> str:
+    """A bounded rendering of an untrusted value for an error message."""
+    text = repr(value[:40] if isinstance(value, bytes | str) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def loads(data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_SIZE,
-          max_depth: int = DEFAULT_MAX_DEPTH) -> Any:
+          max_depth: int = DEFAULT_MAX_DEPTH, max_items: int = DEFAULT_MAX_ITEMS) -> Any:
     """Decode exactly one CBOR item from untrusted `data`, or raise a `DecodeError`."""
     if len(data) > max_size:
         raise TooLarge(f"body of {len(data)} bytes exceeds the limit of {max_size}")
-    reader = _Reader(bytes(data), max_depth)
+    reader = _Reader(bytes(data), max_depth, max_items)
     if not reader.data:
         raise Truncated("empty input")
     value = reader.item(0)

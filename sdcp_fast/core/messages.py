@@ -173,6 +173,10 @@ class Message:
     members: ClassVar[dict[str, tuple[Check, bool]]] = {}
     closed: ClassVar[bool] = False        # refuse unknown keys (contract, sampling)
     problem_kind: ClassVar[Kind] = Kind.BAD_REQUEST
+    # CBOR data items one encoded message may hold: decoding stops at the first item past
+    # it, so a body full of tiny items costs what a real message does. Messages with a token
+    # list of unbounded length (an inline prompt, output) take the decoder's default.
+    max_items: ClassVar[int] = 1024
 
     def __post_init__(self) -> None:
         for name, (check, optional) in self.members.items():
@@ -201,14 +205,15 @@ class Message:
         if cls.closed:
             unknown = [k for k in obj if k not in cls.members]
             if unknown:
-                raise MessageError(f"{cls._name()} has unknown keys {sorted(map(str, unknown))}",
-                                   cls.problem_kind)
+                shown = sorted(str(k)[:40] for k in unknown[:8])   # bounded: keys are untrusted
+                more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
+                raise MessageError(f"{cls._name()} has unknown keys {shown}{more}", cls.problem_kind)
         return cls(**{name: obj.get(name) for name in cls.members})
 
     @classmethod
     def from_cbor(cls: type[M], data: bytes, *, max_size: int = cbor.DEFAULT_MAX_SIZE) -> M:
         try:
-            obj = cbor.loads(data, max_size=max_size)
+            obj = cbor.loads(data, max_size=max_size, max_items=cls.max_items)
         except cbor.TooLarge as exc:
             raise MessageError(str(exc), Kind.TOO_LARGE) from None
         except cbor.DecodeError as exc:
@@ -364,6 +369,7 @@ class SessionOpen(Message):
     prompt_kv: str | None = None
     resume: Resume | None = None
 
+    max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
         "session": (session_id, False),
         "epoch": (uint(), False),
@@ -409,6 +415,7 @@ class Assignment(Message):
     sampling: Sampling | None = None
     committed_tokens: str | None = None
 
+    max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
         "session": (session_id, False),
         "epoch": (uint(), False),
@@ -523,6 +530,7 @@ class Output(Message):
     finish: Action | None = None
 
     # "from" is a Python keyword: the attribute is `start`, the CBOR key is "from"
+    max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
         "session": (session_id, False),
         "epoch": (uint(), False),

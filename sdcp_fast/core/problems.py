@@ -16,6 +16,7 @@ from typing import Any
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 PROBLEM_BASE_URI = "urn:ietf:params:sdcp:problem:"
+MAX_DETAIL = 512  # characters of a problem's detail
 
 
 class Kind(Enum):
@@ -38,7 +39,12 @@ class Kind(Enum):
     CONFLICT = ("conflict", 409, "Request conflicts with the resource's state")
     TOO_LARGE = ("too-large", 413, "Request body too large")
     UNSUPPORTED_MEDIA_TYPE = ("unsupported-media-type", 415, "Body must be application/sdcp+cbor")
+    HEADERS_TOO_LARGE = ("headers-too-large", 431, "Request header fields too large")
     UNAVAILABLE = ("unavailable", 503, "Service temporarily unavailable")
+    # An instance's session memory or count is spent: a router places the session elsewhere.
+    CAPACITY = ("capacity", 503, "No room for another session here")
+    # The verifier let the session go to make room; its commit log stays: resume it from there.
+    SESSION_RETIRED = ("session-retired", 404, "Session was retired here; resume it from its commit log")
 
     @property
     def suffix(self) -> str:
@@ -73,6 +79,11 @@ class Problem:
     detail: str = ""
     state: Mapping[str, Any] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # details may quote untrusted input: an answer never grows with what was sent
+        if len(self.detail) > MAX_DETAIL:
+            object.__setattr__(self, "detail", self.detail[:MAX_DETAIL - 3] + "...")
 
     @property
     def status(self) -> int:
@@ -123,7 +134,8 @@ def problem(kind: Kind, detail: str = "", **kwargs: Any) -> ProblemError:
 
 def _generic_for_status(status: int) -> Kind:
     for kind in (Kind.BAD_REQUEST, Kind.FORBIDDEN, Kind.NOT_FOUND, Kind.METHOD_NOT_ALLOWED,
-                 Kind.CONFLICT, Kind.TOO_LARGE, Kind.UNSUPPORTED_MEDIA_TYPE, Kind.UNAVAILABLE):
+                 Kind.CONFLICT, Kind.TOO_LARGE, Kind.UNSUPPORTED_MEDIA_TYPE, Kind.HEADERS_TOO_LARGE,
+                 Kind.UNAVAILABLE):
         if kind.status == status:
             return kind
     return Kind.UNAVAILABLE if status >= 500 else Kind.BAD_REQUEST

@@ -32,12 +32,13 @@ from ..core.problems import Kind, problem
 from ..models.base import ModelError
 from ..refs import draft_kv_ref, read_token_list
 from ..reports import RouterLink
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .drafting import DraftBatcher
 from .metrics import Metrics
 from .session import Built, DraftSession, round_record, verdict_fingerprint
 
 log = logging.getLogger("sdcp_fast.drafter")
+SESSION_STATE_BYTES = 16 << 10   # a round loop's own state beyond the draft model's (q rows are leased in the cache)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class DrafterConfig:
     ttl_ms: int = 2000
     status_interval_s: float = 0.5      # below ttl_ms
     max_sessions: int = 64
+    memory_budget_bytes: int = 1 << 30  # session state (draft KV included) of all sessions
+    max_context_tokens: int = 32768     # the longest session a reservation counts with
     max_batch: int = 32                 # sessions per draft step
     request_timeout_s: float = 5.0
     give_up_after_s: float = 10.0       # no verdict for this long (transport errors, 5xx): stop
@@ -61,7 +64,7 @@ class DrafterConfig:
     drop_verdicts: int = 0              # test hook: discard the first N verdicts received
 
 
-class DrafterService:
+class DrafterService(Routed):
     def __init__(self, config: DrafterConfig, backend, store, *, client=None,
                  metrics: Metrics | None = None):
         self.config = config
@@ -87,9 +90,6 @@ class DrafterService:
                                 resource="assignments")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.batcher.start()
@@ -136,17 +136,35 @@ class DrafterService:
             existing.sampling = a.sampling or a.contract.sampling
             existing.m_cap = max(1, min(existing.m_cap, a.m_init, a.contract.m_max))
             return
+        reserve = self.reservation(a, len(prompt))
         if existing is not None:
             await self._end(existing)
         else:
             await self._forget_stopped()
-            if len(self.sessions) >= self.config.max_sessions:
-                raise problem(Kind.UNAVAILABLE, "drafter at max_sessions")
+        self._check_room(reserve, replacing=existing)
         session = DraftSession(self, a, prompt, output)
+        session.reserved = reserve
         self.sessions[a.session] = session
         session.task = self.tasks.spawn(session.run())
         log.info("session %s assigned (epoch %d, verifier %s, committed %d)", a.session.hex(), a.epoch,
                  a.verifier, a.committed)
+
+    def reservation(self, a: Assignment, prompt: int) -> int:
+        """Bytes a session holds at its longest: the draft model's state for the prompt and
+        all the output the contract allows (up to max_context_tokens), and the loop's own."""
+        tokens = min(self.config.max_context_tokens, prompt + a.contract.max_new + a.contract.m_max + 1)
+        return SESSION_STATE_BYTES + self.backend.bytes_for(tokens)
+
+    def _check_room(self, need: int, *, replacing: DraftSession | None) -> None:
+        """A new session must fit max_sessions and the memory budget; a full drafter answers
+        `capacity`, and the router assigns another drafter."""
+        others = [s for s in self.sessions.values() if s is not replacing]
+        if replacing is None and len(others) >= self.config.max_sessions:
+            raise problem(Kind.CAPACITY, f"drafter at max_sessions={self.config.max_sessions}")
+        held = sum(s.reserved for s in others)
+        if held + need > self.config.memory_budget_bytes:
+            raise problem(Kind.CAPACITY, f"{len(others)} sessions hold {held} of "
+                                         f"{self.config.memory_budget_bytes} bytes; {need} more needed")
 
     async def _end(self, session: DraftSession) -> None:
         if session.task is not None and not session.task.done():

@@ -115,6 +115,7 @@ class DraftSession:
         self.stopped: str | None = None
         self.lookahead: DraftRequest | None = None
         self.lookahead_task: asyncio.Task | None = None
+        self.reserved = 0                 # bytes of the drafter's memory budget it holds
 
     # ------------------------------------------------------------------ state
 

@@ -73,6 +73,23 @@ class Backend(Protocol):
 
     def import_kv(self, session: bytes, data: bytes) -> None: ...
 
+    def session_bytes(self, session: bytes) -> int:
+        """Memory the session holds in this backend now: its KV cache as allocated, cached
+        logits rows, its token lists."""
+
+    def bytes_for(self, tokens: int) -> int:
+        """The most memory a session of `tokens` positions holds in this backend (what a
+        service reserves before admitting a session: memory budgets, verifier and drafter)."""
+
+
+# A token in a Python list: an 8-byte slot plus, above 256, its own 28-byte int object.
+TOKEN_LIST_BYTES_PER_TOKEN = 36
+LIST_OVERHEAD = 56
+
+
+def token_list_bytes(n: int) -> int:
+    return LIST_OVERHEAD + TOKEN_LIST_BYTES_PER_TOKEN * n
+
 
 def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
     out = [int(t) for t in tokens]

@@ -47,10 +47,10 @@ import numpy as np
 import torch
 
 from . import kvblob
-from .base import BackendSpecError, KVCapacityError, ModelError
+from .base import BackendSpecError, KVCapacityError, ModelError, token_list_bytes
 from .real_tokenizer import HFTokenizer, cache_dir, ensure_dir, file_sha256, resolve_gguf
 from .spec_options import split_options
-from .tiny import TinyBackend, _Plan, _Session
+from .tiny import MAX_ROWS, TinyBackend, _Plan, _Session
 from .weights import canonical_digest
 
 OPTIONS = {"threads": int, "sessions": int, "ctx": int, "batch": int, "type": str}
@@ -125,6 +125,26 @@ class LlamaCppBackend(TinyBackend):
         if "type" in opts:
             path = requantised(path, str(opts.pop("type")))
         return cls(path, **(opts | options))
+
+    def session_bytes(self, session: bytes) -> int:
+        s = self._get(session)
+        rows = s.rows.numel() * 4 if s.rows is not None else 0
+        return self._kv_bytes_per_sequence() + rows + token_list_bytes(len(s.committed)) \
+            + token_list_bytes(len(s.cached))
+
+    def bytes_for(self, tokens: int) -> int:
+        """llama.cpp's KV is allocated up front for `ctx` positions per sequence, whatever
+        the session's length; then the logits rows of a longest proposal, two token lists."""
+        tokens = min(tokens, self.max_seq_len)
+        return self._kv_bytes_per_sequence() + MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
+
+    def _kv_bytes_per_sequence(self) -> int:
+        """One sequence's share of the context's KV: `ctx` positions of K and V in f16
+        (llama.cpp's default cache type) over every layer's KV heads."""
+        ll, model = self._ll, self._model
+        head_dim = ll.llama_model_n_embd(model) // ll.llama_model_n_head(model)
+        per_position = ll.llama_model_n_layer(model) * 2 * ll.llama_model_n_head_kv(model) * head_dim * 2
+        return self.max_seq_len * per_position
 
     def close(self) -> None:
         """Free llama.cpp's context and model (also done when the object is collected)."""

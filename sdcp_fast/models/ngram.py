@@ -46,6 +46,7 @@ from .base import (
     UnknownSession,
     check_distinct_sessions,
     check_tokens,
+    token_list_bytes,
 )
 from .real_tokenizer import load_tokenizer
 from .spec_options import split_options
@@ -146,6 +147,15 @@ class NgramBackend:
     def release(self, session: bytes) -> None:
         if self._sessions.pop(session, None) is None:
             raise UnknownSession(session)
+
+    def session_bytes(self, session: bytes) -> int:
+        return self.bytes_for(len(self._get(session).tokens))
+
+    def bytes_for(self, tokens: int) -> int:
+        """No K/V: the token list, and per token one n-gram index entry per length (a tuple
+        key of up to n ints and its dict slot: about 150 bytes)."""
+        tokens = min(tokens, self.max_seq_len)
+        return token_list_bytes(tokens) + tokens * (self.n - self.min_n + 1) * 150
 
     def export_kv(self, session: bytes) -> bytes:
         tokens = self._get(session).tokens

@@ -34,6 +34,7 @@ from .base import (
     check_distinct_sessions,
     check_tokens,
     common_prefix_length,
+    token_list_bytes,
 )
 from .gpt import RaggedBatch, Transformer
 from .tokenizer import ByteTokenizer
@@ -41,6 +42,7 @@ from .weights import load_tiny
 
 DEFAULT_MAX_KV_BYTES = 1 << 30
 MIN_CAPACITY = 64
+MAX_ROWS = 65   # logits rows kept for the last proposal: at most m_max (64) + 1
 
 
 @dataclass
@@ -148,6 +150,19 @@ class TinyBackend:
     def kv_bytes(self) -> int:
         """Bytes currently allocated to KV buffers (what `max_kv_bytes` caps)."""
         return self._kv_bytes
+
+    def session_bytes(self, session: bytes) -> int:
+        s = self._get(session)
+        kv = s.buffer.numel() * 4 if s.buffer is not None else 0
+        rows = s.rows.numel() * 4 if s.rows is not None else 0
+        return kv + rows + token_list_bytes(len(s.committed)) + token_list_bytes(len(s.cached))
+
+    def bytes_for(self, tokens: int) -> int:
+        """The KV buffer a session of `tokens` positions grows to (capacity doubles, capped
+        at max_seq_len), the logits rows of a longest proposal, two token lists."""
+        tokens = min(tokens, self.cfg.max_seq_len)
+        kv = self._capacity_for(tokens, self.cfg.max_seq_len) * self._bytes_per_position
+        return kv + MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
 
     def cached_tokens(self, session: bytes) -> list[int]:
         """Tokens whose K/V the session holds (for tests and diagnostics)."""

@@ -13,6 +13,7 @@ from .base import (
     SessionExists,
     UnknownSession,
     check_tokens,
+    token_list_bytes,
 )
 
 
@@ -55,6 +56,15 @@ class TokenListSessions:
     def import_kv(self, session: bytes, data: bytes) -> None:
         _, committed = kvblob.unpack_for(self, session, data)
         self._sessions[session] = committed
+
+    def session_bytes(self, session: bytes) -> int:
+        return token_list_bytes(len(self._get(session)))
+
+    def bytes_for(self, tokens: int) -> int:
+        """No K/V here: the committed token list is all a session holds."""
+        if self.max_seq_len is not None:
+            tokens = min(tokens, self.max_seq_len)
+        return token_list_bytes(tokens)
 
     def _check_length(self, n: int) -> None:
         if self.max_seq_len is not None and n > self.max_seq_len:

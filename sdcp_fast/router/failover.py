@@ -3,8 +3,9 @@ effective record, put the committed tokens in the cache, open the session with `
 another verifier (the old one when no other takes it), re-send the sampling policy, assign
 a drafter.
 
-A verifier fails over when its status expired, or when it answered sdcp-stale-epoch to a
-request of the current placement (PUT drafter, policy, output): it lost the session. The
+A verifier fails over when its status expired, or when it answered sdcp-stale-epoch or
+session-retired to a request of the current placement (PUT drafter, policy, output): it lost
+the session (fenced, or let go to make room; its commit log stays). The
 fence and the open are two steps: a fence whose open failed is kept (`resume_pending`) and
 the next attempt only opens, even if the old verifier reports status again (it can no
 longer commit).
@@ -38,9 +39,10 @@ class Failover:
         self.target_kv = target_kv    # offer the verifier's published target KV on resume
 
     def verifier_lost(self, s: RouterSession, verifier: str | None, epoch: int, where: str) -> None:
-        """The verifier answered sdcp-stale-epoch to a request of the current placement: it
-        no longer serves the session (its log was fenced, or it stopped). The monitor then
-        resumes the session, at that verifier too if no other takes it."""
+        """The verifier answered sdcp-stale-epoch or session-retired to a request of the
+        current placement: it no longer serves the session (its log was fenced, it stopped,
+        or it retired the session for room). The monitor then resumes the session, at that
+        verifier too if no other takes it."""
         if (verifier, epoch) == (s.verifier, s.epoch) and not s.resume_pending:
             log.warning("session %s: %s answered stale-epoch to %s; resuming", s.id.hex(), verifier, where)
             s.verifier_lost = True

@@ -37,6 +37,12 @@ class Refused:
     def __str__(self) -> str:
         return self.detail
 
+    @property
+    def lost(self) -> bool:
+        """The verifier no longer serves the session: its log was fenced (stale-epoch), or
+        it let the session go (session-retired); the router resumes it from its log."""
+        return self.kind in (Kind.STALE_EPOCH, Kind.SESSION_RETIRED)
+
 
 def url(base: str, path: str) -> str:
     """A resource under an instance's base URI."""

@@ -16,7 +16,6 @@ import time
 
 from ..core.digest import prefix_digest
 from ..core.messages import Assignment, Resume, SessionOpen
-from ..core.problems import Kind
 from .committed import CommittedLog
 from .peers import Peers, Refused
 from .registry import Registry
@@ -98,7 +97,7 @@ class Placement:
             state = await self.peers.put_drafter(verifier, assignment)
             if isinstance(state, Refused):
                 log.warning("session %s: verifier refused the drafter (%s)", s.id.hex(), state)
-                if state.kind == Kind.STALE_EPOCH:
+                if state.lost:
                     self.on_verifier_lost(s, verifier, assignment.epoch, "drafter")
                 return Offer.VERIFIER_REFUSED
             tokens, records = await self.committed.tokens_at(s, state.committed, tokens, records)

@@ -11,7 +11,6 @@ import logging
 import time
 
 from ..core.messages import Action
-from ..core.problems import Kind
 from .peers import Peers, Refused
 from .sessions import RouterSession
 
@@ -48,7 +47,7 @@ class OutputRelay:
             if s.cancelled is not None:   # cancelled meanwhile: nothing more is taken
                 return
             if isinstance(out, Refused):
-                if out.kind == Kind.STALE_EPOCH:
+                if out.lost:
                     self.on_verifier_lost(s, verifier, epoch, "output")
                 await s.wait_changed(RETRY_S)
                 continue

@@ -62,7 +62,7 @@ from ..core.messages import (
 )
 from ..core.problems import Kind, problem
 from ..refs import commit_log_name, decode_instance_id
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .committed import CommittedLog
 from .failover import Failover
 from .metrics import Metrics
@@ -108,7 +108,7 @@ class RouterConfig:
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
 
-class RouterService:
+class RouterService(Routed):
     def __init__(self, config: RouterConfig, backend, store, commit_log, *, client,
                  metrics: Metrics | None = None):
         self.config = config
@@ -143,9 +143,6 @@ class RouterService:
         self.router.add_message("POST", "/events", self.post_event, body=Event, resource="events")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.tasks.spawn(self._monitor())
@@ -233,7 +230,7 @@ class RouterService:
                 state = await self.peers.set_policy(s.verifier, Policy(s.id, from_round, sampling))
                 if not isinstance(state, Refused):
                     break
-                if state.kind == Kind.STALE_EPOCH:
+                if state.lost:
                     self._verifier_lost(s, s.verifier, s.epoch, "policy")
                 if state.kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
                     raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")

@@ -17,18 +17,22 @@ Server side (role code implements the Handler):
         # CBOR) | None (204) | Response; the body is decoded strictly before fn runs
     Authorizer(rules: Mapping[str, Iterable[str]]); .allows(caller, resource) -> bool;
         .check(caller, resource) raises ProblemError(403 forbidden); "*" = any authenticated caller
+    Routed: base of a Handler whose requests all go to `self.router` (the roles' services)
     async serve(handler, *, host: str, port: int, tls: TLSConfig, http3=True, http2=True,
-                max_body=1 MiB, idle_timeout=600.0, handler_timeout=60.0,
-                handshake_timeout=10.0, max_concurrent_streams=256, body_timeout=30.0) -> Server
+                limits: Limits = Limits(), refusals: Refusals | None = None,
+                **limit_overrides) -> Server
+    Limits: every limit against hostile clients (limits.py; the config's [transport] table)
+    Refusals(on_count=fn): every refusal counted by kind, logged once per client and minute
     Server.port: int; await Server.stop(grace=5.0); also an async context manager
 
-    The caller is the single URI SAN of the client certificate, verified against TLSConfig.ca
-    on both protocols. The transport answers 413 (over max_body, decided from content-length
-    or as bytes arrive), 415 (POST/PUT without application/sdcp+cbor), 400 (malformed
-    header block) and 408 (body not complete body_timeout seconds after the headers)
-    itself; a ProblemError raised by the handler becomes its problem document; any other
-    exception a logged 500. The servers never decode CBOR; `Router.add_message` does, into
-    the message type its route declares.
+    The caller is the single URI SAN of the client certificate, checked by one certificate
+    policy on both protocols (certpolicy.py). The transport answers itself: a malformed
+    request with a reset of its stream, 431 (header list over the limit), 413 (body over
+    its resource's limit, decided from content-length or as bytes arrive), 415 (POST/PUT
+    without application/sdcp+cbor), 400 (bad path or query) and 408 (body not complete
+    body_timeout seconds after the headers); a ProblemError raised by the handler becomes
+    its problem document; any other exception a logged 500. The servers never decode CBOR;
+    `Router.add_message` does, into the message type its route declares.
 
 Client side:
 
@@ -62,15 +66,19 @@ from .http import (
     Handler,
     Request,
     Response,
+    Routed,
     Router,
     message_response,
     problem_response,
 )
+from .limits import Limits
+from .refusals import Refusals
 from .server import Server, serve
 from .tlsconfig import TLSConfig
 
 __all__ = [
     "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client", "ClientResponse",
-    "Handler", "Request", "RequestTimeout", "Response", "Router", "Server", "TLSConfig",
+    "Handler", "Limits", "Refusals", "Request", "RequestTimeout", "Response", "Routed", "Router",
+    "Server", "TLSConfig",
     "TransportError", "call", "make_certs", "message_response", "problem_response", "serve",
 ]

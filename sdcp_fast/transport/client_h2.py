@@ -21,8 +21,11 @@ class H2Origins:
             http2=True,
             verify=tls.client_ssl_context(),
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            # let an idle connection go a little before a server with the same idle_timeout
+            # closes it: httpx would write the next request onto the closing connection and
+            # see only a read error, which a non-idempotent request cannot retry
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=16,
-                                keepalive_expiry=idle_timeout),
+                                keepalive_expiry=0.9 * idle_timeout),
             trust_env=False,
         )
 

@@ -1,9 +1,11 @@
 """One request as it arrives on a stream, shared by the HTTP/2 and HTTP/3 servers.
 
 Both protocols deliver a header block, then body chunks, then an end. `IncomingRequest`
-turns that into a `Request`, deciding 400 (malformed header block), 413 and 415 as early as
-the bytes allow: 413 on a declared content-length before any body byte, or as soon as the
-received bytes pass the limit, so memory per stream never exceeds max_body.
+turns that into a `Request`, deciding as early as the bytes allow: a malformed header block
+(RFC 9113 8.2-8.3, checked here for both protocols) is a stream error, 431 a header list
+over the advertised limit, 400 a bad path or query, 413 a declared content-length over the
+limit of the resource the request goes to (before any body byte) or received bytes passing
+it, 415 a body that is not SDCP's. Memory per stream never exceeds the resource's limit.
 """
 
 from __future__ import annotations
@@ -30,6 +32,62 @@ log = logging.getLogger("sdcp_fast.transport")
 
 HeaderList = list[tuple[bytes, bytes]]
 MAX_PATH = 2048
+REQUEST_PSEUDO = frozenset({b":method", b":scheme", b":authority", b":path"})
+CONNECTION_SPECIFIC = frozenset({b"connection", b"proxy-connection", b"keep-alive",
+                                 b"transfer-encoding", b"upgrade"})
+_TOKEN = frozenset(b"!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyz")
+_BAD_IN_VALUE = frozenset(b"\x00\r\n")
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request that breaks RFC 9113 8.2-8.3 / RFC 9114 4.2-4.3: a stream error
+    (HTTP/2 RST_STREAM PROTOCOL_ERROR, HTTP/3 H3_MESSAGE_ERROR) on its own stream only."""
+
+    reason: str
+
+
+def header_list_size(headers: HeaderList) -> int:
+    """RFC 9113 6.5.2: the sum of name and value lengths plus 32 per field."""
+    return sum(len(name) + len(value) + 32 for name, value in headers)
+
+
+def malformed(headers: HeaderList) -> str | None:
+    """Why a request header block is malformed (RFC 9113 8.2.1, 8.2.2, 8.3.1), or None."""
+    seen_pseudo: set[bytes] = set()
+    regular = False
+    lengths: set[bytes] = set()
+    for name, value in headers:
+        if not name:
+            return "empty field name"
+        if name[0] == 0x3A:  # b":"
+            if regular:
+                return f"pseudo-header {name!r} after a regular field"
+            if name not in REQUEST_PSEUDO:
+                return f"unknown pseudo-header {name!r}"
+            if name in seen_pseudo:
+                return f"pseudo-header {name!r} twice"
+            seen_pseudo.add(name)
+        else:
+            regular = True
+            if not _TOKEN.issuperset(name):
+                return f"field name {name[:64]!r} is not a lowercase token"
+            if name in CONNECTION_SPECIFIC:
+                return f"connection-specific field {name!r}"
+            if name == b"te" and value != b"trailers":
+                return "te other than trailers"
+            if name == b"content-length":
+                if not value.isdigit():
+                    return "content-length is not a number"
+                lengths.add(value.lstrip(b"0") or b"0")
+        if _BAD_IN_VALUE.intersection(value) or value[:1] in (b" ", b"\t") or value[-1:] in (b" ", b"\t"):
+            return f"field {name[:64]!r} has a forbidden character or surrounding whitespace"
+    if len(lengths) > 1:
+        return "conflicting content-length fields"
+    missing = {b":method", b":scheme", b":path"} - seen_pseudo
+    if missing:
+        return f"missing {b', '.join(sorted(missing)).decode()}"
+    return None
 
 
 @dataclass
@@ -39,36 +97,44 @@ class IncomingRequest:
     query: dict[str, str]
     content_type: str | None
     max_body: int
+    head: bool = False  # a HEAD request: the answer carries no content (RFC 9110 9.3.2)
     body: bytearray = field(default_factory=bytearray)
 
     @classmethod
-    def from_headers(cls, headers: HeaderList, max_body: int) -> IncomingRequest | Problem:
+    def from_headers(cls, headers: HeaderList, *, max_header_list: int,
+                     body_limit: Callable[[str, str], int]) -> IncomingRequest | Problem | Malformed:
+        """The request a header block opens: a `Malformed` one is reset, a `Problem` answered
+        (431, 400, 413, 415) before any body byte is kept."""
+        reason = malformed(headers)
+        if reason is not None:
+            return Malformed(reason)
+        size = header_list_size(headers)
+        if size > max_header_list:
+            return Problem(Kind.HEADERS_TOO_LARGE, f"header list of {size} bytes exceeds the limit of {max_header_list}")
         pseudo: dict[bytes, bytes] = {}
         content_type: str | None = None
         content_length: int | None = None
         for name, value in headers:
-            if name.startswith(b":"):
+            if name[0] == 0x3A:
                 pseudo[name] = value
             elif name == b"content-type":
                 content_type = media_type(value.decode("latin-1"))
             elif name == b"content-length":
-                try:
-                    content_length = int(value)
-                except ValueError:
-                    return Problem(Kind.BAD_REQUEST, "content-length is not a number")
-        method = pseudo.get(b":method", b"").decode("ascii", "replace")
-        target = pseudo.get(b":path", b"").decode("ascii", "replace")
+                content_length = int(value)
+        method = pseudo[b":method"].decode("ascii", "replace")
+        target = pseudo[b":path"].decode("ascii", "replace")
         if not method or not target.startswith("/") or len(target) > MAX_PATH:
-            return Problem(Kind.BAD_REQUEST, "missing or invalid :method or :path")
+            return Problem(Kind.BAD_REQUEST, "invalid :method or :path")
         path, _, raw_query = target.partition("?")
         try:
             query = parse_query(raw_query)
         except ValueError as exc:  # too many fields
             return Problem(Kind.BAD_REQUEST, f"bad query: {exc}")
+        max_body = body_limit(method, path)
         refusal = precheck(method, content_type, content_length, max_body)
         if refusal is not None:
             return refusal
-        return cls(method, path, query, content_type, max_body)
+        return cls(method, path, query, content_type, max_body, head=method == "HEAD")
 
     def add_body(self, data: bytes) -> Problem | None:
         if len(self.body) + len(data) > self.max_body:
@@ -92,11 +158,14 @@ async def respond_to(handler: Handler, request: Request, timeout: float | None) 
     return response
 
 
-def response_headers(response: Response) -> HeaderList:
+def response_headers(response: Response, *, head: bool = False) -> HeaderList:
+    """The header block of `response`; for HEAD without content-length (RFC 9110 8.6 allows
+    either, and aioquic's client checks a HEAD answer's length against its empty content)."""
     headers: HeaderList = [(b":status", str(response.status).encode())]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
-    headers.append((b"content-length", str(len(response.body)).encode()))
+    if not head:
+        headers.append((b"content-length", str(len(response.body)).encode()))
     headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
 

@@ -209,6 +209,15 @@ class Router:
 
         self.add(method, pattern, route, resource=resource)
 
+    def resource_of(self, method: str, path: str) -> str | None:
+        """The resource class a request goes to (None: no route, or none declared); the
+        server picks the body limit by it before reading the body."""
+        for route in self._routes.values():
+            if route.pattern.match(path):
+                entry = route.methods.get(method)
+                return entry[1] if entry is not None else None
+        return None
+
     async def handle(self, request: Request) -> Response:
         for route in self._routes.values():
             match = route.pattern.match(request.path)
@@ -225,3 +234,16 @@ class Router:
                 self._authorizer.check(request.caller, resource)
             return await fn(request, **match.groupdict())
         raise ProblemError(Problem(Kind.NOT_FOUND, f"no resource at {request.path}"))
+
+
+class Routed:
+    """Base of a Handler that sends every request to its `router` (the roles' services); the
+    server asks it for a request's resource class, whose body limit applies (limits.py)."""
+
+    router: Router
+
+    async def handle(self, request: Request) -> Response:
+        return await self.router.handle(request)
+
+    def resource_of(self, method: str, path: str) -> str | None:
+        return self.router.resource_of(method, path)

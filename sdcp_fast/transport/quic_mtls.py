@@ -8,12 +8,12 @@ do right is proof of possession: a non-empty Certificate moves it to
 SERVER_EXPECT_CERTIFICATE_VERIFY, and `_server_handle_certificate_verify` checks the client's
 signature over the transcript with the certificate's public key before Finished is accepted.
 
-`require_client_certificate(connection, verifier)` changes one server connection, before its
+`require_client_certificate(connection, policy)` changes one server connection, before its
 first datagram, so that its TLS context
   1. requests a certificate (the private flag),
   2. refuses an empty Certificate with a certificate_required alert,
-  3. checks the chain with `ClientCertificateVerifier` (expired -> certificate_expired,
-     anything else -> bad_certificate; no URI SAN -> bad_certificate),
+  3. checks the leaf with `CertificatePolicy` (certpolicy.py: the same policy as HTTP/2;
+     expired -> certificate_expired, anything else -> bad_certificate),
   4. keeps aioquic's CertificateVerify check, and
   5. refuses Finished unless 2-4 all ran and passed (a guard against any other path to it).
 Session resumption would skip the CertificateRequest, so it is refused outright: the server is
@@ -35,7 +35,8 @@ from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic.connection import QuicConnection
 
-from .identity import CertificateRejected, ClientCertificateVerifier
+from .certpolicy import CertificatePolicy
+from .identity import CertificateRejected
 
 REVIEWED_AIOQUIC_VERSIONS = ("1.7.2",)
 _HOOKED_METHODS = (
@@ -75,7 +76,7 @@ class _ClientAuthServerContext(tls.Context):
     """aioquic's server TLS context with mandatory, verified client certificates."""
 
     # set by require_client_certificate() on the instance
-    sdcp_verifier: ClientCertificateVerifier
+    sdcp_policy: CertificatePolicy
     sdcp_identity: str | None
     sdcp_rejection: CertificateRejected | None
     sdcp_possession_proven: bool
@@ -87,7 +88,7 @@ class _ClientAuthServerContext(tls.Context):
             self.sdcp_rejection = CertificateRejected(CertificateRejected.MISSING, "no client certificate")
             raise AlertCertificateRequired("client certificate required")
         try:
-            self.sdcp_identity = self.sdcp_verifier.verify(self._peer_certificate, self._peer_certificate_chain)
+            self.sdcp_identity = self.sdcp_policy.check(self._peer_certificate)
         except CertificateRejected as exc:
             self.sdcp_rejection = exc
             if exc.reason == CertificateRejected.EXPIRED:
@@ -115,7 +116,7 @@ class _ClientAuthServerContext(tls.Context):
         super()._server_handle_finished(input_buf, output_buf)
 
 
-def require_client_certificate(connection: QuicConnection, verifier: ClientCertificateVerifier) -> None:
+def require_client_certificate(connection: QuicConnection, policy: CertificatePolicy) -> None:
     """Arrange for `connection`'s TLS context (made on its first datagram) to demand client auth."""
     if connection._is_client:
         raise ValueError("client certificates are requested by servers")
@@ -126,7 +127,7 @@ def require_client_certificate(connection: QuicConnection, verifier: ClientCerti
         context = connection.tls
         context.__class__ = _ClientAuthServerContext
         context._request_client_certificate = True
-        context.sdcp_verifier = verifier
+        context.sdcp_policy = policy
         context.sdcp_identity = None
         context.sdcp_rejection = None
         context.sdcp_possession_proven = False

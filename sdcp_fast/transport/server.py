@@ -15,6 +15,8 @@ import socket
 from typing import Any
 
 from .http import Handler
+from .limits import Limits
+from .refusals import Refusals
 from .server_h2 import TLSAcceptor
 from .serving import Serving
 from .tlsconfig import TLSConfig
@@ -25,14 +27,16 @@ log = logging.getLogger("sdcp_fast.transport")
 class Server:
     """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`.
 
-    `limits` are `Serving`'s: max_body, idle_timeout, handler_timeout, handshake_timeout,
-    max_concurrent_streams, body_timeout."""
+    `limits` (limits.py; `overrides` change single members of it, e.g. `max_body=4096`);
+    `refusals` counts and logs every refusal (a fresh one when None)."""
 
     def __init__(self, handler: Handler, *, host: str, port: int, tls: TLSConfig, http2: bool = True,
-                 http3: bool = True, **limits: Any):
+                 http3: bool = True, limits: Limits | None = None, refusals: Refusals | None = None,
+                 **overrides: Any):
         if not (http2 or http3):
             raise ValueError("enable http2, http3 or both")
-        self.serving = Serving(handler, tls=tls, **limits)
+        limits = (limits or Limits()).with_changes(**overrides)
+        self.serving = Serving(handler, tls=tls, limits=limits, refusals=refusals)
         self.host = host
         self.tls = tls
         self.http2 = http2
@@ -50,8 +54,12 @@ class Server:
 
     @property
     def connections(self) -> set[Any]:
-        """Live HTTP/2 and HTTP/3 connections."""
+        """Live (authenticated) HTTP/2 and HTTP/3 connections."""
         return self.serving.connections
+
+    @property
+    def refusals(self) -> Refusals:
+        return self.serving.refusals
 
     async def start(self) -> None:
         if self.http3:
@@ -69,16 +77,16 @@ class Server:
                     raise
         else:
             raise OSError("no port free for both TCP and UDP")
-        log.info("serving %s on %s port %d (max_body=%d, idle_timeout=%ss)",
+        log.info("serving %s on %s port %d (%s)",
                  "+".join(p for p, on in (("h2", self.http2), ("h3", self.http3)) if on),
-                 self.host, self.port, self.serving.max_body, self.serving.idle_timeout)
+                 self.host, self.port, self.serving.limits)
 
     async def _bind(self, port: int) -> None:
         loop = asyncio.get_running_loop()
         if self.http2:
             self._tcp = await loop.create_server(
-                lambda: TLSAcceptor(self.serving), self.host, port, reuse_address=True, backlog=256
-            )
+                lambda: TLSAcceptor(self.serving), self.host, port, reuse_address=True,
+                backlog=max(256, self.serving.limits.max_handshakes))
             port = self._tcp.sockets[0].getsockname()[1]
         if self.http3:
             from aioquic.asyncio.server import serve as quic_serve  # the optional h3 extra
@@ -87,7 +95,10 @@ class Server:
 
             if port == 0:  # HTTP/3 only: let UDP choose
                 port = _free_udp_port(self.host)
-            configuration = self.tls.quic_configuration(is_client=False, idle_timeout=self.serving.idle_timeout)
+            limits = self.serving.limits
+            configuration = self.tls.quic_configuration(is_client=False, idle_timeout=limits.idle_timeout)
+            configuration.max_data = limits.quic_max_data
+            configuration.max_stream_data = limits.quic_max_stream_data
             # No session-ticket store: resumption would skip the client certificate.
             self._quic = await quic_serve(
                 self.host, port, configuration=configuration,
@@ -130,10 +141,12 @@ class Server:
 
 
 async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3: bool = True,
-                http2: bool = True, **limits: Any) -> Server:
-    """Start serving `handler`; limits: max_body (default 1 MiB), idle_timeout,
-    handler_timeout, handshake_timeout, max_concurrent_streams, body_timeout (see `Serving`)."""
-    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3, **limits)
+                http2: bool = True, limits: Limits | None = None, refusals: Refusals | None = None,
+                **overrides: Any) -> Server:
+    """Start serving `handler` under `limits` (limits.py) with single members overridden by
+    keyword (e.g. `max_body=4096`); every refusal goes through `refusals`."""
+    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3, limits=limits,
+                    refusals=refusals, **overrides)
     await server.start()
     return server
 

@@ -1,15 +1,35 @@
-"""HTTP/2 over TLS 1.3 (TCP) on the sans-IO h2 state machine.
+"""HTTP/2 over TLS 1.3 (TCP) on the sans-IO h2 state machine, hardened against hostile clients.
 
-Each accepted TCP connection is paused, upgraded with `loop.start_tls` (so a failed handshake
-reaches our code and is logged with OpenSSL's reason instead of vanishing inside asyncio),
-its client certificate's URI SAN read, and then handed to `H2ServerProtocol`.
+A connection goes through three stages, each bounded:
+  1. `TLSAcceptor`: the ClientHello is peeked at (a client that offers no "h2" is refused
+     with no_application_protocol), then the TLS 1.3 handshake runs under
+     `handshake_timeout`; at most `max_handshakes` run at once, and past that the oldest is
+     dropped (a slow-loris of idle TCP connections cannot lock out clients that finish a
+     handshake in milliseconds). After it, the certificate policy (certpolicy.py, the same
+     as HTTP/3) names the caller, and the connection caps (total, per identity, and a
+     penalty for clients told to calm down) admit it or refuse it with a GOAWAY.
+  2. `H2ServerProtocol`: RFC 9113 under abuse. A malformed request resets its own stream
+     (PROTOCOL_ERROR), never the connection; a header list over the advertised
+     SETTINGS_MAX_HEADER_LIST_SIZE is answered 431; streams over
+     SETTINGS_MAX_CONCURRENT_STREAMS are refused (REFUSED_STREAM); streams reset before
+     their answer (or refused) beyond `max_early_resets` per `early_reset_window_s` end the
+     connection with ENHANCE_YOUR_CALM (the 2023 rapid-reset attack), and the client is
+     refused for `calm_penalty_s`; a HEAD answer carries no content.
+  3. Timers: the client preface and any frame must arrive whole within `header_timeout`; a
+     request body within `body_timeout` (408); a response stalled by flow control longer
+     than `send_timeout` is reset (CANCEL); a connection with no stream for `idle_timeout`
+     is closed.
+Every refusal goes through `Serving.refusals` (counted by kind, logged once per client and
+minute).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
+import socket
 import ssl
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -17,16 +37,24 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
 
-from .exchange import IncomingRequest, PendingBodies, respond_to, response_headers
-from .http import Response, body_timeout_response, problem_response
-from .identity import CertificateRejected, uri_identity_der
+from . import clienthello
+from .exchange import IncomingRequest, Malformed, PendingBodies, respond_to, response_headers
+from .http import Request, Response, body_timeout_response, problem_response
+from .identity import CertificateRejected
+from .refusals import Kind, log
 from .serving import Serving
 
-log = logging.getLogger("sdcp_fast.transport")
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
+PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
+ErrorCodes = h2.errors.ErrorCodes
+
+
+# ---------------------------------------------------------------------------------------
+# stage 1: the TCP connection until the handshake is done and the caller admitted
 
 
 class TLSAcceptor(asyncio.Protocol):
@@ -34,41 +62,104 @@ class TLSAcceptor(asyncio.Protocol):
 
     def __init__(self, serving: Serving):
         self._serving = serving
+        self._raw: asyncio.Transport | None = None
+        self._peer: Any = None
+        self._task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         transport.pause_reading()  # the ClientHello must reach the TLS layer, not this protocol
-        self._serving.spawn(self._handshake(transport))
+        self._raw = transport
+        self._peer = transport.get_extra_info("peername")
+        host = self._peer[0] if isinstance(self._peer, tuple) else str(self._peer)
+        if not self._serving.may_connect(host):
+            self._serving.refusals.refuse(Kind.CONNECTION_RATE, self._peer, "h2: new connections too fast")
+            transport.abort()
+            return
+        self._serving.handshake_started(self, self._drop, self._peer)
+        self._task = self._serving.spawn(self._accept(transport))
 
-    async def _handshake(self, raw: asyncio.Transport) -> None:
-        peer = raw.get_extra_info("peername")
-        protocol = H2ServerProtocol(self._serving, peer)
-        loop = asyncio.get_running_loop()
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._serving.handshake_ended(self)
+
+    def _drop(self) -> None:
+        """Over max_handshakes, this (the oldest) handshake makes room."""
+        if self._task is not None:
+            self._task.cancel()
+        if self._raw is not None:
+            self._raw.abort()
+
+    async def _accept(self, raw: asyncio.Transport) -> None:
+        serving, peer = self._serving, self._peer
         try:
-            tls_transport = await loop.start_tls(
-                raw, protocol, self._serving.ssl_context, server_side=True,
-                ssl_handshake_timeout=self._serving.handshake_timeout,
-            )
-        except (ssl.SSLError, OSError, TimeoutError, ConnectionError) as exc:
-            log.info("h2: refused TLS from %s: %s", peer, _reason(exc))
+            async with asyncio.timeout(serving.limits.handshake_timeout):
+                if not await self._offers_h2(raw):
+                    return
+                protocol = H2ServerProtocol(serving, peer)
+                tls_transport = await asyncio.get_running_loop().start_tls(
+                    raw, protocol, serving.ssl_context, server_side=True,
+                    ssl_handshake_timeout=serving.limits.handshake_timeout)
+        except TimeoutError:
+            serving.refusals.refuse(Kind.HANDSHAKE_TIMEOUT, peer,
+                                    f"TLS not done within {serving.limits.handshake_timeout}s")
+            raw.abort()
+            return
+        except (ssl.SSLError, OSError, ConnectionError) as exc:
+            serving.refusals.refuse(Kind.TLS, peer, f"h2: refused TLS from {peer}: {_reason(exc)}")
             raw.close()  # not abort(): let OpenSSL's alert reach the client, it says why
             return
+        finally:
+            serving.handshake_ended(self)
         if tls_transport is None:  # closed during the handshake
             raw.abort()
             return
-        ssl_object = tls_transport.get_extra_info("ssl_object")
+        protocol.start(tls_transport)
+
+    async def _offers_h2(self, raw: asyncio.Transport) -> bool:
+        """Peek at the ClientHello (the bytes stay for OpenSSL); refuse one without "h2"."""
         try:
-            der = ssl_object.getpeercert(binary_form=True) if ssl_object else None
-            if not der:
-                raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
-            caller = uri_identity_der(der)
-        except CertificateRejected as exc:
-            log.info("h2: refused client %s: %s", peer, exc)
-            tls_transport.abort()
-            return
-        log.info("h2: connection from %s as %s (%s)", peer, caller, ssl_object.version())
-        protocol.caller = caller
-        protocol.connection_made(tls_transport)
+            hello = await _peek_client_hello(raw)
+        except (clienthello.Unparsed, OSError):
+            return True  # not ours to judge: OpenSSL refuses what is not TLS 1.3
+        if hello.offers(b"h2"):
+            return True
+        offered = "no ALPN" if hello.alpn is None else f"ALPN {[p.decode('latin-1') for p in hello.alpn]}"
+        self._serving.refusals.refuse(Kind.ALPN, self._peer, f"h2 not offered ({offered}): no_application_protocol")
+        raw.write(clienthello.NO_APPLICATION_PROTOCOL_ALERT)
+        raw.close()
+        return False
+
+
+async def _peek_client_hello(raw: asyncio.Transport) -> clienthello.Hello:
+    """The ClientHello waiting on the socket, read with MSG_PEEK so that OpenSSL still reads
+    it: the transport is paused, and a duplicate of its descriptor is watched meanwhile."""
+    transport_socket = raw.get_extra_info("socket")
+    loop = asyncio.get_running_loop()
+    with socket.socket(fileno=os.dup(transport_socket.fileno())) as sock:
+        sock.setblocking(False)
+        while True:
+            readable = loop.create_future()
+            loop.add_reader(sock.fileno(), _set_once, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(sock.fileno())
+            data = sock.recv(clienthello.MAX_HELLO, socket.MSG_PEEK)
+            if not data:
+                raise ConnectionResetError("closed before the ClientHello")
+            try:
+                return clienthello.parse(data)
+            except clienthello.Incomplete:
+                if len(data) >= clienthello.MAX_HELLO:
+                    raise clienthello.Unparsed("ClientHello too long") from None
+                # the socket stays readable while the peeked bytes sit there: wait a little
+                # for the rest instead of spinning (bounded by handshake_timeout)
+                await asyncio.sleep(PEEK_RETRY_S)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _reason(exc: BaseException) -> str:
@@ -79,80 +170,205 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# ---------------------------------------------------------------------------------------
+# h2 with RFC 9113's stream errors kept to their stream
+
+
+class StreamError(h2.events.Event):
+    """Our event: a request on `stream_id` was refused by h2 as a stream error and its stream
+    reset; the connection goes on. `kind` is the refusal kind (malformed, or over the
+    concurrent-stream limit); `flow_controlled_length`: DATA bytes to credit back."""
+
+    def __init__(self, stream_id: int, kind: str, reason: str, flow_controlled_length: int = 0):
+        self.stream_id = stream_id
+        self.kind = kind
+        self.reason = reason
+        self.flow_controlled_length = flow_controlled_length
+
+
+class ServerConnection(h2.connection.H2Connection):
+    """h2's connection, where the errors RFC 9113 makes stream errors stay stream errors.
+
+    h2 raises a malformed request (here: a bad or conflicting content-length, a body that does
+    not match it) and a stream beyond SETTINGS_MAX_CONCURRENT_STREAMS as connection errors and
+    sends GOAWAY, killing unrelated streams. Header fields are validated by exchange.malformed
+    (h2's own inbound validation is off); what h2 still finds on one stream becomes
+    RST_STREAM(PROTOCOL_ERROR), a stream over the limit RST_STREAM(REFUSED_STREAM) (RFC 9113
+    5.1.2), each with a StreamError event. HPACK errors and oversized header blocks stay
+    connection errors: the shared compression state cannot be trusted after them.
+    """
+
+    _over_limit = False
+
+    @property
+    def open_inbound_streams(self) -> int:
+        # h2 refuses a stream over the limit before decoding its header block; while one is
+        # let through to be decoded (and then refused), h2's own check must pass
+        return 0 if self._over_limit else super().open_inbound_streams
+
+    def _receive_headers_frame(self, frame):
+        stream_id = frame.stream_id
+        self._over_limit = stream_id not in self.streams and \
+            super().open_inbound_streams >= self.local_settings.max_concurrent_streams
+        try:
+            frames, events = super()._receive_headers_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            if not self._stream_level(exc, stream_id):
+                raise
+            return self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))
+        finally:
+            over, self._over_limit = self._over_limit, False
+        if not over:
+            return frames, events
+        limit = self.local_settings.max_concurrent_streams
+        return self._stream_error(stream_id, ErrorCodes.REFUSED_STREAM, Kind.STREAM_LIMIT,
+                                  f"over max_concurrent_streams={limit}")
+
+    def _receive_data_frame(self, frame):
+        try:
+            return super()._receive_data_frame(frame)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            return self._stream_error(frame.stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED,
+                                      str(exc), frame.flow_controlled_length)
+
+    def _stream_level(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
+        if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
+            return False
+        if isinstance(exc.__cause__, HPACKError | IndexError | TypeError | UnicodeDecodeError):
+            return False  # the header block could not be decoded
+        stream = self.streams.get(stream_id)
+        return stream is not None and not stream.closed
+
+    def _stream_error(self, stream_id: int, code: ErrorCodes, kind: str, reason: str, length: int = 0):
+        self.reset_stream(stream_id, code)
+        return [], [StreamError(stream_id, kind, reason, length)]
+
+
+def _partial_frame(conn: h2.connection.H2Connection) -> bool:
+    """Whether h2 holds part of a frame, or a header block awaiting CONTINUATION (private
+    names of h2 4.x: without them the header timeout falls back to the idle timeout)."""
+    buffer = conn.incoming_buffer
+    return bool(getattr(buffer, "_data", b"") or getattr(buffer, "_headers_buffer", ()))
+
+
+# ---------------------------------------------------------------------------------------
+# stage 2 and 3: one authenticated HTTP/2 connection
+
+
 class H2ServerProtocol(asyncio.Protocol):
     def __init__(self, serving: Serving, peer: object):
         self._serving = serving
+        self._limits = serving.limits
         self._peer = peer
         self.caller: str | None = None
         self._transport: asyncio.Transport | None = None
-        self._conn = h2.connection.H2Connection(
-            h2.config.H2Configuration(client_side=False, header_encoding=None)
-        )
-        self._pending = PendingBodies(serving.body_timeout, self._body_overdue)  # bodies arriving
+        self._admitted = False
+        self._conn = ServerConnection(h2.config.H2Configuration(
+            client_side=False, header_encoding=None,
+            validate_inbound_headers=False, normalize_inbound_headers=False))
+        self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._preface_seen = False
         self._last_activity = 0.0
+        self._resets: tuple[float, int] = (0.0, 0)  # (window start, early resets in it)
         self._closing = False
         # Bytes decrypted together with the client's Finished reach data_received before
-        # TLSAcceptor has read the certificate and called connection_made: keep them.
+        # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
 
-    # ---- asyncio.Protocol ---------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # start_tls does not call this; TLSAcceptor does, once the caller is known.
-        if self.caller is None:
-            return
-        assert isinstance(transport, asyncio.Transport)
+    @property
+    def _client(self) -> object:
+        return self.caller or self._peer
+
+    # ---- admission -----------------------------------------------------------------------
+    def start(self, transport: asyncio.Transport) -> None:
+        """Called by TLSAcceptor once the handshake is done: check the certificate, admit."""
         self._transport = transport
-        self._serving.connections.add(self)
-        self._conn.local_settings = h2.settings.Settings(
-            client=False,
-            initial_values={
-                h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._serving.max_concurrent_streams,
-                h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: 16384,
-                h2.settings.SettingCodes.ENABLE_PUSH: 0,
-            },
-        )
+        serving = self._serving
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+            serving.refusals.refuse(Kind.ALPN, self._peer, "TLS done without ALPN h2")
+            transport.abort()
+            return
+        try:
+            der = ssl_object.getpeercert(binary_form=True)
+            if not der:
+                raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
+            self.caller = serving.certificates.check_der(der)
+        except CertificateRejected as exc:
+            serving.refusals.refuse(Kind.CERTIFICATE, self._peer, f"h2: refused client {self._peer}: {exc}")
+            transport.abort()
+            return
+        self._conn.local_settings = h2.settings.Settings(client=False, initial_values={
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self._limits.max_concurrent_streams,
+            h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: self._limits.max_header_list,
+            h2.settings.SettingCodes.ENABLE_PUSH: 0,
+        })
+        # The advertised size is enforced per request (431, the connection goes on); HPACK
+        # itself stops decoding far above it (a connection error: ENHANCE_YOUR_CALM).
+        self._conn.decoder.max_header_list_size = max(4 * self._limits.max_header_list, 1 << 16)
         self._conn.initiate_connection()
+        refusal = serving.admit(self, self.caller)
+        if refusal is not None:
+            kind, detail = refusal
+            serving.refusals.refuse(kind, self.caller, detail)
+            code = ErrorCodes.NO_ERROR if kind == Kind.CONNECTIONS else ErrorCodes.ENHANCE_YOUR_CALM
+            self._conn.close_connection(code, additional_data=detail.encode())
+            self._flush()
+            transport.close()
+            return
+        self._admitted = True
+        log.debug("h2: connection from %s as %s (%s)", self._peer, self.caller, ssl_object.version())
         self._flush()
         self._arm_idle_timer()
+        self._arm_header_timer()
         early, self._early = b"".join(self._early), []
         if early:
             self.data_received(early)
 
+    # ---- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        pass  # start_tls does not call this; TLSAcceptor calls start() once the caller is known
+
     def data_received(self, data: bytes) -> None:
-        if self._transport is None:
-            if sum(map(len, self._early)) + len(data) <= 1 << 20:  # bounded: 1 MiB
+        if not self._admitted:
+            if self._transport is None and sum(map(len, self._early)) + len(data) <= 1 << 20:
                 self._early.append(data)
             return
         try:
             events = self._conn.receive_data(data)
         except h2.exceptions.ProtocolError as exc:
-            log.info("h2: protocol error from %s (%s): %s", self._peer, self.caller, exc)
+            kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, h2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
+            self._serving.refusals.refuse(kind, self._client, f"h2: connection error: {exc}")
             self._flush()  # h2 has queued a GOAWAY
-            self._transport.close()
+            self._close_transport()
             return
         for event in events:
             self._on_event(event)
+            if self._transport is None or self._transport.is_closing():
+                return
         self._flush()
-        self._last_activity = asyncio.get_running_loop().time()
+        self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._transport is None:  # the handshake failed; TLSAcceptor logged why
+        if not self._admitted:
             return
-        self._serving.connections.discard(self)
+        self._serving.release(self, self.caller)
         for task in self._tasks.values():
             task.cancel()
         self._pending.clear()
         self._window_open.set()
         self._writable.set()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        log.info("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
+        for timer in (self._idle_timer, self._header_timer):
+            if timer is not None:
+                timer.cancel()
+        log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -160,9 +376,11 @@ class H2ServerProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
-    # ---- h2 events ----------------------------------------------------------------------
+    # ---- h2 events -----------------------------------------------------------------------
     def _on_event(self, event: h2.events.Event) -> None:
+        self._preface_seen = True
         if isinstance(event, h2.events.RequestReceived):
+            self._last_activity = asyncio.get_running_loop().time()
             self._on_headers(event.stream_id, event.headers, event.stream_ended is not None)
         elif isinstance(event, h2.events.DataReceived):
             # Credit is returned whatever happens to the bytes: the limit is enforced per stream.
@@ -180,11 +398,12 @@ class H2ServerProtocol(asyncio.Protocol):
             if incoming is not None:
                 self._start(event.stream_id, incoming)
         elif isinstance(event, h2.events.StreamReset):
-            self._pending.take(event.stream_id)
-            self._discarding.pop(event.stream_id, None)
-            task = self._tasks.pop(event.stream_id, None)
-            if task is not None:
-                task.cancel()
+            self._on_reset(event.stream_id)
+        elif isinstance(event, StreamError):
+            if event.flow_controlled_length:
+                self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            self._drop_stream(event.stream_id)
+            self._stream_refused(event.stream_id, event.kind, event.reason)
         elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
             self._window_open.set()
         elif isinstance(event, h2.events.ConnectionTerminated):
@@ -195,15 +414,66 @@ class H2ServerProtocol(asyncio.Protocol):
 
     def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
         if self._closing:  # not processed: the client may safely retry elsewhere (RFC 9113 8.7)
-            self._conn.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
             return
-        incoming = IncomingRequest.from_headers(headers, self._serving.max_body)
-        if isinstance(incoming, Problem):
+        serving = self._serving
+        incoming = IncomingRequest.from_headers(headers, max_header_list=self._limits.max_header_list,
+                                                body_limit=serving.body_limit)
+        if isinstance(incoming, Malformed):
+            self._conn.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
+            self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
+        elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended)
         elif ended:
             self._start(stream_id, incoming)
         else:
             self._pending.add(stream_id, incoming)
+
+    def _on_reset(self, stream_id: int) -> None:
+        """The client reset a stream. Before its answer was sent, that counts towards the
+        rapid-reset budget: opening and resetting streams costs the client nothing and the
+        server a request each."""
+        owed = stream_id in self._tasks or self._pending.get(stream_id) is not None
+        self._drop_stream(stream_id)
+        if owed:
+            self._count_early_reset(stream_id, "reset by the client before its answer")
+
+    def _drop_stream(self, stream_id: int) -> None:
+        self._pending.take(stream_id)
+        self._discarding.pop(stream_id, None)
+        task = self._tasks.pop(stream_id, None)
+        if task is not None:
+            task.cancel()
+
+    def _stream_refused(self, stream_id: int, kind: str, detail: str) -> None:
+        self._serving.refusals.refuse(kind, self._client, f"h2: stream {stream_id}: {detail}")
+        self._count_early_reset(stream_id, detail)
+
+    def _count_early_reset(self, stream_id: int, detail: str) -> None:
+        now = asyncio.get_running_loop().time()
+        start, count = self._resets
+        if now - start > self._limits.early_reset_window_s:
+            start, count = now, 0
+        count += 1
+        self._resets = (start, count)
+        if count > self._limits.max_early_resets:
+            self._calm_down(f"{count} streams reset or refused before their answer within "
+                            f"{self._limits.early_reset_window_s:g}s (last: stream {stream_id}, {detail})")
+
+    def _calm_down(self, detail: str) -> None:
+        """End the connection with ENHANCE_YOUR_CALM and refuse the client for a while."""
+        self._serving.refusals.refuse(Kind.RAPID_RESET, self._client, f"h2: {detail}")
+        self._serving.calm_down(self.caller)
+        for stream_id in list(self._tasks):
+            self._drop_stream(stream_id)
+        self._pending.clear()
+        self._closing = True
+        try:
+            self._conn.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many early resets")
+        except h2.exceptions.ProtocolError:
+            pass
+        self._flush()
+        self._close_transport()
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: 408, then reset.
@@ -213,13 +483,14 @@ class H2ServerProtocol(asyncio.Protocol):
         """
         if self._transport is None:
             return
-        log.info("h2: stream %d from %s -> 408: body not complete within %ss",
-                 stream_id, self.caller, self._serving.body_timeout)
-        response = body_timeout_response(self._serving.body_timeout)
+        self._serving.refusals.refuse(Kind.BODY_TIMEOUT, self._client,
+                                      f"h2: stream {stream_id} -> 408: body not complete within "
+                                      f"{self._limits.body_timeout}s")
+        response = body_timeout_response(self._limits.body_timeout)
         try:
             self._conn.send_headers(stream_id, response_headers(response))
             self._conn.send_data(stream_id, response.body, end_stream=True)
-            self._conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+            self._conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
         except h2.exceptions.H2Error as exc:  # the stream ended meanwhile
             log.debug("h2: could not answer stream %d: %s", stream_id, exc)
         self._flush()
@@ -233,7 +504,11 @@ class H2ServerProtocol(asyncio.Protocol):
         (never stored) up to DISCARD_LIMIT bytes, and only a longer one is reset.
         """
         self._pending.take(stream_id)
-        log.info("h2: stream %d from %s -> %d %s", stream_id, self.caller, problem.status, problem.detail)
+        kind = {413: Kind.BODY_TOO_LARGE, 415: Kind.MEDIA_TYPE, 431: Kind.HEADERS_TOO_LARGE}.get(problem.status)
+        if kind is not None:
+            self._serving.refusals.refuse(kind, self._client, f"h2: stream {stream_id} -> {problem.status} {problem.detail}")
+        else:
+            log.info("h2: stream %d from %s -> %d %s", stream_id, self.caller, problem.status, problem.detail)
         response = problem_response(problem)
         self._conn.send_headers(stream_id, response_headers(response))
         self._conn.send_data(stream_id, response.body, end_stream=True)  # small: fits any window
@@ -246,38 +521,57 @@ class H2ServerProtocol(asyncio.Protocol):
             self._discarding[stream_id] = budget
             return
         del self._discarding[stream_id]
-        self._conn.reset_stream(stream_id, h2.errors.ErrorCodes.NO_ERROR)
+        self._conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
-        task = self._serving.spawn(self._answer(stream_id, request))
-        self._tasks[stream_id] = task
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
 
-    async def _answer(self, stream_id: int, request) -> None:
+    async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:
-            response = await respond_to(self._serving.handler, request, self._serving.handler_timeout)
-            await self._send(stream_id, response)
+            response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
+            await self._send(stream_id, response, head)
         except h2.exceptions.StreamClosedError:
             pass  # the client reset the stream meanwhile
         finally:
-            self._tasks.pop(stream_id, None)
+            if self._tasks.get(stream_id) is asyncio.current_task():
+                del self._tasks[stream_id]
             self._last_activity = asyncio.get_running_loop().time()
             if self._closing and not self._tasks:
                 self._close_now()
 
-    async def _send(self, stream_id: int, response: Response) -> None:
-        self._conn.send_headers(stream_id, response_headers(response), end_stream=not response.body)
-        view = memoryview(response.body)
+    async def _send(self, stream_id: int, response: Response, head: bool) -> None:
+        """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
+        9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
+        no_content = head or not response.body
+        self._conn.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
+        view = memoryview(b"" if no_content else response.body)
+        loop = asyncio.get_running_loop()
+        stalled_since: float | None = None
         while view:
             await self._writable.wait()
+            if self._transport is None or self._transport.is_closing():
+                return
             window = min(self._conn.local_flow_control_window(stream_id), self._conn.max_outbound_frame_size)
             if window <= 0:
+                stalled_since = stalled_since or loop.time()
+                left = stalled_since + self._limits.send_timeout - loop.time()
+                if left <= 0:
+                    self._serving.refusals.refuse(
+                        Kind.FLOW_STALLED, self._client,
+                        f"h2: stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
+                    self._conn.reset_stream(stream_id, ErrorCodes.CANCEL)
+                    self._flush()
+                    return
                 self._window_open.clear()
                 self._flush()
-                await self._window_open.wait()
-                if self._transport is None or self._transport.is_closing():
-                    return
+                try:
+                    async with asyncio.timeout(left):
+                        await self._window_open.wait()
+                except TimeoutError:
+                    pass
                 continue
+            stalled_since = None
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
             self._flush()
@@ -289,20 +583,43 @@ class H2ServerProtocol(asyncio.Protocol):
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
+    def _arm_header_timer(self) -> None:
+        """The client preface, and any frame once begun, must arrive whole within
+        header_timeout (a client that trickles a header block would hold the connection,
+        which accepts nothing else until the block ends)."""
+        waiting = not self._preface_seen or _partial_frame(self._conn)
+        if waiting and self._header_timer is None:
+            self._header_timer = asyncio.get_running_loop().call_later(
+                self._limits.header_timeout, self._header_overdue)
+        elif not waiting and self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_overdue(self) -> None:
+        self._header_timer = None
+        if self._preface_seen and not _partial_frame(self._conn):
+            return
+        what = "a frame" if self._preface_seen else "the client preface"
+        self._serving.refusals.refuse(Kind.HEADER_TIMEOUT, self._client,
+                                      f"h2: {what} not complete within {self._limits.header_timeout}s")
+        self._closing = True
+        self._close_transport()
+
     def _arm_idle_timer(self) -> None:
         """One timer per connection, re-armed only when it fires (not per packet)."""
         loop = asyncio.get_running_loop()
         self._last_activity = loop.time()
-        self._idle_timer = loop.call_later(self._serving.idle_timeout, self._idle_check)
+        self._idle_timer = loop.call_later(self._limits.idle_timeout, self._idle_check)
 
     def _idle_check(self) -> None:
+        """Idle means no stream: bytes alone (PINGs, a trickled frame) do not keep a
+        connection open."""
         idle_for = asyncio.get_running_loop().time() - self._last_activity
-        if self._tasks or self._pending or idle_for < self._serving.idle_timeout:
-            remaining = self._serving.idle_timeout - idle_for
-            self._idle_timer = asyncio.get_running_loop().call_later(
-                max(remaining, 0.05), self._idle_check)
+        if self._tasks or self._pending or idle_for < self._limits.idle_timeout:
+            remaining = self._limits.idle_timeout - idle_for
+            self._idle_timer = asyncio.get_running_loop().call_later(max(remaining, 0.05), self._idle_check)
             return
-        log.info("h2: closing idle connection from %s (%s)", self._peer, self.caller)
+        self._serving.refusals.refuse(Kind.IDLE, self._client, f"h2: idle for {self._limits.idle_timeout}s: closing")
         self.goaway()
 
     @property
@@ -322,11 +639,15 @@ class H2ServerProtocol(asyncio.Protocol):
         if self._transport is None or self._transport.is_closing():
             return
         try:
-            self._conn.close_connection(h2.errors.ErrorCodes.NO_ERROR)
+            self._conn.close_connection(ErrorCodes.NO_ERROR)
         except h2.exceptions.ProtocolError:
             pass  # already closed by the peer's GOAWAY
         self._flush()
         self._transport.close()
+
+    def _close_transport(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
 
     def abort(self) -> None:
         if self._transport is not None:

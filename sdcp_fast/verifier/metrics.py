@@ -12,6 +12,8 @@ The speculative-decoding set, named as vLLM's under `sdcp_` so the same charts w
     sdcp_proposals_total                           proposals received (retries included)
     sdcp_problems_total{type}                      refusals, by problem type (every type listed)
     sdcp_fenced_appends_total                      appends refused because a newer epoch fenced the log
+    sdcp_sessions_retired_total{reason}            sessions let go while resumable: idle | room
+    sdcp_refusals_total{kind}                      the transport's refusals (metrics.refusal_counter)
     sdcp_batch_size, sdcp_queue_wait_seconds, sdcp_forward_seconds, sdcp_kernel_seconds,
     sdcp_commit_log_append_seconds, sdcp_accepted_tokens (per round)      histograms
     sdcp_sessions, sdcp_load_percent, sdcp_queue_depth                       gauges
@@ -52,6 +54,8 @@ class Metrics:
         self.problems = counter(r, "problems", "Requests and rounds refused, by problem type",
                                 labels={"type": [k.suffix for k in Kind]})
         self.fenced = counter(r, "fenced_appends", "Commit-log appends refused by a newer epoch")
+        self.retired = counter(r, "sessions_retired", "Sessions let go while they could go on (resumable "
+                               "from their logs), by reason", labels={"reason": ("idle", "room")})
         self.batch_size = histogram(r, "batch_size", "Jobs per forward pass", (1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.accepted_per_round = histogram(r, "accepted_tokens", "Accepted draft tokens per round",
                                             (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64))

@@ -43,13 +43,18 @@ from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, Replay, State, VerifierSession, Wait, request_key
 from ..refs import decode_session_id, read_token_list, target_kv_ref
 from ..reports import RouterLink
-from ..transport import Authorizer, Call, Router
+from ..transport import Authorizer, Call, Routed, Router
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
 from .target import TargetModel
 
 log = logging.getLogger("sdcp_fast.verifier")
+# The verifier's own state per session beyond the model's (bench/bench_session_memory.py
+# measures both): the records, the replay window of verdicts, and per committed token its
+# digest d[n] (a 32-byte bytes object) and its entry in the output list.
+SESSION_STATE_BYTES = 16 << 10
+STATE_BYTES_PER_TOKEN = 120
 
 
 @dataclass(frozen=True)
@@ -61,13 +66,16 @@ class VerifierConfig:
     status_interval_s: float = 1.0    # status reports to the router; below ttl_ms
     ttl_ms: int = 3000
     max_sessions: int = 4096
+    memory_budget_bytes: int = 2 << 30   # session state (model KV included) of all sessions
+    retire_idle_s: float = 30.0       # under memory pressure, sessions idle this long may go
+    max_context_tokens: int = 32768   # the longest session a reservation counts with
     closed_keep_s: float = 120.0      # how long a closed session still answers retries
     idle_s: float = 1800.0            # a session nobody has touched for this long is dropped
     publish_kv_every: int = 0         # publish target KV every N rounds (0: never), for failover
     request_timeout_s: float = 5.0
 
 
-class VerifierService:
+class VerifierService(Routed):
     def __init__(self, config: VerifierConfig, backend, store, commit_log, *, client=None,
                  engine_config: EngineConfig = EngineConfig(), device: str = "cpu",
                  metrics: Metrics | None = None):
@@ -97,9 +105,6 @@ class VerifierService:
         add("POST", "/sessions/{sid}/policy", self.set_policy, body=Policy, resource="policy")
 
     # ------------------------------------------------------------------ lifecycle
-
-    async def handle(self, request):
-        return await self.router.handle(request)
 
     async def start(self) -> None:
         self.engine.start()
@@ -138,10 +143,6 @@ class VerifierService:
                 if msg.contract.digest != old.contract.digest:
                     raise problem(Kind.CONFLICT, "the session exists with another contract")
                 return old.state_message()   # a retried open
-        elif len(self.sessions) >= self.config.max_sessions:
-            await self._evict_closed()
-            if len(self.sessions) >= self.config.max_sessions:
-                raise problem(Kind.UNAVAILABLE, "session table full")
         entries = await self.commit_log.read(msg.commit_log)
         self._check_log(msg, entries)
         prompt = await read_token_list(self.store, msg.prompt, "prompt")
@@ -149,10 +150,17 @@ class VerifierService:
             if msg.resume else ()
         session = VerifierSession.open(msg, model_digest=self.target.digest, prompt=prompt,
                                        committed_tokens=committed)
-        kv_ref = (msg.resume.target_kv if msg.resume else None) or msg.prompt_kv
-        await self.target.prefill(msg.session, [*prompt, *committed], await self._kv_blob(kv_ref),
-                                  reopen=existing is not None)
-        served = ServedSession(session, log_position=len(entries))
+        reserve = self.reservation(msg.contract, len(prompt))
+        held = reserve - (existing.reserved if existing is not None else 0)
+        await self._make_room(held, opening=msg.session)
+        self.sessions.reserved_bytes += held   # held from here (no await in between): the budget
+        try:                                   # cannot be promised twice by concurrent opens
+            kv_ref = (msg.resume.target_kv if msg.resume else None) or msg.prompt_kv
+            await self.target.prefill(msg.session, [*prompt, *committed], await self._kv_blob(kv_ref),
+                                      reopen=existing is not None)
+        finally:
+            self.sessions.reserved_bytes -= held   # put() counts the record's own reservation
+        served = ServedSession(session, log_position=len(entries), reserved=reserve)
         served.touch()
         self.sessions.put(served)   # retires the record of an older epoch
         log.info("session %s opened (epoch %d, round %d, committed %d)", msg.session.hex(),
@@ -173,10 +181,7 @@ class VerifierService:
 
     async def propose(self, call: Call, msg: Proposal) -> Verdict:
         self.metrics.proposals.inc()
-        served = self.sessions.get(msg.session)
-        if served is None:
-            raise problem(Kind.NOT_FOUND, "no such session")
-        served.touch()
+        served = self._served_by_id(msg.session)
         session = served.machine
         try:
             step = session.check(call.caller, msg)
@@ -287,12 +292,13 @@ class VerifierService:
 
     # ------------------------------------------------------------------ retiring sessions
 
-    async def _retire(self, served: ServedSession) -> None:
+    async def _retire(self, served: ServedSession, *, resumable: bool = False) -> None:
         """Drop the session's record and its backend state (if it is still the one served).
         Under the id's open lock: an open of the same id waits, so the release can never hit
-        the model state of the session that open creates."""
+        the model state of the session that open creates. `resumable`: it could have gone
+        on; later requests for it are answered session-retired."""
         async with self.sessions.open_locks.hold(served.id):
-            if self.sessions.drop(served):
+            if self.sessions.drop(served, resumable=resumable and not served.machine.closed):
                 await self.target.release(served.id)
 
     async def _forget_later(self, served: ServedSession) -> None:
@@ -309,18 +315,59 @@ class VerifierService:
             for served in self.sessions:
                 if served.machine.inflight is None and now - served.touched > self.config.idle_s:
                     log.info("session %s idle for %.0f s: dropped", served.id.hex(), self.config.idle_s)
-                    await self._retire(served)
+                    self.metrics.retired.labels(reason="idle").inc()
+                    await self._retire(served, resumable=True)
 
-    async def _evict_closed(self) -> None:
+    # ------------------------------------------------------------------ memory and count budgets
+
+    def reservation(self, contract, prompt: int) -> int:
+        """Bytes a session holds at its longest: the model's state for its prompt and all
+        the output its contract allows (max_new, plus the positions of one proposal; up to
+        max_context_tokens), and the verifier's own state."""
+        tokens = min(self.config.max_context_tokens, prompt + contract.max_new + contract.m_max + 1)
+        return SESSION_STATE_BYTES + STATE_BYTES_PER_TOKEN * tokens + self.target.bytes_for(tokens)
+
+    async def _make_room(self, need: int, *, opening: bytes) -> None:
+        """Room for `need` more bytes (and one more session if `opening` is new): closed
+        sessions go first, then the least recently used idle ones (their commit logs stay: a
+        router resumes them); with no room left the open is refused as `capacity`, and the
+        router places the session elsewhere. Called under the lock of `opening`, which is
+        never retired here."""
+        counted = opening not in self.sessions
+
+        def fits() -> bool:
+            return (self.sessions.reserved_bytes + need <= self.config.memory_budget_bytes
+                    and (not counted or len(self.sessions) < self.config.max_sessions))
+
+        if fits():
+            return
         for served in self.sessions:
-            if served.machine.closed:
+            if served.machine.closed and served.id != opening:
                 await self._retire(served)
+        now = asyncio.get_running_loop().time()
+        for served in self.sessions.idle_first(now, self.config.retire_idle_s):
+            if served.id == opening:
+                continue
+            if fits():
+                return
+            log.info("session %s idle for %.0f s: retired to make room", served.id.hex(), now - served.touched)
+            self.metrics.retired.labels(reason="room").inc()
+            await self._retire(served, resumable=True)
+        if not fits():
+            self.metrics.problem(Kind.CAPACITY)
+            raise problem(Kind.CAPACITY, f"{len(self.sessions)} sessions hold {self.sessions.reserved_bytes} of "
+                                         f"{self.config.memory_budget_bytes} bytes; {need} more needed")
 
     # ------------------------------------------------------------------ helpers
 
     def _served(self, sid: str) -> ServedSession:
-        served = self.sessions.get(decode_session_id(sid))
+        return self._served_by_id(decode_session_id(sid))
+
+    def _served_by_id(self, sid: bytes) -> ServedSession:
+        served = self.sessions.get(sid)
         if served is None:
+            if self.sessions.was_retired(sid):
+                raise problem(Kind.SESSION_RETIRED, "retired here while idle; resume it from its commit log")
             raise problem(Kind.NOT_FOUND, "no such session")
         served.touch()
         return served

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ class ServedSession:
     machine: VerifierSession
     log_position: int                                   # records in the session's commit log
     touched: float = 0.0                                # loop time of the last request or commit
+    reserved: int = 0                                   # bytes of the memory budget it holds
     refusal: tuple[tuple | None, Problem] | None = None  # (request key, problem) last refused
     self_task: asyncio.Task | None = None               # the self-decoding loop, while it runs
     retired: bool = False
@@ -84,10 +86,18 @@ class ServedSession:
 
 
 class ServedSessions:
-    """The verifier's session table (bounded by the service's max_sessions)."""
+    """The verifier's session table, bounded by count (the service's max_sessions) and by
+    memory: each record holds `reserved` bytes of the budget (its model state at its
+    longest, and the verifier's own state), released when it is dropped. Ids of sessions
+    retired while they could still go on are remembered (boundedly), so that a request for
+    one gets `session-retired` (resume it from its commit log) rather than a bare 404."""
+
+    RETIRED_REMEMBERED = 16384
 
     def __init__(self) -> None:
         self._records: dict[bytes, ServedSession] = {}
+        self._retired: OrderedDict[bytes, None] = OrderedDict()
+        self.reserved_bytes = 0
         self.open_locks = KeyedLock()   # opens of one id never interleave
 
     def get(self, sid: bytes) -> ServedSession | None:
@@ -109,17 +119,36 @@ class ServedSessions:
         """Serve `record`, replacing (and retiring) the session's previous record if any."""
         old = self._records.get(record.id)
         if old is not None and old is not record:
+            self.reserved_bytes -= old.reserved
             self._retire(old)
         self._records[record.id] = record
+        self.reserved_bytes += record.reserved
+        self._retired.pop(record.id, None)
         return old
 
-    def drop(self, record: ServedSession) -> bool:
-        """Retire `record` if it is still the one served; True when it was."""
+    def drop(self, record: ServedSession, *, resumable: bool = False) -> bool:
+        """Retire `record` if it is still the one served; True when it was. `resumable`: it
+        was let go while it could still go on (idle, or for room): remember its id."""
         if self._records.get(record.id) is not record:
             return False
         del self._records[record.id]
+        self.reserved_bytes -= record.reserved
         self._retire(record)
+        if resumable:
+            self._retired[record.id] = None
+            while len(self._retired) > self.RETIRED_REMEMBERED:
+                self._retired.popitem(last=False)
         return True
+
+    def was_retired(self, sid: bytes) -> bool:
+        return sid in self._retired
+
+    def idle_first(self, now: float, min_idle_s: float) -> list[ServedSession]:
+        """Sessions that may be retired for room, least recently used first: untouched for
+        `min_idle_s`, no round in flight, not self-decoding."""
+        idle = [r for r in self._records.values()
+                if now - r.touched >= min_idle_s and r.machine.inflight is None and r.self_task is None]
+        return sorted(idle, key=lambda r: r.touched)
 
     def could_propose(self) -> int:
         """Sessions that could add a job now (a drafter proposing, or the verifier

@@ -33,6 +33,11 @@ class TargetModel:
     def digest(self) -> bytes:
         return self.backend.digest
 
+    def bytes_for(self, tokens: int) -> int:
+        """The most a session of `tokens` positions holds in the model (a pure function of
+        the model's shape: no lock needed)."""
+        return self.backend.bytes_for(tokens)
+
     async def score(self, items: list[tuple[bytes, tuple[int, ...]]]
                     ) -> tuple[torch.Tensor | None, dict[int, ModelError]]:
         """One ragged forward pass for (session, proposed tokens) items: logits
@@ -78,7 +83,7 @@ class TargetModel:
             try:
                 await asyncio.to_thread(self.backend.open, sid, tokens)
             except KVCapacityError as exc:
-                raise problem(Kind.UNAVAILABLE, f"no room for the session: {exc}") from None
+                raise problem(Kind.CAPACITY, f"no room for the session in the model: {exc}") from None
             except ModelError as exc:
                 raise problem(Kind.BAD_REQUEST, f"prompt refused by the model: {exc}") from None
 

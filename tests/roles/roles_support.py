@@ -45,7 +45,9 @@ def build_cluster(workdir: Path, *, drafters: int = 2, verifiers: int = 1, proto
     target, draft = make_tables(workdir, noise=noise)
     cluster = Cluster(workdir / "cluster", protocol=protocol, log_level="info")
     for n in range(1, verifiers + 1):
-        cluster.verifier(f"v{n}", model=target, **(verifier_options or {}))
+        options = {k: v for k, v in (verifier_options or {}).items() if not k.startswith("v")}
+        options.update((verifier_options or {}).get(f"v{n}", {}))   # {"v1": {...}}: for v1 only
+        cluster.verifier(f"v{n}", model=target, **options)
     digest = load_backend(draft).digest.hex()
     for n in range(1, drafters + 1):
         options = dict(drafter_options or {})

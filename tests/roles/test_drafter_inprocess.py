@@ -362,3 +362,22 @@ def test_sampled_tokens_follow_the_published_row():
     expected = n * q[nonzero].double()
     chi2 = float(((counts[nonzero].double() - expected) ** 2 / expected).sum())
     assert chi2 < 24.32, chi2
+
+
+def test_a_full_drafter_answers_capacity(tmp_path):
+    """The memory budget (and max_sessions) refuse a new session with `capacity`, which the
+    router answers by assigning another drafter; a session ending gives its room back."""
+    async def main():
+        async with Bench(tmp_path, memory_budget_bytes=60_000) as b:
+            contract = b.contract(max_new=400)
+            need = b.drafter.reservation(b.assignment(os.urandom(16), contract), 3)
+            assert need <= 60_000 < 2 * need
+            first = await b.open(contract)
+            assert (await b.assign(b.assignment(first, contract))).status == 204
+            second = await b.open(contract)
+            refused = await b.assign(b.assignment(second, contract))
+            assert refused.status == 503 and b"capacity" in refused.body
+            await b.finished(first)
+            await asyncio.sleep(0.05)    # the loop ends after the final verdict
+            assert (await b.assign(b.assignment(second, contract))).status == 204
+    run(main())

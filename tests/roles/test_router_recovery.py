@@ -244,3 +244,41 @@ def test_policy_refused_as_stale_epoch_marks_the_session_for_resume(tmp_path):
             assert Policy.from_cbor(b.net.sent("POST", V1, "/policy")[0]).from_round == 2
             assert s.verifier_lost
     run(main())
+
+
+def test_session_retired_on_output_is_resumed_from_its_log(tmp_path):
+    """A verifier that retired the session for room answers session-retired: the router fences
+    a new epoch and re-opens the session from its commit log (there or elsewhere)."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V1, D1)
+            s = b.session(V1)
+
+            def output(body):
+                s.finish = Action.FAIL                       # one answer is enough: end the reader
+                return problem_answer(Kind.SESSION_RETIRED)
+            b.net.routes[("GET", V1, "/output")] = output
+            await b.router.relay.read(s)
+            assert s.verifier_lost and b.router.failover.needed(s)
+            s.finish = None
+            b.net.routes[("POST", V1, "/sessions")] = lambda body: cbor_answer(b.state(s, epoch=2))
+            b.net.routes[("PUT", V1, "/drafter")] = lambda body: cbor_answer(b.state(s, epoch=2))
+            b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
+            await b.router.failover.run(s)
+            assert (s.epoch, s.verifier, s.drafter, await b.fences(s)) == (2, V1, D1, [2])
+            assert [SessionOpen.from_cbor(x).epoch for x in b.net.sent("POST", V1, "/sessions")] == [2]
+    run(main())
+
+
+def test_capacity_refusal_places_the_session_on_another_verifier(tmp_path):
+    async def main():
+        async with Bench(tmp_path) as b:
+            b.live(V1, D1)
+            b.router.registry.report(Status(V2, ROLE_VERIFIER, 40, 0, 60_000))   # V1 is picked first
+            s = b.session(None)
+            b.net.routes[("POST", V1, "/sessions")] = lambda body: problem_answer(Kind.CAPACITY)
+            b.net.routes[("POST", V2, "/sessions")] = lambda body: cbor_answer(b.state(s))
+            assert await b.router.placement.open(s, exclude=set())
+            assert s.verifier == V2
+            assert [base for m, base, p, _ in b.net.calls if m == "POST"] == [V1, V2]
+    run(main())

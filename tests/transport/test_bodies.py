@@ -259,8 +259,13 @@ def test_idle_connections_close_and_clients_reconnect(pki, protocol, transport_l
                 await asyncio.sleep(0.2)
                 await _expect_good(client, server.port)  # activity postpones the idle close
                 assert len(server.connections) == 1
-                await wait_for_log(transport_logs, "idle" if protocol == "h2" else ") closed")
-                await _expect_good(client, server.port)  # a fresh connection, transparently
+                await wait_for_log(transport_logs, "refused idle")
+                # a fresh connection, transparently: httpx may write on the connection the
+                # server just closed and then sees only a read error, which an idempotent
+                # request (proposals are) retries on a new one
+                response = await client.request("POST", f"https://127.0.0.1:{server.port}/proposals",
+                                                PROPOSAL, idempotent=True)
+                assert response.status == 200
 
     run(main())
     assert len(handler.calls) == 3
@@ -277,7 +282,7 @@ def test_garbage_is_dropped_and_server_keeps_serving(pki, protocol, transport_lo
                 await writer.drain()
                 assert await asyncio.wait_for(reader.read(), 5.0) != b""  # GOAWAY, then EOF
                 writer.close()
-                await wait_for_log(transport_logs, "protocol error")
+                await wait_for_log(transport_logs, "refused protocol")
             else:  # datagrams that are not QUIC at all, and a truncated Initial
                 loop = asyncio.get_running_loop()
                 transport, _ = await loop.create_datagram_endpoint(

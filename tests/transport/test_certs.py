@@ -10,12 +10,9 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sdcp_fast.transport import TLSConfig, make_certs
+from sdcp_fast.transport.certpolicy import CertificatePolicy
 from sdcp_fast.transport.certs import instance_file_name, main, make_ca, make_instance_cert
-from sdcp_fast.transport.identity import (
-    CertificateRejected,
-    ClientCertificateVerifier,
-    uri_identity,
-)
+from sdcp_fast.transport.identity import CertificateRejected, uri_identity
 
 URI = "https://verifier-1.example:8443/"
 
@@ -47,10 +44,10 @@ def test_ca_is_reused_for_later_instances(tmp_path):
     ca_bytes = first.ca_cert.read_bytes()
     second = make_certs(tmp_path, ["https://drafter-2.example/"])
     assert second.ca_cert.read_bytes() == ca_bytes
-    verifier = ClientCertificateVerifier(second.ca_cert)
+    policy = CertificatePolicy(second.ca_cert)
     for paths in (first.instances[URI], second.instances["https://drafter-2.example/"]):
         cert = x509.load_pem_x509_certificate(paths.cert.read_bytes())
-        assert verifier.verify(cert, []) == paths.uri
+        assert policy.check(cert) == paths.uri
 
 
 def test_ip_host_gets_an_ip_san_only(tmp_path):

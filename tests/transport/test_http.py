@@ -9,7 +9,7 @@ import pytest
 
 from sdcp_fast.core.problems import Kind, ProblemError
 from sdcp_fast.transport import Authorizer, Request, Response, Router
-from sdcp_fast.transport.exchange import IncomingRequest
+from sdcp_fast.transport.exchange import IncomingRequest, Malformed
 from sdcp_fast.transport.http import dispatch
 
 ROUTER = "https://router-1.example/"
@@ -98,26 +98,31 @@ H = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"h"), (b":p
 @pytest.mark.parametrize(("headers", "outcome"), [
     (H + [(b"content-type", b"application/SDCP+CBOR; x=1")], "ok"),
     (H + [(b"content-type", b"application/sdcp+cbor"), (b"content-length", b"101")], Kind.TOO_LARGE),
-    (H + [(b"content-type", b"application/sdcp+cbor"), (b"content-length", b"1e3")], Kind.BAD_REQUEST),
+    (H + [(b"content-type", b"application/sdcp+cbor"), (b"content-length", b"1e3")], Malformed),
     (H + [(b"content-type", b"text/plain")], Kind.UNSUPPORTED_MEDIA_TYPE),
     (H, Kind.UNSUPPORTED_MEDIA_TYPE),
-    ([(b":method", b"POST"), (b":path", b"p")], Kind.BAD_REQUEST),
-    ([(b":path", b"/p")], Kind.BAD_REQUEST),
+    (H[:3] + [(b":path", b"p")], Kind.BAD_REQUEST),
+    ([(b":method", b"POST"), (b":path", b"/p")], Malformed),     # no :scheme
+    ([(b":path", b"/p")], Malformed),
+    (H + [(b"x-big", b"v" * 600)], Kind.HEADERS_TOO_LARGE),
 ])
 def test_incoming_request_prechecks(headers, outcome):
-    incoming = IncomingRequest.from_headers(headers, max_body=100)
+    incoming = IncomingRequest.from_headers(headers, max_header_list=512, body_limit=lambda m, p: 100)
     if outcome == "ok":
         assert (incoming.method, incoming.path, incoming.query) == ("POST", "/p", {"from": "3", "x": ""})
         assert incoming.content_type == "application/sdcp+cbor"
         assert incoming.add_body(b"a" * 60) is None
         assert incoming.add_body(b"a" * 41).kind is Kind.TOO_LARGE
         assert len(incoming.body) == 60  # the refused chunk was never kept
+    elif outcome is Malformed:
+        assert isinstance(incoming, Malformed)
     else:
         assert incoming.kind is outcome
 
 
 def test_get_without_content_type_is_fine():
-    incoming = IncomingRequest.from_headers([(b":method", b"GET"), (b":path", b"/o")], max_body=0)
+    incoming = IncomingRequest.from_headers([(b":method", b"GET"), (b":scheme", b"https"), (b":path", b"/o")],
+                                            max_header_list=1024, body_limit=lambda m, p: 0)
     assert incoming.finish("https://a/").caller == "https://a/"
 
 

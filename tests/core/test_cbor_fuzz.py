@@ -1,0 +1,101 @@
+"""Fuzzing the strict CBOR decoder (hypothesis, bounded for CI): whatever the bytes, the
+decoder returns a value or raises a DecodeError, messages raise only their problem, and
+the work is bounded by the input (items never exceed bytes; lying heads cost nothing).
+Timings live in bench/bench_decode.py, not here."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sdcp_fast.core import cbor
+from sdcp_fast.core.messages import Contract, Proposal, SessionOpen
+from sdcp_fast.core.problems import MAX_DETAIL, ProblemError
+
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _head(major: int, info: int, argument: int) -> bytes:
+    """A data item head with any additional information, lies and reserved values included."""
+    first = bytes([(major << 5) | info])
+    size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info, 0)
+    return first + (argument % (1 << (8 * size))).to_bytes(size, "big") if size else first
+
+
+heads = st.builds(_head, st.integers(0, 7), st.integers(0, 31), st.integers(0, (1 << 64) - 1))
+payload = st.binary(max_size=24)
+# a stream of heads and raw bytes: nesting, lying lengths and counts, tags, breaks, floats
+streams = st.lists(st.one_of(heads, payload, st.just(b"\x81" * 20), st.just(b"\xff")),
+                   max_size=40).map(b"".join)
+
+
+@FUZZ
+@given(data=streams)
+def test_decoder_returns_or_raises_decode_error_only(data):
+    try:
+        value = cbor.loads(data)
+    except cbor.DecodeError:
+        return
+    assert cbor.loads(cbor.dumps(value)) == value or _has_nan(value)
+
+
+@FUZZ
+@given(data=streams)
+def test_items_never_exceed_bytes(data):
+    """Every item takes at least one byte, and the decoder knows it: with max_items equal to
+    the input length no input is refused for its item count, and with a smaller budget a
+    refusal comes before any allocation for the items beyond it."""
+    try:
+        cbor.loads(data, max_items=len(data))
+    except cbor.TooManyItems:
+        pytest.fail("more items than bytes")
+    except cbor.DecodeError:
+        pass
+
+
+@FUZZ
+@given(data=streams, kind=st.sampled_from([Proposal, SessionOpen, Contract]))
+def test_messages_raise_only_their_problem(data, kind):
+    try:
+        kind.from_cbor(data)
+    except ProblemError as exc:
+        assert exc.problem.status in (400, 413, 422)
+        assert len(exc.problem.detail) <= MAX_DETAIL
+
+
+def _has_nan(value) -> bool:
+    if isinstance(value, float):
+        return value != value
+    if isinstance(value, list):
+        return any(map(_has_nan, value))
+    if isinstance(value, dict):
+        return any(map(_has_nan, value.values()))
+    return False
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    (b"\x9b" + struct.pack(">Q", 1 << 40) + b"\x00", cbor.Truncated),            # a count that lies
+    (b"\xbb" + struct.pack(">Q", 1 << 40) + b"\x00\x00", cbor.Truncated),        # a map count that lies
+    (b"\x5b" + struct.pack(">Q", 1 << 62), cbor.Truncated),                      # a length that lies
+    (b"\x99\x01\x00" + b"\x00" * 256, cbor.TooManyItems),                         # 256 items, 100 allowed
+    (b"\x81" * 17 + b"\x00", cbor.TooDeep),
+])
+def test_lying_heads_are_refused_before_allocating(data, error):
+    with pytest.raises(error):
+        cbor.loads(data, max_items=100)
+
+
+def test_error_details_stay_bounded():
+    key = "k" * 100_000
+    dup = b"\xa2" + cbor.dumps(key) + b"\x00" + cbor.dumps(key) + b"\x00"
+    with pytest.raises(cbor.DuplicateKey) as info:
+        cbor.loads(dup)
+    assert len(str(info.value)) < 100
+    unknown = {f"x{n}": n for n in range(5000)}
+    with pytest.raises(ProblemError) as refused:
+        Contract.from_obj(unknown)
+    assert "and 4992 more" in refused.value.problem.detail
+    assert len(refused.value.problem.detail) <= MAX_DETAIL

@@ -1,0 +1,171 @@
+"""HTTP/3 under a hostile client (aioquic driving QUIC directly): the limits of issue 22 held
+the same way as on HTTP/2, each refusal on its own stream or connection, each counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aioquic.h3.connection import ErrorCode, Setting
+from transport_rawh3 import RawH3
+from transport_support import PROPOSAL, RecordingRouter, run
+
+from sdcp_fast.transport import SDCP_MEDIA_TYPE, serve
+
+CBOR = [(b"content-type", SDCP_MEDIA_TYPE.encode())]
+
+
+def _serve(handler, pki, **limits):
+    return serve(handler, host="127.0.0.1", port=0, tls=pki.server, http2=False, **limits)
+
+
+@pytest.mark.parametrize("headers", [
+    [(b"X-Upper", b"1")],
+    [(b"connection", b"close")],
+    [*CBOR, (b"content-length", b"100")],
+], ids=["uppercase-name", "connection-header", "content-length-mismatch"])
+def test_malformed_request_resets_only_its_stream(pki, headers):
+    """RFC 9114 4.1.2: H3_MESSAGE_ERROR on the stream; aioquic alone closed the connection."""
+    handler = RecordingRouter()
+
+    async def main():
+        async with await _serve(handler, pki) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            long_poll = client.request("GET", "/slow?s=0.5")
+            await asyncio.sleep(0.1)
+            bad = client.request("POST", "/proposals", headers, PROPOSAL)
+            await client.until(lambda c: c.done(bad) and c.done(long_poll))
+            assert client.streams[bad].reset == ErrorCode.H3_MESSAGE_ERROR
+            assert client.streams[long_poll].status == 204
+            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            await client.until(lambda c: c.done(good))
+            assert client.streams[good].status == 200
+            assert client.terminated is None
+            assert server.refusals.counts["malformed"] == 1
+            await client.aclose()
+
+    run(main())
+    assert [c.path for c in handler.calls] == ["/slow", "/proposals"]
+
+
+def test_head_carries_no_content(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            head = client.request("HEAD", "/proposals")
+            await client.until(lambda c: c.done(head))
+            log = client.streams[head]
+            assert (log.status, log.data_frames, log.body, log.ended) == (405, 0, b"", True)
+            await client.aclose()
+
+    run(main())
+
+
+def test_oversized_headers_are_refused_431_and_advertised(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_header_list=16384) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            big = client.request("POST", "/proposals", [*CBOR, (b"x-pad", b"p" * 60_000)], PROPOSAL)
+            await client.until(lambda c: c.done(big))
+            assert client.streams[big].status == 431
+            assert json.loads(client.streams[big].body)["type"].endswith("headers-too-large")
+            assert client.h3._received_settings[Setting.MAX_FIELD_SECTION_SIZE] == 16384
+            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            await client.until(lambda c: c.done(good))
+            assert client.streams[good].status == 200
+            assert server.refusals.counts["headers_too_large"] == 1
+            await client.aclose()
+
+    run(main())
+
+
+def test_quic_limits_are_announced(pki):
+    """MAX_STREAMS, flow control and the idle timeout come from the limits."""
+
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_concurrent_streams=7, quic_max_data=300_000,
+                                quic_max_stream_data=100_000, idle_timeout=42.0) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            quic = client._quic
+            assert quic._remote_max_streams_bidi == 7
+            assert quic._remote_max_data == 300_000
+            assert quic._remote_max_stream_data_bidi_remote == 100_000
+            assert quic._remote_max_idle_timeout == 42.0
+            await client.aclose()
+
+    run(main())
+
+
+def test_rapid_reset_closes_the_connection_with_excessive_load(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_early_resets=30, calm_penalty_s=30) as server:
+            bystander = await RawH3.open(server.port, pki.router)
+            attacker = await RawH3.open(server.port, pki.drafter)
+            for _ in range(100):
+                if attacker.terminated is not None:
+                    break
+                sid = attacker.request("POST", "/proposals", CBOR, PROPOSAL)
+                attacker.reset(sid)
+                await asyncio.sleep(0)
+            closed = await attacker.until_closed()
+            assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+            assert server.refusals.counts["rapid_reset"] == 1
+            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
+            await bystander.until(lambda c: c.done(good))
+            assert bystander.streams[good].status == 200
+            await bystander.aclose()
+
+    run(main())
+
+
+def test_connections_over_the_per_client_cap_are_refused(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_connections_per_client=2) as server:
+            first = [await RawH3.open(server.port, pki.drafter) for _ in range(2)]
+            third = await RawH3.open(server.port, pki.drafter)
+            closed = await third.until_closed()
+            assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+            assert "max_connections_per_client" in closed.reason_phrase
+            for client in first:
+                sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
+                await client.until(lambda c, sid=sid: c.done(sid))
+                assert client.streams[sid].status == 200
+                await client.aclose()
+            assert server.refusals.counts["client_connections"] == 1
+
+    run(main())
+
+
+def test_a_stalled_header_block_is_reset_after_the_header_timeout(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, header_timeout=0.3) as server:
+            client = await RawH3.open(server.port, pki.drafter)
+            stalled = client._quic.get_next_available_stream_id()
+            # a HEADERS frame announcing 100 bytes, then 10 of them
+            client._quic.send_stream_data(stalled, bytes([0x01, 0x40, 0x64]) + b"\x00" * 10)
+            client.transmit()
+            await client.until(lambda c: c.done(stalled), timeout=3.0)
+            assert client.streams[stalled].reset == ErrorCode.H3_REQUEST_INCOMPLETE
+            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            await client.until(lambda c: c.done(good))
+            assert client.streams[good].status == 200
+            assert server.refusals.counts["header_timeout"] == 1
+            await client.aclose()
+
+    run(main())
+
+
+def test_a_host_opening_quic_connections_too_fast_is_dropped_before_the_handshake(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, new_connections_burst=2,
+                                new_connections_per_host_s=0.5) as server:
+            first = [await RawH3.open(server.port, pki.drafter) for _ in range(2)]
+            with pytest.raises((ConnectionError, TimeoutError)):
+                await asyncio.wait_for(RawH3.open(server.port, pki.drafter), 1.0)
+            assert server.refusals.counts["connection_rate"] >= 1
+            assert len(set(server._quic._protocols.values())) == 2   # the dropped one is not kept
+            for client in first:
+                await client.aclose()
+
+    run(main())
