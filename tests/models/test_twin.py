@@ -159,6 +159,8 @@ def test_contract_sessions_capacity_export_import(pair):
     assert backend.committed(b"f") == prompt + seq_of(3, 14)
     assert backend.cached_tokens(b"f") == backend.committed(b"f")  # no prefill needed
     torch.testing.assert_close(backend.score([(b"f", [])]), want, **TOL)
+    # what a service reserves per session covers what it holds (TinyBackend's accounting)
+    assert 0 < backend.session_bytes(b"f") <= backend.bytes_for(len(backend.committed(b"f")))
     with pytest.raises(KVImportError):
         backend.import_kv(b"g", blob[:-3])
     # the per-session cap (the GGUF's context length, 256 here) refuses before changing state
