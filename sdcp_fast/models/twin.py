@@ -24,8 +24,8 @@ the output head.
 
 Weights: read from the GGUF (dequantised by the `gguf` package, gguf_tensors.dequantised),
 quantised to int8 once and kept in `$SDCP_CACHE/twin/<GGUF SHA-256>-<scheme>-v<FORMAT>.safetensors`;
-later loads read that file (a few seconds). Building it parses the GGUF in Python (half a minute on a busy
-2-core machine for SmolLM2).
+later loads read that file (a few seconds). Building it parses the GGUF in Python (half a
+minute on a busy 2-core machine for SmolLM2).
 
 Session bookkeeping is the `tiny` backend's (this class extends TinyBackend): the committed
 sequence, the cached tokens (a prefix of C extended by the last proposal), the kept logits
