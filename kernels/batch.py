@@ -14,7 +14,9 @@ Layout (B proposals, proposal b drafted M_b >= 1 tokens):
   rule-2 rows of a batch in one preallocated [sum M_rule2, V] fp32 tensor, at any offsets.
 
 Sampling profile per proposal: `temperature_milli` (0 = greedy), `top_k` (0 = off),
-`top_p_milli` (1000 = off); absent keys take the NOTES.md defaults (1000, 0, 1000).
+`top_p_milli` (1000 = off); absent keys take the defaults of ../shared/spec/NOTES.md, section
+"Sampling profile -> target distribution p" (1000, 0, 1000). The kernels accept any M >= 1;
+the contract's m_max bound (1..64) is the core's to check.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import torch
 DEFAULT_TEMPERATURE_MILLI = 1000
 DEFAULT_TOP_K = 0
 DEFAULT_TOP_P_MILLI = 1000
-MAX_DRAFT = 64  # the draft's m_max bound; the kernels accept any M >= 1
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -124,7 +125,8 @@ _SAMPLING_KEYS = {"temperature_milli", "top_k", "top_p_milli"}
 
 
 def sampling_profile(sampling: Mapping[str, int] | None) -> tuple[int, int, int]:
-    """(temperature_milli, top_k, top_p_milli) with the NOTES.md defaults for absent keys."""
+    """(temperature_milli, top_k, top_p_milli) with the defaults for absent keys
+    (../shared/spec/NOTES.md, "Sampling profile -> target distribution p")."""
     sampling = sampling or {}
     unknown = set(sampling) - _SAMPLING_KEYS
     if unknown:

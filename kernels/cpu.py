@@ -147,7 +147,11 @@ def _probs_rows(x: torch.Tensor, temp_milli, top_k, top_p_milli, dtype) -> torch
 
 
 def target_probs(logits: torch.Tensor, temp_milli, top_k, top_p_milli) -> torch.Tensor:
-    """[rows, V] fp32 p for every row (profile tensors [rows] int64)."""
+    """The target distribution p of every row, vectorised in row chunks.
+
+    logits [rows, V] any float dtype (upcast per chunk); the profile tensors [rows] int64
+    each, checked by `dispatch.target_probs`. Returns p [rows, V] fp32 on the logits' device.
+    """
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     step = max(1, CHUNK_ELEMENTS // max(1, logits.shape[1]))
     for s in range(0, logits.shape[0], step):
@@ -157,6 +161,12 @@ def target_probs(logits: torch.Tensor, temp_milli, top_k, top_p_milli) -> torch.
 
 
 def verify(batch: VerifyBatch) -> VerifyResult:
+    """The verify op in vectorised torch, on any device torch runs on.
+
+    `batch` is validated; its tensors (shape and dtype of each) are listed in
+    `dispatch.verify`. Returns a VerifyResult of [B] tensors: accepted and extra_token
+    int64, bad_q and nan_logits bool.
+    """
     logits = batch.logits
     b = batch.num_proposals
     n = batch.draft_tokens.shape[0]

@@ -61,7 +61,33 @@ def choose_path(device: torch.device, path: str | None = None) -> str:
 
 
 def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
-    """Accepted count, extra token and flags for every proposal of the batch."""
+    """Accepted count, extra token and flags for every proposal of a ragged verify batch.
+
+    Parameters
+    ----------
+    batch : VerifyBatch
+        B proposals, N = sum(M_b) draft tokens, R = N + B logits rows, all on one device
+        (layout in batch.py; `build_batch` makes one from Python values):
+
+        - ``logits`` ``[R, V]`` fp32, bf16 or fp16;
+        - ``draft_tokens`` ``[N]`` int64 in ``0..V-1``;
+        - ``num_draft`` (M_b >= 1), ``rule`` (1 or 2), ``temperature_milli``, ``top_k``,
+          ``top_p_milli``, ``q_start`` (-1 for rule 1), ``row_start``, ``token_start``
+          ``[B]`` int64;
+        - ``q`` ``[Q, V]`` fp32 draft probabilities of the rule-2 rows, or None;
+        - ``accept_uniforms`` ``[N]`` float64 (purpose 0) and ``extra_uniforms`` ``[R]``
+          float64 (purpose 1, row layout), in ``[0, 1)``.
+    path : str | None
+        "reference", "cpu", "native" or "triton"; None picks by device (module docstring).
+
+    Returns
+    -------
+    VerifyResult
+        ``accepted`` ``[B]`` int64 (0 when flagged), ``extra_token`` ``[B]`` int64 (-1 when
+        flagged), ``bad_q`` ``[B]`` bool, ``nan_logits`` ``[B]`` bool.
+
+    Raises VerifyInputError for inconsistent shapes, dtypes, devices or an unknown path.
+    """
     batch.validate()
     chosen = choose_path(batch.logits.device, path)
     if chosen == "reference":
@@ -86,9 +112,24 @@ def _per_row(value, default: int, rows: int, device: torch.device) -> torch.Tens
 
 def target_probs(logits: torch.Tensor, temperature_milli=None, top_k=None, top_p_milli=None,
                  path: str | None = None) -> torch.Tensor:
-    """p [rows, V] (fp32; float64 from the reference) for logits [rows, V] or [V].
+    """The target distribution p of each logits row (temperature, then top-k, then top-p).
 
-    Profile values are scalars or [rows] tensors; None takes the NOTES.md default.
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[rows, V]`` or ``[V]``, fp32, bf16 or fp16.
+    temperature_milli, top_k, top_p_milli : int | torch.Tensor | None
+        A scalar or a ``[rows]`` int64 tensor each: temperature in thousandths (0 = greedy),
+        top-k (0 = off), top-p in thousandths ``0..1000`` (1000 = off). None takes the
+        default of ../shared/spec/NOTES.md, "Sampling profile -> target distribution p".
+    path : str | None
+        "reference", "cpu", "native" or "triton"; None picks by device.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[rows, V]`` (``[V]`` for a ``[V]`` row), fp32 (float64 from the reference), on the
+        logits' device.
     """
     squeeze = logits.dim() == 1
     lg = logits[None] if squeeze else logits

@@ -79,11 +79,19 @@ def capability() -> str:
 
 
 def verify(batch: VerifyBatch) -> VerifyResult:
+    """The verify op through `torch.ops.sdcp.verify` (csrc/), CPU tensors only.
+
+    `batch` is validated; its tensors (shape and dtype of each) are listed in
+    `dispatch.verify`. Returns a VerifyResult of [B] tensors: accepted and extra_token
+    int64, bad_q and nan_logits bool.
+    """
     try:
         accepted, extra, bad_q, nan = torch.ops.sdcp.verify(
-            batch.logits, batch.draft_tokens, batch.num_draft, batch.rule,
-            batch.temperature_milli, batch.top_k, batch.top_p_milli, batch.q, batch.q_start,
-            batch.accept_uniforms, batch.extra_uniforms, batch.row_start, batch.token_start)
+            logits=batch.logits, draft_tokens=batch.draft_tokens, num_draft=batch.num_draft,
+            rule=batch.rule, temperature_milli=batch.temperature_milli, top_k=batch.top_k,
+            top_p_milli=batch.top_p_milli, q=batch.q, q_start=batch.q_start,
+            accept_uniforms=batch.accept_uniforms, extra_uniforms=batch.extra_uniforms,
+            row_start=batch.row_start, token_start=batch.token_start)
     except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
     return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q, nan_logits=nan)
@@ -91,10 +99,16 @@ def verify(batch: VerifyBatch) -> VerifyResult:
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,
                  top_p_milli: torch.Tensor) -> torch.Tensor:
-    """[rows, V] fp32 p for every row (profile tensors [rows] int64)."""
+    """The target distribution p of every row through `torch.ops.sdcp.target_probs`.
+
+    logits [rows, V] on the CPU, fp32, bf16 or fp16 (other float dtypes are read as fp32);
+    the profile tensors [rows] int64 each, checked by `dispatch.target_probs`. Returns p
+    [rows, V] fp32 (a row with NaN, +inf or no finite logit gives a NaN row).
+    """
     if logits.dtype not in LOGIT_DTYPES:
         logits = logits.float()
     try:
-        return torch.ops.sdcp.target_probs(logits, temp_milli, top_k, top_p_milli)
+        return torch.ops.sdcp.target_probs(logits=logits, temperature_milli=temp_milli,
+                                           top_k=top_k, top_p_milli=top_p_milli)
     except ValueError as exc:
         raise VerifyInputError(str(exc).splitlines()[0]) from exc

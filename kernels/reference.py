@@ -138,6 +138,12 @@ def trace_batch(batch: VerifyBatch) -> list[ProposalTrace]:
 
 
 def verify(batch: VerifyBatch) -> VerifyResult:
+    """The verify op one proposal at a time in float64 (see `trace_batch`).
+
+    `batch` is validated; its tensors (shape and dtype of each) are listed in
+    `dispatch.verify`. Returns a VerifyResult of [B] tensors: accepted and extra_token
+    int64, bad_q and nan_logits bool.
+    """
     traces = trace_batch(batch)
     dev = batch.logits.device
     return VerifyResult(
@@ -148,7 +154,11 @@ def verify(batch: VerifyBatch) -> VerifyResult:
 
 
 def target_probs(logits: torch.Tensor, temperature_milli, top_k, top_p_milli) -> torch.Tensor:
-    """[rows, V] float64; the profile entries are [rows] int tensors."""
+    """p row by row in float64 (the semantics every other path is checked against).
+
+    logits [rows, V] any float dtype; the profile tensors [rows] int64 each, checked by
+    `dispatch.target_probs`. Returns p [rows, V] float64 on the logits' device.
+    """
     rows = [target_row(logits[r].cpu(), int(temperature_milli[r]), int(top_k[r]),
                        int(top_p_milli[r])) for r in range(logits.shape[0])]
     return torch.stack(rows).to(logits.device)

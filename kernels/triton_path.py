@@ -454,18 +454,46 @@ class RowStats:
     kept_mass: torch.Tensor  # [R] float64, sum of exp((x - max) / T) over the kept tokens
 
 
+def _chunking(vocab: int, splits: int, block: int) -> tuple[int, int]:
+    """(chunk, splits): `splits` programs per row rounded to whole blocks of `block`."""
+    chunk = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    return chunk, triton.cdiv(vocab, chunk)
+
+
 def row_stats(logits: torch.Tensor, row_temp: torch.Tensor, row_topk: torch.Tensor,
               row_topp: torch.Tensor, cfg: LaunchConfig) -> RowStats:
+    """Per-row statistics of the target distribution p, without writing p (launches 1 and 2).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[R, V]``, fp32, bf16 or fp16, contiguous, on the launch device.
+    row_temp : torch.Tensor
+        ``[R]`` int64, temperature in thousandths per row (0 = greedy).
+    row_topk : torch.Tensor
+        ``[R]`` int64, top-k per row (0 = off).
+    row_topp : torch.Tensor
+        ``[R]`` int64 in ``0..1000``, top-p in thousandths per row (1000 = off).
+    cfg : LaunchConfig
+        Block size, V-split and warps (see `launch_config`).
+
+    Returns
+    -------
+    RowStats
+        ``[R]`` tensors: max (fp32), argmax (int64), bad flag (int8), keep threshold key and
+        tie cut-off (int64), kept mass (float64).
+    """
     rows, vocab = logits.shape
     dev = logits.device
-    chunk = triton.cdiv(triton.cdiv(vocab, cfg.splits), cfg.block) * cfg.block
-    splits = triton.cdiv(vocab, chunk)
+    chunk, splits = _chunking(vocab, cfg.splits, cfg.block)
     cmax = torch.empty(rows * splits, dtype=torch.float32, device=dev)
     carg = torch.empty(rows * splits, dtype=torch.int64, device=dev)
     csum = torch.empty(rows * splits, dtype=torch.float32, device=dev)
     cbad = torch.empty(rows * splits, dtype=torch.int32, device=dev)
-    _chunk_stats_kernel[(rows, splits)](logits, row_temp, cmax, carg, csum, cbad, vocab, chunk,
-                                        splits, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _chunk_stats_kernel[(rows, splits)](
+        logits_ptr=logits, row_temp_ptr=row_temp,
+        cmax_ptr=cmax, carg_ptr=carg, csum_ptr=csum, cbad_ptr=cbad,
+        V=vocab, CHUNK=chunk, SPLITS=splits, BLOCK=cfg.block, num_warps=cfg.num_warps)
     stats = RowStats(
         row_max=torch.empty(rows, dtype=torch.float32, device=dev),
         row_arg=torch.empty(rows, dtype=torch.int64, device=dev),
@@ -473,11 +501,13 @@ def row_stats(logits: torch.Tensor, row_temp: torch.Tensor, row_topk: torch.Tens
         tau=torch.empty(rows, dtype=torch.int64, device=dev),
         tie_last=torch.empty(rows, dtype=torch.int64, device=dev),
         kept_mass=torch.empty(rows, dtype=torch.float64, device=dev))
-    _row_finalize_kernel[(rows,)](logits, row_temp, row_topk, row_topp, cmax, carg, csum, cbad,
-                                  stats.row_max, stats.row_arg, stats.row_bad, stats.tau,
-                                  stats.tie_last, stats.kept_mass, vocab, splits,
-                                  SPLITS_P=triton.next_power_of_2(splits), BLOCK=cfg.block,
-                                  NPIV=cfg.npiv, num_warps=cfg.num_warps)
+    _row_finalize_kernel[(rows,)](
+        logits_ptr=logits, row_temp_ptr=row_temp, row_topk_ptr=row_topk, row_topp_ptr=row_topp,
+        cmax_ptr=cmax, carg_ptr=carg, csum_ptr=csum, cbad_ptr=cbad,
+        rmax_ptr=stats.row_max, rarg_ptr=stats.row_arg, rbad_ptr=stats.row_bad,
+        tau_ptr=stats.tau, tie_ptr=stats.tie_last, mass_ptr=stats.kept_mass,
+        V=vocab, SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), BLOCK=cfg.block,
+        NPIV=cfg.npiv, num_warps=cfg.num_warps)
     return stats
 
 
@@ -486,6 +516,30 @@ def _contiguous_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def verify(batch: VerifyBatch, cfg: LaunchConfig | None = None) -> VerifyResult:
+    """Accepted count, extra token and flags per proposal of a ragged batch (five launches).
+
+    Parameters
+    ----------
+    batch : VerifyBatch
+        B proposals, N = sum(M_b) draft tokens, R = N + B logits rows, all on one device
+        (layout in batch.py; `batch.validate()` has checked it):
+
+        - ``logits`` ``[R, V]`` fp32, bf16 or fp16 (a non-contiguous tensor is copied);
+        - ``draft_tokens`` ``[N]`` int64 in ``0..V-1``;
+        - ``num_draft``, ``rule``, ``temperature_milli``, ``top_k``, ``top_p_milli``,
+          ``q_start``, ``row_start``, ``token_start`` ``[B]`` int64;
+        - ``q`` ``[Q, V]`` fp32 (rule-2 rows), or None when no proposal uses rule 2;
+        - ``accept_uniforms`` ``[N]`` float64 and ``extra_uniforms`` ``[R]`` float64, in
+          ``[0, 1)``.
+    cfg : LaunchConfig | None
+        Block size, V-split and warps; None picks `launch_config(R, V, device)`.
+
+    Returns
+    -------
+    VerifyResult
+        ``accepted`` ``[B]`` int64 (0 when flagged), ``extra_token`` ``[B]`` int64 (-1 when
+        flagged), ``bad_q`` ``[B]`` bool, ``nan_logits`` ``[B]`` bool, on the batch's device.
+    """
     logits = _contiguous_logits(batch.logits)
     rows, vocab = logits.shape
     b = batch.num_proposals
@@ -504,40 +558,64 @@ def verify(batch: VerifyBatch, cfg: LaunchConfig | None = None) -> VerifyResult:
     extra = torch.empty(b, dtype=torch.int64, device=dev)
     bad_q = torch.empty(b, dtype=torch.int8, device=dev)
     nan = torch.empty(b, dtype=torch.int8, device=dev)
-    _accept_kernel[(b,)](logits, batch.draft_tokens, batch.accept_uniforms, batch.num_draft,
-                         batch.rule, batch.temperature_milli, batch.row_start, batch.token_start,
-                         q, batch.q_start, stats.row_max, stats.row_arg, stats.row_bad, stats.tau,
-                         stats.tie_last, stats.kept_mass, accepted, extra, bad_q, nan, vocab)
+    proposal = dict(logits_ptr=logits, num_draft_ptr=batch.num_draft, rule_ptr=batch.rule,
+                    temp_ptr=batch.temperature_milli, row_start_ptr=batch.row_start,
+                    q_ptr=q, q_start_ptr=batch.q_start)
+    _accept_kernel[(b,)](
+        **proposal, tokens_ptr=batch.draft_tokens, acc_u_ptr=batch.accept_uniforms,
+        token_start_ptr=batch.token_start,
+        rmax_ptr=stats.row_max, rarg_ptr=stats.row_arg, rbad_ptr=stats.row_bad,
+        tau_ptr=stats.tau, tie_ptr=stats.tie_last, mass_ptr=stats.kept_mass,
+        accepted_ptr=accepted, extra_ptr=extra, bad_q_ptr=bad_q, nan_ptr=nan, V=vocab)
 
-    draw_splits = max(1, min(triton.cdiv(vocab, cfg.block),
-                             triton.cdiv(_program_target(dev), b), 64))
-    chunk = triton.cdiv(triton.cdiv(vocab, draw_splits), cfg.block) * cfg.block
-    draw_splits = triton.cdiv(vocab, chunk)
+    target_splits = max(1, min(triton.cdiv(vocab, cfg.block),
+                               triton.cdiv(_program_target(dev), b), 64))
+    chunk, draw_splits = _chunking(vocab, target_splits, cfg.block)
     cw = torch.empty(b * draw_splits, dtype=torch.float64, device=dev)
     cp = torch.empty(b * draw_splits, dtype=torch.float64, device=dev)
-    _draw_partial_kernel[(b, draw_splits)](
-        logits, q, batch.num_draft, batch.rule, batch.temperature_milli, batch.row_start,
-        batch.q_start, stats.row_max, stats.tau, stats.tie_last, stats.kept_mass, accepted, extra,
-        cw, cp, vocab, chunk, draw_splits, BLOCK=cfg.block, num_warps=cfg.num_warps)
-    _draw_final_kernel[(b,)](
-        logits, q, batch.num_draft, batch.rule, batch.temperature_milli, batch.row_start,
-        batch.q_start, batch.extra_uniforms, stats.row_max, stats.tau, stats.tie_last,
-        stats.kept_mass, accepted, extra, cw, cp, vocab, chunk, draw_splits,
-        SPLITS_P=triton.next_power_of_2(draw_splits), BLOCK=cfg.block, num_warps=cfg.num_warps)
+    draw = dict(**proposal, rmax_ptr=stats.row_max, tau_ptr=stats.tau, tie_ptr=stats.tie_last,
+                mass_ptr=stats.kept_mass, accepted_ptr=accepted, extra_ptr=extra,
+                cw_ptr=cw, cp_ptr=cp, V=vocab, CHUNK=chunk, SPLITS=draw_splits,
+                BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _draw_partial_kernel[(b, draw_splits)](**draw)
+    _draw_final_kernel[(b,)](**draw, extra_u_ptr=batch.extra_uniforms,
+                             SPLITS_P=triton.next_power_of_2(draw_splits))
     return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q.bool(),
                         nan_logits=nan.bool())
 
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,
                  top_p_milli: torch.Tensor, cfg: LaunchConfig | None = None) -> torch.Tensor:
+    """The target distribution p of every logits row (launches 1, 2 and `_probs_kernel`).
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[rows, V]``, fp32, bf16 or fp16 (a non-contiguous tensor is copied).
+    temp_milli : torch.Tensor
+        ``[rows]`` int64, temperature in thousandths (0 = greedy: p is one-hot on the argmax).
+    top_k : torch.Tensor
+        ``[rows]`` int64 (0 = off).
+    top_p_milli : torch.Tensor
+        ``[rows]`` int64 in ``0..1000`` (1000 = off).
+    cfg : LaunchConfig | None
+        Block size, V-split and warps; None picks `launch_config(rows, V, device)`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[rows, V]`` fp32 p on the logits' device (a row with NaN, +inf or no finite logit
+        gives unspecified values: check it with `sample.bad_rows`).
+    """
     logits = _contiguous_logits(logits)
     rows, vocab = logits.shape
     cfg = cfg or launch_config(rows, vocab, logits.device)
     stats = row_stats(logits, temp_milli, top_k, top_p_milli, cfg)
     out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
-    chunk = triton.cdiv(triton.cdiv(vocab, cfg.splits), cfg.block) * cfg.block
-    splits = triton.cdiv(vocab, chunk)
-    _probs_kernel[(rows, splits)](logits, temp_milli, stats.row_max, stats.row_arg, stats.tau,
-                                  stats.tie_last, stats.kept_mass, out, vocab, chunk,
-                                  BLOCK=cfg.block, num_warps=cfg.num_warps)
+    chunk, splits = _chunking(vocab, cfg.splits, cfg.block)
+    _probs_kernel[(rows, splits)](
+        logits_ptr=logits, row_temp_ptr=temp_milli,
+        rmax_ptr=stats.row_max, rarg_ptr=stats.row_arg, tau_ptr=stats.tau,
+        tie_ptr=stats.tie_last, mass_ptr=stats.kept_mass, out_ptr=out,
+        V=vocab, CHUNK=chunk, BLOCK=cfg.block, num_warps=cfg.num_warps)
     return out

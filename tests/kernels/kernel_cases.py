@@ -54,7 +54,7 @@ def random_profile(gen: torch.Generator, vocab: int) -> dict[str, int]:
     pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=gen))]  # noqa: E731
     prof = {"temperature_milli": pick(TEMPERATURES), "top_k": pick(top_ks(vocab)),
             "top_p_milli": pick(TOP_PS)}
-    # sometimes leave keys out: the NOTES.md defaults apply
+    # sometimes leave keys out: the defaults of ../shared/spec/NOTES.md apply
     return {k: v for k, v in prof.items() if int(torch.randint(4, (1,), generator=gen)) != 0}
 
 

@@ -1,5 +1,6 @@
-"""Uniforms derived as the draft's HMAC (NOTES.md), implemented here with hmac/hashlib so the
-kernels are checked on the real derivation without depending on sdcp_fast.core."""
+"""Uniforms derived as the draft's HMAC (../shared/spec/NOTES.md, "Numbers and encodings"),
+implemented here with hmac/hashlib so the kernels are checked on the real derivation without
+depending on sdcp_fast.core."""
 
 import hashlib
 import hmac
