@@ -17,7 +17,9 @@ import httpx
 
 @dataclass
 class Generation:
-    prompt: str
+    prompt: str                       # the text shown (the user's turn for a chat prompt)
+    prompt_tokens: list[int] | None = None   # sent as token ids when given (chat template applied)
+    stop: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     gid: str = ""
@@ -69,8 +71,8 @@ def generate_all(front: str, generations: list[Generation], max_new: int) -> flo
 
 def stream_one(front: str, g: Generation, max_new: int, lock: threading.Lock) -> None:
     try:
-        with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as http, \
-                http.stream("POST", f"{front}/v1/generate", json={"prompt": g.prompt, "max_new": max_new}) as r:
+        with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as http, \
+                http.stream("POST", f"{front}/v1/generate", json=request_body(g, max_new)) as r:
             if r.status_code != 200:
                 g.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
                 return
@@ -91,6 +93,11 @@ def stream_one(front: str, g: Generation, max_new: int, lock: threading.Lock) ->
                             g.seconds = data.get("seconds") or 0.0
     except Exception as exc:   # the table reports it; the demo still cleans up
         g.error = f"{type(exc).__name__}: {exc}"
+
+
+def request_body(g: Generation, max_new: int) -> dict:
+    body = {"tokens": g.prompt_tokens} if g.prompt_tokens is not None else {"prompt": g.prompt}
+    return body | {"max_new": max_new} | ({"stop": g.stop} if g.stop else {})
 
 
 def wait_live(front: str, count: int, timeout: float) -> None:
