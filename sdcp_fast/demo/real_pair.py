@@ -71,7 +71,7 @@ def progress(what: str):
     def tick() -> None:
         while not done.wait(1.0 if live else 10.0):
             seconds = time.perf_counter() - started
-            print(f"\r\x1b[2K{what} ... {seconds:.0f} s" if live else f"  {what} ... {seconds:.0f} s",
+            print(f"\r\x1b[2K{what} ... {seconds:.0f} s" if live else f"  ... {seconds:.0f} s",
                   end="" if live else "\n", flush=True)
 
     print(f"{what} ...", end="" if live else "\n", flush=True)
