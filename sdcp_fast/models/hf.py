@@ -43,6 +43,9 @@ in chunks of that size, which bounds activation memory.
 Bounds: a session longer than `max_seq_len`, or K/V of all sessions over `max_kv_bytes`
 (cached tokens x layers x 2 x KV heads x head dim x dtype size), raises `KVCapacityError`
 before any state changes. Kept logits rows add at most (M + 1) x V fp32 per session.
+`session_bytes` reports a session's K/V tensors as allocated (a crop leaves a view of the
+longer tensor until the next update copies) plus rows and token lists; `bytes_for(n)` is
+the most a session of n positions holds, what the verifier's and drafter's budgets reserve.
 
 KV export/import: the kvblob format with the K/V of the committed prefix the cache holds,
 [n_layer, 2, kv_heads, n, head_dim] in the model's dtype; import checks the model digest,
