@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=["h2", "h3"], default="h2")
     p.add_argument("--workdir", default=None, help="certificates, cache and logs (default: a temp dir)")
     p.add_argument("--plot", default=None, help="write a PNG of accepted tokens and m_cap per round")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers sharing the sessions; with 2 or more, the one the client uses is killed "
+                        "mid-generation and the streams resume at another")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("digest", help="contract digest of a contract file (JSON or CBOR); a model's digests")

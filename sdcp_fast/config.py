@@ -63,6 +63,8 @@ class ConfigError(ValueError):
 class VerifierSection:
     routers: list[str]                      # identities that may open, assign, read output, set policy
     router_uri: str | None = None           # where events and status reports go
+    router_uris: list[str] = field(default_factory=list)   # every router's base URI (several
+                                            # routers share sessions): reports and events go to each
     output_wait_s: float = 5.0              # long-poll wait of GET output
     ttl_ms: int = 3000
     status_interval_s: float = 1.0          # below ttl_ms
@@ -81,6 +83,8 @@ class VerifierSection:
 class DrafterSection:
     routers: list[str]                      # identities that may send assignments
     router_uri: str | None = None           # where status reports go
+    router_uris: list[str] = field(default_factory=list)   # every router's base URI: status
+                                            # reports go to each
     ttl_ms: int = 2000
     status_interval_s: float = 0.5
     max_sessions: int = 64
@@ -141,6 +145,10 @@ class RouterSection:
     request_timeout_s: float = 5.0
     target_kv: bool = True                  # offer the verifier's published target KV on resume
     session_load: int = 5
+    session_table: str = ""                 # where sessions are recorded (file:DIR, redis://..., etcd://...);
+                                            # empty: beside the commit log. Routers sharing one share sessions
+    lease_ttl_s: float = 5.0                # a router silent this long loses its sessions to another
+    status_grace_s: float = 3.0             # after start, an instance not heard from yet is not taken for dead
     contract: ContractSection = field(default_factory=ContractSection)
 
 

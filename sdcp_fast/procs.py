@@ -142,8 +142,12 @@ class Instance:
 
 
 class Cluster:
+    """`routers`: how many routers the deployment has (they share the sessions through the
+    session table beside the commit log; verifiers and drafters report to each).
+    `commit_log`: the commit log spec (default: a file log in the workdir), e.g. etcd://."""
+
     def __init__(self, workdir: str | Path, *, protocol: str = "h2", threads: int = 1,
-                 log_level: str = "info"):
+                 log_level: str = "info", routers: int = 1, commit_log: str | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.protocol = protocol
@@ -151,13 +155,26 @@ class Cluster:
         self.log_level = log_level
         self.certs = self.workdir / "certs"
         self.store = f"embedded:{self.workdir / 'mlc'}"
-        self.commit_log = f"file:{self.workdir / 'commit-log'}"
+        self.commit_log = commit_log or f"file:{self.workdir / 'commit-log'}"
         self.instances: dict[str, Instance] = {}
-        self.router_port = free_port()
+        self.router_ports = [free_port() for _ in range(routers)]
+
+    @property
+    def router_port(self) -> int:
+        return self.router_ports[0]
 
     @property
     def router_uri(self) -> str:
-        return f"https://127.0.0.1:{self.router_port}/"
+        return self.router_uris[0]
+
+    @property
+    def router_uris(self) -> list[str]:
+        return [f"https://127.0.0.1:{port}/" for port in self.router_ports]
+
+    def _reports(self) -> dict[str, Any]:
+        """Who may instruct an instance and where its reports go: every router."""
+        return {"routers": self.router_uris, "router_uri": self.router_uri,
+                "router_uris": self.router_uris if len(self.router_ports) > 1 else []}
 
     def _config(self, role: str, name: str, port: int, model: str, **members: Any) -> InstanceConfig:
         return InstanceConfig(role=role, uri=f"https://127.0.0.1:{port}/", listen=f"127.0.0.1:{port}",
@@ -167,24 +184,27 @@ class Cluster:
 
     def verifier(self, name: str, *, model: str, **options: Any) -> Instance:
         port = free_port()
-        section = VerifierSection(**{"routers": [self.router_uri], "router_uri": self.router_uri,
-                                     "ttl_ms": 1500, "status_interval_s": 0.25, "output_wait_s": 2.0,
+        section = VerifierSection(**{**self._reports(), "ttl_ms": 1500, "status_interval_s": 0.25, "output_wait_s": 2.0,
                                      **options})
         config = self._config("verifier", name, port, model, commit_log=self.commit_log, verifier=section)
         return self._add(Instance("verifier", name, port, config, self.workdir))
 
     def drafter(self, name: str, *, model: str, **options: Any) -> Instance:
         port = free_port()
-        section = DrafterSection(**{"routers": [self.router_uri], "router_uri": self.router_uri,
-                                    "ttl_ms": 1000, "status_interval_s": 0.2,
+        section = DrafterSection(**{**self._reports(), "ttl_ms": 1000, "status_interval_s": 0.2,
                                     "rounds_log": str(self.workdir / f"{name}.rounds.jsonl"), **options})
         config = self._config("drafter", name, port, model, drafter=section)
         return self._add(Instance("drafter", name, port, config, self.workdir))
 
     def router(self, *, model: str, drafter_models: dict[str, str], contract: dict[str, Any] | None = None,
                name: str = "router", **options: Any) -> Instance:
-        """`drafter_models`: drafter name -> its model's digest (hex)."""
-        port = self.router_port
+        """`drafter_models`: drafter name -> its model's digest (hex). Routers take the
+        ports made at construction in order (`routers=` of the Cluster)."""
+        taken = {i.port for i in self.instances.values() if i.role == "router"}
+        free = [p for p in self.router_ports if p not in taken]
+        if not free:
+            raise ValueError(f"the cluster was made for {len(self.router_ports)} router(s)")
+        port = free[0]
         verifiers = [i.uri for i in self.instances.values() if i.role == "verifier"]
         drafters = [DrafterEntry(self.instances[n].uri, model_digest=d) for n, d in drafter_models.items()]
         section = RouterSection(**{"verifiers": verifiers, "frontdoor": f"127.0.0.1:{free_port()}",

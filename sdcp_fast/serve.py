@@ -50,6 +50,7 @@ class Built:
 
     service: object
     closers: list[Closer] = field(default_factory=list)
+    first: list[Closer] = field(default_factory=list)  # on stop, before the servers stop
     ready: dict[str, object] = field(default_factory=dict)
     urls: list[str] = field(default_factory=list)       # "what URL" pieces of the ready line
     count_refusal: Callable[[str], None] | None = None  # the transport's refusals, into the metrics
@@ -90,6 +91,16 @@ def load_model(spec: str, what: str = "model"):
         return load_backend(spec)
     except (OSError, ModelError, ValueError, KeyError, ImportError) as exc:
         raise StartError(f"{what} {spec!r} cannot be loaded: {_reason(exc)}") from None
+
+
+async def open_session_table(spec: str, log_spec: str):
+    from .cache import CacheError, open_table, table_beside_log
+
+    try:
+        spec = spec or table_beside_log(log_spec)
+        return await open_table(spec)
+    except (CacheError, OSError, ValueError) as exc:
+        raise StartError(f"session_table {spec!r} cannot be opened: {_reason(exc)}") from None
 
 
 async def open_stores(cfg: InstanceConfig, *, with_log: bool):
@@ -146,7 +157,7 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
 
     v = cfg.section("verifier")
     config = VerifierConfig(
-        uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri,
+        uri=cfg.uri, routers=frozenset(v.routers), router_uri=v.router_uri, router_uris=tuple(v.router_uris),
         output_wait_s=v.output_wait_s, status_interval_s=v.status_interval_s, ttl_ms=v.ttl_ms,
         publish_kv_every=v.publish_kv_every, max_sessions=v.max_sessions,
         memory_budget_bytes=v.session_memory_mb << 20, retire_idle_s=v.retire_idle_s,
@@ -170,7 +181,8 @@ async def build_drafter(cfg: InstanceConfig, tls, client, health: Health) -> Bui
 
     d = cfg.section("drafter")
     config = DrafterConfig(
-        uri=cfg.uri, routers=frozenset(d.routers), router_uri=d.router_uri, ttl_ms=d.ttl_ms,
+        uri=cfg.uri, routers=frozenset(d.routers), router_uri=d.router_uri, router_uris=tuple(d.router_uris),
+        ttl_ms=d.ttl_ms,
         status_interval_s=d.status_interval_s, max_sessions=d.max_sessions, max_batch=d.max_batch,
         request_timeout_s=d.request_timeout_s, give_up_after_s=d.give_up_after_s,
         max_q_republish=d.max_q_republish, publish_draft_kv=d.publish_draft_kv,
@@ -233,16 +245,22 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
     config = RouterConfig(
         uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
         monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
-        target_kv=r.target_kv, session_load=r.session_load, contract=contract_defaults(r.contract))
+        target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
+        status_grace_s=r.status_grace_s, contract=contract_defaults(r.contract))
     metrics = Metrics()
     built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(r.metrics, metrics.registry, health, built)
     backend = load_model(cfg.model)
     store, commit_log = await open_stores(cfg, with_log=True)
     built.closers += [store.close, commit_log.close]
+    table = await open_session_table(r.session_table, commit_log_spec(cfg))
+    built.closers.append(table.close)
     health.add("store", store_check(store))
     health.add("commit_log", log_check(commit_log))
-    service = built.service = RouterService(config, backend, store, commit_log, client=client, metrics=metrics)
+    service = built.service = RouterService(config, backend, store, commit_log, client=client, table=table,
+                                            metrics=metrics)
+    health.add("lease", service.own.health_check)
+    built.first.append(service.stop)    # hand the sessions over at once: another router takes them
     health.details = lambda: {"verifiers_live": len(service.registry.live(ROLE_VERIFIER)),
                               "drafters_live": len(service.registry.live(ROLE_DRAFTER))}
     if r.frontdoor:
@@ -318,6 +336,9 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
 
 
 async def _shut_down(server, service, built: Built, client) -> None:
+    for first in built.first:
+        with contextlib.suppress(Exception):
+            await first()
     if server is not None:
         await server.stop(grace=1.0)
     if service is not None:

@@ -38,8 +38,12 @@ default 5 s, `timeout_s=` in any spec's query):
         # [sum M, V] fp32 on device (rows of `out` if given, a reusable [>= sum M, V]
         # buffer); QRowsUnavailable(uri, reason), .problem == "sdcp-q-unavailable"
 
+    table = await open_table("file:DIR" | "redis://HOST:PORT/DB" | "etcd://HOST:PORT")
+        # owned records with leases and fencing tokens (records.py): the router's sessions
+
 Errors (errors.py): CacheError > NotFound, StoreFull, StoreTimeout, BadSpec, Conflict,
-Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not private);
+Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not private), Exists,
+NotOwner > LeaseExpired (records.py);
 qrows.QRowsUnavailable.
 Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
 """
@@ -58,13 +62,15 @@ from .errors import (
     UnsafeDirectory,
 )
 from .fencing import check_after_append
-from .specs import open_log, open_store
+from .records import Exists, Lease, LeaseExpired, NotOwner, Owned, Record, RecordTable
+from .specs import open_log, open_store, open_table, table_beside_log
 
 __all__ = [
-    "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Fenced", "LogEntry",
-    "NotFound", "ObjectStore", "SizeMismatch", "StoreFull", "StoreTimeout",
-    "UnsafeDirectory", "check_after_append", "effective_commits", "load_q_rows", "object_uri",
-    "open_log", "open_store",
+    "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Exists", "Fenced", "Lease",
+    "LeaseExpired", "LogEntry", "NotFound", "NotOwner", "ObjectStore", "Owned", "Record",
+    "RecordTable", "SizeMismatch", "StoreFull", "StoreTimeout", "UnsafeDirectory",
+    "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",
+    "open_store", "open_table", "table_beside_log",
 ]
 
 

@@ -32,6 +32,7 @@ import hashlib
 
 import httpx
 
+from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import CacheError, Conflict, Fenced, StoreTimeout
@@ -64,15 +65,7 @@ class EtcdCommitLog:
         return self.prefix + hashlib.sha256(log.encode()).hexdigest()[:40].encode() + suffix
 
     async def _post(self, path: str, body: dict) -> dict:
-        try:
-            response = await self._http.post(path, json=body)
-        except httpx.TimeoutException as exc:
-            raise StoreTimeout(f"etcd {path} timed out") from exc
-        except httpx.HTTPError as exc:
-            raise CacheError(f"etcd {path}: {exc}") from exc
-        if response.status_code != 200:
-            raise CacheError(f"etcd {path}: HTTP {response.status_code} {response.text[:200]}")
-        return response.json()
+        return await etcd_http.post(self._http, path, body)
 
     def _compare_number(self, key: bytes, known: int, op: str, bound: int) -> dict:
         """`key` absent when `known` is 0, else `value op pad(bound)`."""

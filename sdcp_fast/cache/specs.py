@@ -6,6 +6,9 @@
     open_log("file:/var/lib/sdcp/log")      local directory (default ~/.local/state/sdcp-fast/log)
     open_log("redis://127.0.0.1:6379/0")    Lua-enforced; "...?fencing=check": read-after-append
     open_log("etcd://127.0.0.1:2379")       etcd v3 JSON gateway (etcds:// for https)
+    open_table("file:/var/lib/sdcp/table")  owned records (records.py) in a local directory
+    open_table("redis://127.0.0.1:6379/0?prefix=sdcp:table")   Lua-checked, leases are TTL keys
+    open_table("etcd://127.0.0.1:2379?prefix=/sdcp/table/")    transactions, etcd leases
 
 Every spec accepts `timeout_s=SECONDS` in its query.
 """
@@ -18,6 +21,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from .api import DEFAULT_TIMEOUT_S, CommitLog, ObjectStore
 from .errors import BadSpec
+from .records import RecordTable
 
 
 def _split(spec: str) -> tuple[str, str, dict[str, str]]:
@@ -53,6 +57,20 @@ def _strip_query(spec: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
 
 
+def _file_path(body: str) -> str:
+    """The path of a `file:` spec (file:PATH or file:///abs/path)."""
+    path = body[len("file:"):]
+    return urlsplit(body).path if path.startswith("//") else path
+
+
+def _etcd_endpoint(spec: str, scheme: str) -> str:
+    """The JSON gateway's base URL of an `etcd://` (http) or `etcds://` (https) spec."""
+    parts = urlsplit(spec)
+    if not parts.hostname or not parts.port:
+        raise BadSpec(f"{spec}: etcd needs host and port")
+    return f"{'https' if scheme == 'etcds' else 'http'}://{parts.hostname}:{parts.port}"
+
+
 async def open_store(spec: str = "embedded:") -> ObjectStore:
     scheme, body, options = _split(spec)
     timeout_s = _timeout(options)
@@ -80,11 +98,8 @@ async def open_log(spec: str) -> CommitLog:
     if scheme == "file":
         from .file_log import FileCommitLog
 
-        path = body[len("file:"):]
-        if path.startswith("//"):
-            path = urlsplit(body).path  # file:///abs/path
         _no_more(spec, options)
-        return FileCommitLog(path or default_log_dir(), timeout_s=timeout_s)
+        return FileCommitLog(_file_path(body) or default_log_dir(), timeout_s=timeout_s)
     if scheme in ("redis", "rediss"):
         from .redis_log import RedisCommitLog
 
@@ -97,15 +112,49 @@ async def open_log(spec: str) -> CommitLog:
     if scheme in ("etcd", "etcds"):
         from .etcd_log import DEFAULT_PREFIX, EtcdCommitLog
 
-        parts = urlsplit(spec)
-        if not parts.hostname or not parts.port:
-            raise BadSpec(f"{spec}: etcd needs host and port")
+        endpoint = _etcd_endpoint(spec, scheme)
         prefix = options.pop("prefix", DEFAULT_PREFIX)
         _no_more(spec, options)
-        http = "https" if scheme == "etcds" else "http"
-        return EtcdCommitLog(f"{http}://{parts.hostname}:{parts.port}", prefix=prefix,
-                             timeout_s=timeout_s)
+        return EtcdCommitLog(endpoint, prefix=prefix, timeout_s=timeout_s)
     raise BadSpec(f"no commit log for {spec!r} (file:PATH, redis://..., etcd://HOST:PORT)")
+
+
+async def open_table(spec: str) -> RecordTable:
+    scheme, body, options = _split(spec)
+    timeout_s = _timeout(options)
+    if scheme == "file":
+        from .records_file import FileRecordTable
+
+        _no_more(spec, options)
+        if not _file_path(body):
+            raise BadSpec(f"{spec}: file: needs a directory")
+        return FileRecordTable(_file_path(body), timeout_s=timeout_s)
+    if scheme in ("redis", "rediss"):
+        from .records_redis import DEFAULT_PREFIX, RedisRecordTable
+
+        prefix = options.pop("prefix", DEFAULT_PREFIX)
+        _no_more(spec, options)
+        return RedisRecordTable(_strip_query(spec), prefix=prefix, timeout_s=timeout_s)
+    if scheme in ("etcd", "etcds"):
+        from .records_etcd import DEFAULT_PREFIX, EtcdRecordTable
+
+        endpoint = _etcd_endpoint(spec, scheme)
+        prefix = options.pop("prefix", DEFAULT_PREFIX)
+        _no_more(spec, options)
+        return EtcdRecordTable(endpoint, prefix=prefix, timeout_s=timeout_s)
+    raise BadSpec(f"no record table for {spec!r} (file:DIR, redis://..., etcd://HOST:PORT)")
+
+
+def table_beside_log(log_spec: str) -> str:
+    """The record table a router uses when its config names none: beside its commit log
+    (a `router-table` directory in a file log's directory; the same Redis or etcd, under
+    the table's own key prefix)."""
+    scheme, body, _ = _split(log_spec)
+    if scheme == "file":
+        return f"file:{Path(_file_path(body) or default_log_dir()) / 'router-table'}"
+    if scheme in ("redis", "rediss", "etcd", "etcds"):
+        return _strip_query(log_spec)
+    raise BadSpec(f"no record table beside {log_spec!r}")
 
 
 def default_log_dir() -> Path:

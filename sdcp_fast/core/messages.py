@@ -10,6 +10,12 @@ refused (sdcp-bad-contract), so that every party digests the same content. An un
 action value decodes as fail. Sequences are held as tuples. Absent optional members are
 None and are omitted on encoding, which keeps a contract's digest over exactly the members
 it was created with.
+
+One extension member (section 5.2 lets receivers ignore unknown keys): `router_epoch` on
+session-open, assignment and policy, the sending router's ownership epoch of the session
+(docs/ARCHITECTURE.md, "Routers: ownership"). A receiver that knows it keeps the highest
+one seen per session and refuses lower ones, so that a router that lost a session cannot
+act for it late; one that does not know it ignores it.
 """
 
 from __future__ import annotations
@@ -368,6 +374,7 @@ class SessionOpen(Message):
     commit_log: str
     prompt_kv: str | None = None
     resume: Resume | None = None
+    router_epoch: int | None = None       # extension: the sending router's ownership epoch
 
     max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
@@ -378,6 +385,7 @@ class SessionOpen(Message):
         "prompt_kv": (cache_ref, True),
         "commit_log": (cache_ref, False),
         "resume": (nested(Resume), True),
+        "router_epoch": (uint(), True),
     }
 
 
@@ -414,6 +422,7 @@ class Assignment(Message):
     m_init: int
     sampling: Sampling | None = None
     committed_tokens: str | None = None
+    router_epoch: int | None = None       # extension: the sending router's ownership epoch
 
     max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
@@ -429,6 +438,7 @@ class Assignment(Message):
         "digest": (hash32, False),
         "committed_tokens": (cache_ref, True),
         "m_init": (uint(), False),
+        "router_epoch": (uint(), True),
     }
 
 
@@ -576,11 +586,13 @@ class Policy(Message):
     session: bytes
     from_round: int
     sampling: Sampling
+    router_epoch: int | None = None       # extension: the sending router's ownership epoch
 
     members: ClassVar = {
         "session": (session_id, False),
         "from_round": (uint(le=UINT32_MAX), False),
         "sampling": (nested(Sampling, lenient=True), False),
+        "router_epoch": (uint(), True),
     }
 
 

@@ -198,6 +198,7 @@ class VerifierSession:
         contract = msg.contract
         self.id: bytes = msg.session
         self.epoch: int = msg.epoch
+        self.router_epoch: int = msg.router_epoch or 0   # highest router ownership epoch seen
         self.contract: Contract = contract
         self.prompt: tuple[int, ...] = tuple(prompt)
         self.commit_log: str = msg.commit_log
@@ -287,6 +288,7 @@ class VerifierSession:
     def assign(self, msg: Assignment) -> SessionState:
         """PUT sessions/{id}/drafter: the drafter named here is the only one served."""
         self._check_epoch(msg.epoch)
+        self.check_router(msg.router_epoch)
         if msg.contract.digest != self.contract.digest:
             raise problem(Kind.BAD_CONTRACT, "assignment carries another contract")
         if self.closed:
@@ -297,6 +299,18 @@ class VerifierSession:
             self.assigned_during_job = True
         self._move(Ev.ASSIGN)
         return self.state_message()
+
+    def check_router(self, router_epoch: int | None) -> None:
+        """An instruction from a router that owns the session with `router_epoch` (absent:
+        a router that does not say): refused if a router with a higher one has spoken since,
+        else the highest so far is remembered. This refuses a late instruction from a
+        router that lost the session to another (docs/ARCHITECTURE.md)."""
+        if router_epoch is None:
+            return
+        if router_epoch < self.router_epoch:
+            raise problem(Kind.STALE_EPOCH, f"router epoch {router_epoch} is older than {self.router_epoch}: "
+                                            "another router owns the session now")
+        self.router_epoch = router_epoch
 
     def check(self, caller: str | None, p: Proposal) -> Replay | Wait | Job:
         """Section 6.3's checks, in the draft's order. Raises ProblemError on refusal."""
@@ -450,6 +464,7 @@ class VerifierSession:
 
     def policy(self, msg: Policy) -> SessionState:
         """POST sessions/{id}/policy: a new profile for rounds >= from_round."""
+        self.check_router(msg.router_epoch)
         if self.closed:
             raise self._closed_problem()
         latest = self.inflight.round if self.inflight is not None else self.round

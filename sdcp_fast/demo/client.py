@@ -1,5 +1,6 @@
 """The demo's client: streams every prompt from the router's front door at once (server-sent
-events over plain HTTP), with one live line per prompt on a terminal."""
+events over plain HTTP), with one live line per prompt on a terminal. A stream that breaks
+(its router died) is resumed at the next router with its id and `from=n`."""
 
 from __future__ import annotations
 
@@ -26,10 +27,13 @@ class Generation:
     finish: str | None = None
     seconds: float = 0.0
     error: str | None = None
+    resumed: list[int] = field(default_factory=list)    # token counts at which it was resumed
 
 
-def generate_all(front: str, generations: list[Generation], max_new: int) -> float:
-    """Stream every prompt at once; show one live line per prompt. Returns wall seconds."""
+def generate_all(fronts: str | list[str], generations: list[Generation], max_new: int) -> float:
+    """Stream every prompt at once from the first front door (the others: where a broken
+    stream resumes); show one live line per prompt. Returns wall seconds."""
+    fronts = [fronts] if isinstance(fronts, str) else list(fronts)
     live = sys.stdout.isatty()
     lock = threading.Lock()
     started = time.perf_counter()
@@ -56,7 +60,7 @@ def generate_all(front: str, generations: list[Generation], max_new: int) -> flo
     ticker.start()
     pool = ThreadPoolExecutor(len(generations))
     try:
-        list(pool.map(lambda g: stream_one(front, g, max_new, lock), generations))
+        list(pool.map(lambda g: stream_one(fronts, g, max_new, lock), generations))
     finally:
         # on Ctrl-C do not wait for the streams: stopping the processes ends them
         pool.shutdown(wait=False, cancel_futures=True)
@@ -69,13 +73,31 @@ def generate_all(front: str, generations: list[Generation], max_new: int) -> flo
     return wall
 
 
-def stream_one(front: str, g: Generation, max_new: int, lock: threading.Lock) -> None:
+def stream_one(fronts: list[str], g: Generation, max_new: int, lock: threading.Lock) -> None:
+    """The generation's stream from the first front door; while it breaks before its end,
+    the rest of it from the next ones (GET .../stream?from=n: no token lost or repeated)."""
+    for n, front in enumerate(fronts):
+        if n and not g.gid:
+            return                    # broke before the id came: nothing to resume
+        if n:
+            g.resumed.append(len(g.tokens))
+            request = ("GET", f"{front}/v1/generations/{g.gid}/stream?from={len(g.tokens)}", None)
+        else:
+            request = ("POST", f"{front}/v1/generate", request_body(g, max_new))
+        if _stream(request, g, lock) or g.error:
+            return
+    g.error = g.error or "the stream broke and no router was left to resume it"
+
+
+def _stream(request, g: Generation, lock: threading.Lock) -> bool:
+    """Read one stream into `g`; True once its end came, False if it broke first."""
+    method, url, body = request
     try:
         with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as http, \
-                http.stream("POST", f"{front}/v1/generate", json=request_body(g, max_new)) as r:
+                http.stream(method, url, json=body) as r:
             if r.status_code != 200:
                 g.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
-                return
+                return False
             name = None
             for line in r.iter_lines():
                 if line.startswith("event:"):
@@ -91,8 +113,12 @@ def stream_one(front: str, g: Generation, max_new: int, lock: threading.Lock) ->
                         elif name == "end":
                             g.finish, g.text = data["finish"], data["text"]
                             g.seconds = data.get("seconds") or 0.0
+                            return True
+    except (httpx.TransportError, httpx.StreamError):
+        return False                  # the router went away mid-stream
     except Exception as exc:   # the table reports it; the demo still cleans up
         g.error = f"{type(exc).__name__}: {exc}"
+    return False
 
 
 def request_body(g: Generation, max_new: int) -> dict:

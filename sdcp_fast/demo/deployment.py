@@ -1,6 +1,7 @@
-"""The demo's deployment: a router, a verifier (the target model) and two drafters (the
-draft model) as separate `sdcp-fast serve` processes, speaking HTTP/2 (or HTTP/3) with
-mutual TLS on loopback, sharing an embedded object store and a file commit log."""
+"""The demo's deployment: a router (or several, sharing the sessions), a verifier (the target
+model) and two drafters (the draft model) as separate `sdcp-fast serve` processes, speaking
+HTTP/2 (or HTTP/3) with mutual TLS on loopback, sharing an embedded object store, a file
+commit log and the routers' session table beside it."""
 
 from __future__ import annotations
 
@@ -14,11 +15,17 @@ from ..drafter import rounds_from_file
 from ..procs import Cluster
 
 DRAFTERS = ("drafter-1", "drafter-2")
+LEASE_TTL_S = 2.0      # a router silent this long loses its sessions to another
+
+
+def router_names(routers: int) -> list[str]:
+    return ["router"] + [f"router-{n}" for n in range(2, routers + 1)]
 
 
 def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int,
          stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False) -> None:
-    """Add the instances and their configs; `cluster.start()` launches them. `stop`: the
+    """Add the instances and their configs (as many routers as the cluster was made for);
+    `cluster.start()` launches them. `stop`: the
     contract's stop tokens (the real pair's end of turn); `verifier_spec`: the target as the
     verifier loads it (options such as threads; the router's spec names the same weights);
     `slow`: a model whose first load may convert files and whose passes take 100 ms, so
@@ -36,8 +43,9 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
     if stop:
         contract["stop"] = list(stop)
     extra = {"stall_s": 60.0, "request_timeout_s": 60.0} if slow else {}
-    cluster.router(model=target_spec, drafter_models={name: draft_digest for name in DRAFTERS},
-                   contract=contract, **extra)
+    for router in router_names(len(cluster.router_ports)):
+        cluster.router(model=target_spec, drafter_models={d: draft_digest for d in DRAFTERS}, name=router,
+                       contract=contract, lease_ttl_s=LEASE_TTL_S, **extra)
 
 
 def rounds(cluster: Cluster) -> list[dict]:

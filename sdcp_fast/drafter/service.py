@@ -31,7 +31,7 @@ from ..core.messages import ROLE_DRAFTER, Assignment, Status, Verdict
 from ..core.problems import Kind, problem
 from ..models.base import ModelError
 from ..refs import draft_kv_ref, read_token_list
-from ..reports import RouterLink
+from ..reports import RouterLink, router_targets
 from ..transport import Authorizer, Call, Routed, Router
 from .drafting import DraftBatcher
 from .metrics import Metrics
@@ -46,6 +46,8 @@ class DrafterConfig:
     uri: str                            # this drafter's base URI (its certificate's URI SAN)
     routers: frozenset[str]             # identities that may send assignments
     router_uri: str | None = None       # where status reports go
+    router_uris: tuple[str, ...] = ()   # every router (several share the sessions): status
+                                        # reports go to each; empty: router_uri alone
     ttl_ms: int = 2000
     status_interval_s: float = 0.5      # below ttl_ms
     max_sessions: int = 64
@@ -93,8 +95,9 @@ class DrafterService(Routed):
 
     async def start(self) -> None:
         self.batcher.start()
-        if self.client is not None and self.config.router_uri:
-            link = RouterLink(self.client, self.config.router_uri, self.config.uri,
+        routers = router_targets(self.config.router_uris, self.config.router_uri)
+        if self.client is not None and routers:
+            link = RouterLink(self.client, routers, self.config.uri,
                               timeout_s=min(self.config.request_timeout_s, self.config.ttl_ms / 1000))
             self.tasks.spawn(link.report_status_forever(self._next_status, self.config.status_interval_s))
 
@@ -117,9 +120,9 @@ class DrafterService(Routed):
         # the new one there are awaits, and two concurrent (or retried) assignments would
         # otherwise both replace the old loop, leaving two proposals outstanding (6.2).
         async with self._assignment_locks.hold(a.session):
-            await self._take_assignment(a)
+            await self._take_assignment(call, a)
 
-    async def _take_assignment(self, a: Assignment) -> None:
+    async def _take_assignment(self, call: Call, a: Assignment) -> None:
         prompt = await read_token_list(self.store, a.prompt, "prompt")
         output = list(await read_token_list(self.store, a.committed_tokens, "committed tokens")) \
             if a.committed else []
@@ -129,12 +132,19 @@ class DrafterService(Routed):
             raise problem(Kind.CONFLICT, "committed tokens do not digest to the assignment's digest")
 
         existing = self.sessions.get(a.session)
+        placed_by = (a.epoch, a.router_epoch or 0)
+        if existing is not None and placed_by < existing.placed_by:
+            # a late assignment from an older placement (an older epoch, or a router that
+            # has lost the session to another since): the newer one stands
+            raise problem(Kind.STALE_EPOCH, f"the session runs at epoch {existing.epoch} under router "
+                                            f"epoch {existing.placed_by[1]}")
         if existing is not None and existing.running() and existing.epoch == a.epoch \
                 and existing.verifier == a.verifier.rstrip("/") and a.committed <= existing.committed:
             # same placement (a policy update, or the router re-sending): the new profile, and
             # a cap that is within the verifier's whether or not it was told again (m_init)
             existing.sampling = a.sampling or a.contract.sampling
             existing.m_cap = max(1, min(existing.m_cap, a.m_init, a.contract.m_max))
+            existing.placed_by = placed_by
             return
         reserve = self.reservation(a, len(prompt))
         if existing is not None:
@@ -146,8 +156,8 @@ class DrafterService(Routed):
         session.reserved = reserve
         self.sessions[a.session] = session
         session.task = self.tasks.spawn(session.run())
-        log.info("session %s assigned (epoch %d, verifier %s, committed %d)", a.session.hex(), a.epoch,
-                 a.verifier, a.committed)
+        log.info("session %s assigned by %s (epoch %d, router epoch %d, verifier %s, committed %d)",
+                 a.session.hex(), call.caller, a.epoch, placed_by[1], a.verifier, a.committed)
 
     def reservation(self, a: Assignment, prompt: int) -> int:
         """Bytes a session holds at its longest: the draft model's state for the prompt and

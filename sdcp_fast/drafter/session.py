@@ -130,6 +130,7 @@ class DraftSession:
 
     def apply(self, a: Assignment, prompt: tuple[int, ...], output: list[int]) -> None:
         self.epoch = a.epoch
+        self.placed_by = (a.epoch, a.router_epoch or 0)   # (epoch, router epoch) of the placement
         self.contract = a.contract
         self.verifier = a.verifier.rstrip("/")
         self.prompt = prompt

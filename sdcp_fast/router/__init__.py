@@ -2,7 +2,8 @@
 and serves clients through its front door.
 
     RouterService(RouterConfig(uri, verifiers=(...), drafters=((uri, model_digest), ...)),
-                  target_backend, store, commit_log, client=Client(tls, protocol))
+                  target_backend, store, commit_log, client=Client(tls, protocol),
+                  table=await cache.open_table(spec))   # the session table, shared by routers
     await service.start(); serve it with sdcp_fast.transport.serve(service, ...)
     serve_web(FrontDoor(service, openai=OpenAIRoutes(service, "model-name")), host=..., port=...)
 """

@@ -1,4 +1,4 @@
-"""Section 6.9, verifier failure: fence the commit log with epoch + 1, read its last
+"""Section 6.9, verifier failure: fence the commit log with a new epoch, read its last
 effective record, put the committed tokens in the cache, open the session with `resume` at
 another verifier (the old one when no other takes it), re-send the sampling policy, assign
 a drafter.
@@ -9,6 +9,11 @@ the session (fenced, or let go to make room; its commit log stays). The
 fence and the open are two steps: a fence whose open failed is kept (`resume_pending`) and
 the next attempt only opens, even if the old verifier reports status again (it can no
 longer commit).
+
+The new epoch is allocated in the session's record before the fence (`allocated`, above
+every epoch any owner of the session allocated), so two routers never fence with the same
+epoch: a router that lost the session cannot allocate one, and the one taking it over
+allocates above what the record shows (docs/ARCHITECTURE.md, "Routers: ownership").
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ log = logging.getLogger("sdcp_fast.router")
 
 class Failover:
     def __init__(self, registry: Registry, peers: Peers, committed: CommittedLog, commit_log,
-                 placement: Placement, *, target_kv: bool):
+                 placement: Placement, own, *, target_kv: bool):
+        self.own = own                # ownership.Ownership: act before acting
         self.registry = registry
         self.peers = peers
         self.committed = committed
@@ -50,7 +56,7 @@ class Failover:
     def needed(self, s: RouterSession) -> bool:
         """Fence and resume elsewhere: the verifier's status expired, it said it lost the
         session, or an earlier failover fenced the log but could not open it anywhere yet."""
-        return s.resume_pending or s.verifier_lost or not self.registry.is_live(s.verifier)
+        return s.resume_pending or s.verifier_lost or self.registry.silent(s.verifier)
 
     async def run(self, s: RouterSession) -> None:
         async with s.lock:
@@ -60,7 +66,9 @@ class Failover:
             if not self.registry.live(ROLE_VERIFIER):
                 return     # nowhere to go yet; the monitor tries again
             if not s.resume_pending:
-                epoch = s.epoch + 1
+                epoch = max(s.epoch, s.allocated) + 1
+                s.allocated = epoch
+                await self.own.act(s)    # the epoch is this owner's before anything is fenced with it
                 try:
                     await self.commit_log.fence(s.commit_log, epoch)
                 except Fenced as exc:
@@ -69,6 +77,7 @@ class Failover:
                 s.epoch = epoch          # from here on, output of older epochs is discarded
                 s.resume_pending, s.verifier_lost = True, False
                 s.notify()
+                await self.own.act(s)
             tokens, records = await self.committed.read(s)
             resume = None
             if records:
@@ -87,8 +96,10 @@ class Failover:
                 return
             s.resume_pending = False
             s.place("failover", old_verifier=old, resumed_at=len(tokens))
+            await self.own.act(s)
             if s.sampling is not None and s.policy_from_round is not None:
                 from_round = max(s.policy_from_round, (records[-1].round if records else 0) + 1)
-                await self.peers.set_policy(s.verifier, Policy(s.id, from_round, s.sampling))
+                await self.peers.set_policy(s.verifier, Policy(s.id, from_round, s.sampling,
+                                                               router_epoch=s.router_epoch or None))
             if not await self.placement.assign(s):
                 s.needs_drafter = True

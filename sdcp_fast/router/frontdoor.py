@@ -9,9 +9,14 @@ option). SDCP leaves client-facing APIs open (section 1.4); this one is
         -> text/event-stream:  event: start   data: {"id", "epoch", "verifier", "drafter"}
                                event: tokens  data: {"index", "tokens", "text"}   (as committed)
                                event: end     data: {"finish", "tokens", "text", "seconds"}
+                               (tokens and end carry the SSE id: tokens sent so far)
         -> with "stream": false, one JSON object when the generation ends
-    GET  /v1/generations                   every generation the router holds (JSON summaries)
+    GET  /v1/generations                   every generation the router owns or streams (JSON
+                                           summaries)
     GET  /v1/generations/{id}[/stream?from=n]  session info (JSON), or its stream from index n
+                                           (or from the header Last-Event-ID),
+                                           at ANY router of the deployment (the owner's, or
+                                           another's that follows the session's commit log)
     POST /v1/generations/{id}/policy       {"sampling": {...}} -> {"from_round": r}
     GET  /v1/instances                     the router's registry (JSON)
     GET  /v1/models, POST /v1/completions, POST /v1/chat/completions
@@ -21,7 +26,7 @@ option). SDCP leaves client-facing APIs open (section 1.4); this one is
 Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detail for
 problems the router raises). Tokens are streamed exactly once each, in order: the stream
 reads the router's session output (which takes every committed token once, section 6.7)
-from an index, so a client that reconnects with from=n resumes without a gap or a repeat.
+from an index, so a client that reconnects with from=n resumes without a gap or a repeat, here or at another router (router/follow.py).
 Text is decoded on the whole sequence and sent as the difference, holding back a trailing
 incomplete character.
 """
@@ -78,17 +83,19 @@ class FrontDoor:
         if method == "POST" and parts == ["v1", "generate"]:
             return await self._generate(_json(body))
         if method == "GET" and parts == ["v1", "generations"]:
+            sessions = [*self.router.sessions.values(), *self.router.followed.values()]
             summaries = [{k: v for k, v in s.info().items() if k not in ("tokens", "history")}
-                         for s in list(self.router.sessions.values())]
+                         for s in sessions]
             return WebResponse.json(200, {"generations": summaries})
         if method == "GET" and parts == ["v1", "instances"]:
             return WebResponse.json(200, {"instances": self.router.registry.snapshot()})
         if len(parts) >= 3 and parts[:2] == ["v1", "generations"]:
-            s = self._session(parts[2])
+            s = await self._session(parts[2])
             if method == "GET" and len(parts) == 3:
                 return WebResponse.json(200, s.info())
             if method == "GET" and parts[3:] == ["stream"]:
-                return self._stream(s, _query_int(request.query.get("from", "0"), "from"))
+                start = request.query.get("from", request.headers.get("last-event-id", "0"))
+                return self._stream(s, _query_int(start, "from"))
             if method == "POST" and parts[3:] == ["policy"]:
                 sampling = _sampling(_json(body).get("sampling"))
                 from_round = await self.router.update_policy(s, sampling)
@@ -122,7 +129,7 @@ class FrontDoor:
         if "sampling" in req:
             overrides["sampling"] = _sampling(req["sampling"])
         contract = self.router.make_contract(**overrides)
-        s = await self.router.generate(list(tokens), contract)
+        s = await self.router.generate(list(tokens), contract, door={"kind": "generate"})
         if req.get("stream", True):
             return self._stream(s, 0, announce=True)
         while not s.done:
@@ -146,12 +153,12 @@ class FrontDoor:
                 text = decode(s.tokens)
                 settled = text[:-1] if text.endswith("\ufffd") else text
                 delta = settled[len(sent_text):] if settled.startswith(sent_text) else ""
-                yield _event("tokens", {"index": index, "tokens": new, "text": delta})
                 index += len(new)
+                yield _event("tokens", {"index": index - len(new), "tokens": new, "text": delta}, index)
                 if settled.startswith(sent_text):
                     sent_text = settled
             if s.done and index >= len(s.tokens):
-                yield _event("end", self._end(s, decode(s.tokens)))
+                yield _event("end", self._end(s, decode(s.tokens)), index)
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), RECHECK_S)
@@ -162,18 +169,22 @@ class FrontDoor:
                 "seconds": None if s.finished_at is None else round(s.finished_at - s.created, 4),
                 "first_token_s": None if s.first_token_at is None else round(s.first_token_at - s.created, 4)}
 
-    def _session(self, hex_id: str) -> RouterSession:
+    async def _session(self, hex_id: str) -> RouterSession:
         try:
-            s = self.router.sessions.get(bytes.fromhex(hex_id))
+            sid = bytes.fromhex(hex_id)
         except ValueError:
-            s = None
+            sid = b""
+        s = await self.router.find(sid) if len(sid) == 16 else None
         if s is None:
             raise HTTPError(404, "no such generation")
         return s
 
 
-def _event(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+def _event(name: str, data: dict, event_id: int | None = None) -> bytes:
+    """One server-sent event; the id of a tokens or end event is the number of tokens sent
+    so far (what `from`, or an SSE client's Last-Event-ID, resumes from)."""
+    head = "" if event_id is None else f"id: {event_id}\n"
+    return f"{head}event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 def _json(body: bytes) -> dict:

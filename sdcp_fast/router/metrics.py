@@ -12,6 +12,10 @@
     sdcp_replacements_total{why}              sessions the router moved to a verifier:
                                               failover (verifier lost) | unasked_fail (the
                                               ladder ran out under a contract without fail)
+    sdcp_router_takeovers_total               sessions taken over from a router whose lease ended
+    sdcp_router_sessions_lost_total           sessions this router stopped acting for (taken
+                                              over by another, or its lease ended)
+    sdcp_router_sessions_followed             sessions of other routers streamed here
 """
 
 from __future__ import annotations
@@ -39,10 +43,14 @@ class Metrics:
                                 labels={"finished_reason": FINISHED_REASONS})
         self.replacements = counter(r, "replacements", "Sessions re-placed on a verifier, by why",
                                     labels={"why": REPLACEMENTS})
+        self.takeovers = counter(r, "router_takeovers", "Sessions taken over from a router whose lease ended")
+        self.lost = counter(r, "router_sessions_lost", "Sessions this router stopped acting for")
 
-    def watch(self, *, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+    def watch(self, *, running: Callable[[], float], waiting: Callable[[], float],
+              followed: Callable[[], float] = lambda: 0) -> None:
         gauge(self.registry, "num_requests_running", "Generations placed on a verifier", running)
         gauge(self.registry, "num_requests_waiting", "Generations waiting for a verifier", waiting)
+        gauge(self.registry, "router_sessions_followed", "Sessions of other routers streamed here", followed)
 
     def output(self, tokens: int, gap_s: float, first: bool, since_request_s: float) -> None:
         """`tokens` new committed tokens arrived `gap_s` after the previous ones."""

@@ -23,6 +23,17 @@ the text before the stop string is returned), `n` (1 only), `stream`, `stream_op
 
 finish_reason is "stop" (an end-of-sequence token or a stop string) or "length"
 (max_tokens). Streams are server-sent events of chunk objects ending with `data: [DONE]`;
+each event carries an SSE `id:`, the number of completion tokens its text covers. A stream
+cut off (its router died, say) resumes at ANY router of the deployment:
+
+    GET /v1/completions/{id}/stream?from=n         (or the header Last-Event-ID: n)
+    GET /v1/chat/completions/{id}/stream?from=n
+
+with the completion's id (`cmpl-...`, `chatcmpl-...`: the session id) and the last event id
+received: the text from there on, as the first stream would have sent it (the text stream
+fed the first n tokens again, so held-back text and stop strings come out the same), then
+the finish chunk, usage and `data: [DONE]`. A non-streaming request cannot be resumed (its
+id comes with the answer).
 errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
 status for bad input (404 for an unknown model), 503 when no verifier can take the
 request. A generation the contract ends with "fail" (only when the operator's contract
@@ -35,7 +46,7 @@ import asyncio
 import contextlib
 import json
 import math
-import os
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,6 +61,7 @@ from .sessions import RouterSession
 from .textstream import TextStream
 
 RECHECK_S = 15.0
+RESUME = re.compile(r"^/v1/(?P<chat>chat/)?completions/(?P<id>[^/]+)/stream$")
 MAX_STOP_STRINGS = 16
 RULE_GREEDY, RULE_SAMPLING = 1, 2
 UNSUPPORTED = {   # member -> the value that means "not used" (anything else is refused)
@@ -101,9 +113,14 @@ class OpenAIRoutes:
         """The answer to an OpenAI route, or None for another path."""
         routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
         path = request.path.rstrip("/")
-        if path not in routes:
+        resume = RESUME.match(path)
+        if path not in routes and resume is None:
             return None
         try:
+            if resume is not None:
+                if request.method != "GET":
+                    raise APIError(405, f"{request.method} is not allowed on {path}")
+                return await self.resume(resume.group("chat") is not None, resume.group("id"), request)
             if request.method != routes[path]:
                 raise APIError(405, f"{request.method} is not allowed on {path}")
             if path == "/v1/models":
@@ -252,15 +269,15 @@ class OpenAIRoutes:
         contract = self.router.make_contract(
             max_new=req.max_tokens, rule=req.rule, sampling=req.sampling,
             stop=tuple(sorted({*self.router.config.contract.stop, *self.eos})))
-        s = await self.router.generate(req.prompt, contract)
-        kind = "chat.completion" if req.chat else "text_completion"
-        reply = Reply(f"{'chatcmpl' if req.chat else 'cmpl'}-{os.urandom(12).hex()}", kind, int(time.time()),
-                      self.model_name, req.chat)
+        door = {"kind": "chat" if req.chat else "completions", "created": int(time.time()),
+                "model": self.model_name, "stop": req.stop, "include_usage": req.include_usage}
+        s = await self.router.generate(req.prompt, contract, door=door)
+        reply = Reply.of(s)
         if req.stream:
-            return StreamingResponse(200, self.stream(s, req, reply))
+            return StreamingResponse(200, self.stream(s, reply, 0))
         text, last = "", Piece("", None, 0)
         try:
-            async for last in self.follow(s, req):
+            async for last in self.follow(s, 0):
                 text += last.delta
         finally:
             self.router.cancel(s)      # a client gone before the end: no-op once it ended
@@ -269,30 +286,53 @@ class OpenAIRoutes:
                                 "ladder ended in fail)", code="sdcp_fail")
         return WebResponse.json(200, reply.whole(text, last.finish, _usage(len(req.prompt), last.used)))
 
-    async def stream(self, s: RouterSession, req: Request, reply: Reply) -> AsyncIterator[bytes]:
+    async def resume(self, chat: bool, cid: str, request: WebRequest) -> StreamingResponse:
+        """A stream again from completion token n (`from`, or Last-Event-ID), at this router
+        whichever router owns the session."""
+        kind = "chat" if chat else "completions"
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        hex_id = cid[len(prefix):] if cid.startswith(prefix) else ""
+        s = None
+        if len(hex_id) == 32 and all(c in "0123456789abcdef" for c in hex_id):
+            s = await self.router.find(bytes.fromhex(hex_id))
+        if s is None or s.door.get("kind") != kind:
+            raise APIError(404, f"no streamed {kind} completion {cid!r}", param="id", code="not_found",
+                           type="NotFoundError")
+        start = request.query.get("from", request.headers.get("last-event-id", "0"))
+        if not start.isascii() or not start.isdecimal():
+            raise APIError(400, "from (or Last-Event-ID) must be a non-negative integer", param="from")
+        return StreamingResponse(200, self.stream(s, Reply.of(s), int(start)))
+
+    async def stream(self, s: RouterSession, reply: Reply, start: int) -> AsyncIterator[bytes]:
+        door = s.door
         try:
-            if req.chat:
-                yield _sse(reply.chunk({"role": "assistant", "content": ""}))
-            last = Piece("", None, 0)
-            async for last in self.follow(s, req):
+            if reply.chat and start == 0:
+                yield _sse(reply.chunk({"role": "assistant", "content": ""}), 0)
+            last = Piece("", None, start)
+            async for last in self.follow(s, start):
                 if last.delta:
-                    yield _sse(reply.chunk(last.delta))
+                    yield _sse(reply.chunk(last.delta), last.used)
             if last.finish == "fail":
                 yield _sse(APIError(500, f"the generation failed after {last.used} tokens",
-                                    code="sdcp_fail").body())
+                                    code="sdcp_fail").body(), last.used)
             else:
-                yield _sse(reply.chunk(None, last.finish))
-                if req.include_usage:
-                    yield _sse(reply.usage_chunk(_usage(len(req.prompt), last.used)))
+                yield _sse(reply.chunk(None, last.finish), last.used)
+                if door.get("include_usage"):
+                    yield _sse(reply.usage_chunk(_usage(len(s.prompt), last.used)), last.used)
             yield b"data: [DONE]\n\n"
         finally:
             self.router.cancel(s)      # the client went away (or it ended: then a no-op)
 
-    async def follow(self, s: RouterSession, req: Request) -> AsyncIterator[Piece]:
-        """Text deltas as the session's output comes; the last piece carries the finish
+    async def follow(self, s: RouterSession, start: int) -> AsyncIterator[Piece]:
+        """Text deltas as the session's output comes, from completion token `start` (the
+        text of the tokens before it taken as sent); the last piece carries the finish
         reason. A stop string ends the session here."""
-        text = TextStream(self.router.backend.decode, stop=req.stop, hidden=self.eos)
-        seen = 0
+        text = TextStream(self.router.backend.decode, stop=s.door.get("stop", []), hidden=self.eos)
+        while len(s.tokens) < start and not s.done:       # a follower catching up with the client
+            await s.wait_changed(RECHECK_S)
+        seen = min(start, len(s.tokens))
+        if seen:
+            text.feed(s.tokens[:seen])
         while True:
             changed, done, tokens = s.changed_event(), s.done, list(s.tokens)
             if len(tokens) > seen or done:
@@ -328,6 +368,13 @@ class Reply:
     model: str
     chat: bool
 
+    @classmethod
+    def of(cls, s: RouterSession) -> Reply:
+        """The completion's id is its session's (so a stream can resume anywhere)."""
+        chat = s.door.get("kind") == "chat"
+        return cls(f"{'chatcmpl' if chat else 'cmpl'}-{s.id.hex()}", "chat.completion" if chat else "text_completion",
+                   s.door.get("created", int(s.created_wall)), s.door.get("model", ""), chat)
+
     def _base(self, object: str) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
@@ -357,8 +404,9 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj: dict, event_id: int) -> bytes:
+    """One server-sent event; its id is the number of completion tokens it covers."""
+    return b"id: %d\ndata: " % event_id + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _json(body: bytes) -> dict:

@@ -39,9 +39,11 @@ class Refused:
 
     @property
     def lost(self) -> bool:
-        """The verifier no longer serves the session: its log was fenced (stale-epoch), or
-        it let the session go (session-retired); the router resumes it from its log."""
-        return self.kind in (Kind.STALE_EPOCH, Kind.SESSION_RETIRED)
+        """The verifier no longer serves the session: its log was fenced (stale-epoch), it
+        let the session go (session-retired), or it never had it (not-found: a verifier
+        restarted, or a router that took the session over found it gone); the router resumes
+        it from its log."""
+        return self.kind in (Kind.STALE_EPOCH, Kind.SESSION_RETIRED, Kind.NOT_FOUND)
 
 
 def url(base: str, path: str) -> str:

@@ -6,6 +6,11 @@ digest), then POST assignments to the drafter with the committed tokens put in t
 A drafter that refuses is skipped for the next candidate by load; a verifier that refuses
 ends the attempt (closed, fenced, or failing: the monitor decides what next). Callers hold
 the session's lock.
+
+Every message that instructs a peer is preceded by `own.act(s)` (the session's record
+written under the checks that it is still this router's; router/ownership.py) or, between
+two messages of one step, by `own.check(s)` (the lease's local deadline), and carries the
+router epoch of the record, so a peer that has heard from a newer owner refuses it.
 """
 
 from __future__ import annotations
@@ -32,11 +37,12 @@ class Offer(enum.Enum):
 
 
 class Placement:
-    def __init__(self, registry: Registry, peers: Peers, committed: CommittedLog, *, m_init: int,
+    def __init__(self, registry: Registry, peers: Peers, committed: CommittedLog, own, *, m_init: int,
                  on_verifier_lost):
         self.registry = registry
         self.peers = peers
         self.committed = committed
+        self.own = own                             # ownership.Ownership: act before acting
         self.m_init = m_init
         self.on_verifier_lost = on_verifier_lost   # (session, verifier, epoch, where): see failover.py
 
@@ -46,12 +52,15 @@ class Placement:
             inst = self.registry.pick_verifier(exclude)
             if inst is None:
                 return False
-            msg = SessionOpen(s.id, s.epoch, s.contract, s.prompt, s.commit_log, resume=resume)
+            msg = SessionOpen(s.id, s.epoch, s.contract, s.prompt, s.commit_log, resume=resume,
+                              router_epoch=s.router_epoch or None)
+            await self.own.act(s)
             state = await self.peers.open_session(inst.uri, msg)
             if not isinstance(state, Refused):
                 s.verifier = inst.uri
                 s.place("opened" if resume is None else "resumed", state_round=state.round)
                 s.notify()
+                await self.own.act(s)
                 log.info("session %s opened on %s (epoch %d, round %d)", s.id.hex(), s.verifier,
                          s.epoch, state.round)
                 return True
@@ -59,17 +68,23 @@ class Placement:
             exclude = {*exclude, inst.uri}
 
     async def assign(self, s: RouterSession, exclude: set[str] | frozenset[str] = frozenset(), *,
-                     attempts: int = ATTEMPTS) -> bool:
-        """A drafter by load (none of `exclude`), named to the verifier, then assigned."""
+                     attempts: int = ATTEMPTS, prefer: str | None = None) -> bool:
+        """A drafter by load (none of `exclude`), named to the verifier, then assigned.
+        `prefer` (a router taking the session over: the drafter it had) is offered first
+        unless known to be dead: a drafter already drafting the session carries on."""
         exclude = set(exclude)
         for _ in range(attempts):
-            inst = self.registry.pick_drafter(s.contract.drafters, exclude)
-            if inst is None:
-                return False
-            offer = await self._offer(s, inst.uri, tell_verifier=True)
+            if prefer is not None and prefer not in exclude and not self.registry.silent(prefer):
+                uri, prefer = prefer, None
+            else:
+                inst = self.registry.pick_drafter(s.contract.drafters, exclude)
+                if inst is None:
+                    return False
+                uri = inst.uri
+            offer = await self._offer(s, uri, tell_verifier=True)
             if offer is not Offer.DRAFTER_REFUSED:
                 return offer is Offer.ASSIGNED
-            exclude.add(inst.uri)
+            exclude.add(uri)
         return False
 
     async def resend(self, s: RouterSession) -> bool:
@@ -91,7 +106,8 @@ class Placement:
             s.id, s.epoch, s.contract, s.verifier, drafter, s.prompt,
             last.round if last else 0, len(tokens),
             last.digest if last else prefix_digest(s.contract.digest, s.prompt), self.m_init,
-            sampling=s.sampling)
+            sampling=s.sampling, router_epoch=s.router_epoch or None)
+        await self.own.act(s)
         if tell_verifier:
             verifier = s.verifier
             state = await self.peers.put_drafter(verifier, assignment)
@@ -104,6 +120,7 @@ class Placement:
             assignment = assignment.replace(round=state.round, committed=state.committed, digest=state.digest)
         if assignment.committed:
             assignment = assignment.replace(committed_tokens=await self.committed.publish(s, tokens))
+        self.own.check(s)
         answer = await self.peers.assign(drafter, assignment)
         if isinstance(answer, Refused):
             log.warning("session %s: drafter %s refused the assignment (%s)", s.id.hex(), drafter, answer)
@@ -113,6 +130,7 @@ class Placement:
         s.last_progress = time.monotonic()
         if changed or tell_verifier:
             s.place("assigned", round=assignment.round)
+        await self.own.act(s)
         log.info("session %s: drafter %s (epoch %d, round %d, committed %d)", s.id.hex(), drafter,
                  s.epoch, assignment.round, assignment.committed)
         return Offer.ASSIGNED

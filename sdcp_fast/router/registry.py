@@ -1,7 +1,10 @@
 """The router's view of its instances: the latest status of each, and when it expires.
 
 An instance is live while its last status report is younger than the report's ttl_ms
-(section 6.1: the router MUST NOT assign sessions to an instance whose status expired).
+(section 6.1: the router MUST NOT assign sessions to an instance whose status expired). It
+is silent (taken for dead: its sessions move) once its status expired, or when it has not
+reported at all `grace_s` after the registry started: a router that has just started (or
+taken sessions over) does not fail over every session before the first reports arrive.
 Instances are configured (URI, role, and for drafters the model digest); a report from an
 instance the router does not know is refused by the resource, not here.
 
@@ -38,6 +41,8 @@ class Instance:
 class Registry:
     instances: dict[str, Instance] = field(default_factory=dict)
     session_load: int = 5                # percent a new session is assumed to add
+    grace_s: float = 0.0                 # after start, an instance not heard from is not yet silent
+    started: float = field(default_factory=time.monotonic)
 
     def add(self, uri: str, role: int, model: bytes | None = None) -> None:
         self.instances[uri] = Instance(uri, role, model)
@@ -59,6 +64,16 @@ class Registry:
     def is_live(self, uri: str | None, now: float | None = None) -> bool:
         inst = self.instances.get(uri) if uri else None
         return inst is not None and inst.live(time.monotonic() if now is None else now)
+
+    def silent(self, uri: str | None, now: float | None = None) -> bool:
+        """Taken for dead: its status expired, or it never reported and the grace is over."""
+        now = time.monotonic() if now is None else now
+        inst = self.instances.get(uri) if uri else None
+        if inst is None:
+            return True
+        if inst.status is None:
+            return now - self.started > self.grace_s
+        return not inst.live(now)
 
     def pick_verifier(self, exclude: Iterable[str] = ()) -> Instance | None:
         excluded = set(exclude)

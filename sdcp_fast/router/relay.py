@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from ..core.messages import Action
 from .peers import Peers, Refused
@@ -34,6 +33,9 @@ class OutputRelay:
         """Take the session's output until its final output."""
         while not s.done:
             verifier, epoch, changed = s.verifier, s.epoch, s.changed_event()
+            if verifier is None:         # not open anywhere yet (a session taken over)
+                await s.wait_changed(RETRY_S)
+                continue
             fetch = asyncio.ensure_future(self.peers.output(verifier, s.id, len(s.tokens), timeout=self.timeout_s))
             woken = asyncio.ensure_future(changed.wait())
             done, _ = await asyncio.wait({fetch, woken}, return_when=asyncio.FIRST_COMPLETED)
@@ -65,8 +67,7 @@ class OutputRelay:
                 await s.wait_changed(RETRY_S)       # until the session is placed again
                 continue
             if out.final:
-                s.finish = out.finish if out.finish in (Action.FINISH, Action.FAIL) else Action.FAIL
-                s.finished_at = time.monotonic()
+                s.end(finish=out.finish if out.finish in (Action.FINISH, Action.FAIL) else Action.FAIL)
                 s.place(f"final-{s.finish.name.lower()}")
                 s.notify()
                 self.on_end(s)

@@ -1,20 +1,28 @@
 """The router: places sessions, assigns drafters, handles events and failures (sections 6.1,
-6.5, 6.6, 6.9), and feeds the front door with committed output.
+6.5, 6.6, 6.9), and feeds the front door with committed output. Several routers may share a
+deployment's sessions: each session is owned by one of them, and another takes it over when
+its owner dies (docs/ARCHITECTURE.md, "Routers: ownership").
 
 `RouterService` coordinates the parts, each a module of its own: registry.py (instances and
 their status), peers.py (the typed client for verifier and drafter resources),
 placement.py (open on a verifier, assign a drafter), failover.py (fence and resume),
-relay.py (the output reader), committed.py (the commit log as the source of truth).
+relay.py (the output reader), committed.py (the commit log as the source of truth),
+ownership.py (the lease and the session records held), stored.py (what a record holds),
+follow.py (streaming a session another router owns).
 
 SDCP resources it serves (Table 1), mTLS callers only:
 
     PUT  instances/{id}/status   status -> 204   ({id}: base64url of the instance's URI;
                                                   the caller must be that instance)
-    POST events                  event  -> 204   (verifiers)
+    POST events                  event  -> 204   (verifiers; ignored for sessions owned
+                                                  by another router)
 
-What it does for each session, every step under the session's lock:
+What it does for each session, every step under the session's lock, every step that writes
+(a fence, a session-open, an assignment, a policy) after writing the session's record in
+the session table, which fails once another router owns the session:
 
-- create: a verifier by load (registry.py), session-open with epoch 1, then a drafter;
+- create: the record first, then a verifier by load (registry.py), session-open with epoch
+  1, then a drafter;
 - assign a drafter: read the commit log for the committed tokens, put them in the cache,
   PUT sessions/{id}/drafter at the verifier first (its session-state answer is the
   authoritative round, committed length and digest), then POST the assignment to the
@@ -23,17 +31,23 @@ What it does for each session, every step under the session's lock:
   end of self-decoding -> a drafter again; finish / fail -> nothing to place (the output
   reader sees the final output);
 - monitor (every `monitor_interval_s`): a session whose drafter's status expired is
-  reassigned; one whose verifier's status expired fails over: fence the commit log with
-  epoch + 1, read its last effective record, put the committed tokens in the cache, open
-  the session at another verifier with `resume`, re-send the sampling policy, assign a
-  drafter; a session whose output has not moved for `stall_s` is assigned again (the
-  catch-all for lost events and drafters that gave a session up). A verifier that answers
-  sdcp-stale-epoch (PUT drafter, policy, output) lost the session: it fails over the same
-  way, to that verifier too if no other takes it. A fence whose open failed is kept: the
-  next attempt only opens, even if the old verifier reports status again;
+  reassigned; one whose verifier's status expired fails over: fence the commit log with a
+  new epoch (allocated in the record first), read its last effective record, put the
+  committed tokens in the cache, open the session at another verifier with `resume`,
+  re-send the sampling policy, assign a drafter; a session whose output has not moved for
+  `stall_s` is assigned again (the catch-all for lost events and drafters that gave a
+  session up). A verifier that answers sdcp-stale-epoch or not-found (PUT drafter, policy,
+  output) lost the session: it fails over the same way, to that verifier too if no other
+  takes it. A fence whose open failed is kept: the next attempt only opens, even if the old
+  verifier reports status again;
 - output: one long-poll reader per session, GET output?from=n with n = tokens received so
   far, so a retried or repeated read never duplicates or loses a token; output carrying a
-  lower epoch than the session's is discarded.
+  lower epoch than the session's is discarded;
+- takeover (every `scan_interval_s`, default lease_ttl_s / 8): a record whose owner's lease has ended is taken (one
+  router wins; its router epoch + 1), its committed tokens read from the log, and the
+  session re-adopted where its verifier still serves it (PUT drafter with the new router
+  epoch, no new epoch) or failed over with a fence; a router that loses a session (or its
+  lease) stops acting for it and follows it instead (its clients' streams go on).
 
 Control steps of a session (placement, failover) run in the background one at a time under
 its lock; the monitor's steps are dropped while another is pending, an event's never.
@@ -48,8 +62,8 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
-from ..aio import TaskSet
-from ..cache import Fenced
+from ..aio import TaskSet, cancel_and_wait
+from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record
 from ..core.messages import (
     ROLE_DRAFTER,
     ROLE_VERIFIER,
@@ -63,9 +77,12 @@ from ..core.messages import (
 from ..core.problems import Kind, problem
 from ..refs import commit_log_name, decode_instance_id
 from ..transport import Authorizer, Call, Routed, Router
+from . import stored
 from .committed import CommittedLog
 from .failover import Failover
+from .follow import LogTail, follow
 from .metrics import Metrics
+from .ownership import Ownership
 from .peers import Peers, Refused
 from .placement import Placement
 from .registry import Registry
@@ -73,6 +90,7 @@ from .relay import OutputRelay
 from .sessions import RouterSession
 
 log = logging.getLogger("sdcp_fast.router")
+TAKEOVERS_AT_ONCE = 16        # records taken concurrently by one scan (a dead router's many sessions)
 
 @dataclass(frozen=True)
 class ContractDefaults:
@@ -105,36 +123,47 @@ class RouterConfig:
     session_load: int = 5
     max_sessions: int = 1024
     closed_keep_s: float = 300.0
+    lease_ttl_s: float = 5.0                      # the router's lease on the session table
+    scan_interval_s: float = 0.0                  # look for orphaned sessions (0: lease_ttl_s / 8)
+    follow_interval_s: float = 0.05               # followed sessions: their commit log read this often
+    status_grace_s: float = 3.0                   # after start, an instance not heard from yet is not dead
+    max_followed: int = 1024                      # sessions of other routers streamed here at once
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
 
 class RouterService(Routed):
-    def __init__(self, config: RouterConfig, backend, store, commit_log, *, client,
+    def __init__(self, config: RouterConfig, backend, store, commit_log, *, client, table=None,
                  metrics: Metrics | None = None):
         self.config = config
         self.backend = backend          # the target model's tokenizer and digests
         self.commit_log = commit_log
+        self.table = table              # the session table (a cache.RecordTable)
         self.metrics = metrics or Metrics()
         self.metrics.watch(
             running=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is not None),
-            waiting=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is None))
-        self.registry = Registry(session_load=config.session_load)
+            waiting=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is None),
+            followed=lambda: sum(1 for s in self.followed.values() if not s.done))
+        self.registry = Registry(session_load=config.session_load, grace_s=config.status_grace_s)
         for uri in config.verifiers:
             self.registry.add(uri, ROLE_VERIFIER)
         for uri, digest in config.drafters:
             self.registry.add(uri, ROLE_DRAFTER, digest)
-        self.sessions: dict[bytes, RouterSession] = {}
+        self.sessions: dict[bytes, RouterSession] = {}     # owned here
+        self.followed: dict[bytes, RouterSession] = {}     # owned by another router, streamed here
+        self.own = Ownership(table, holder=config.uri, ttl_s=config.lease_ttl_s, on_lost=self._lease_lost)
         self.peers = Peers(client, timeout_s=config.request_timeout_s)
         self.committed = CommittedLog(commit_log, store, lease_ms=config.committed_lease_ms)
-        self.placement = Placement(self.registry, self.peers, self.committed, m_init=config.m_init,
+        self.placement = Placement(self.registry, self.peers, self.committed, self.own, m_init=config.m_init,
                                    on_verifier_lost=self._verifier_lost)
         self.failover = Failover(self.registry, self.peers, self.committed, commit_log, self.placement,
-                                 target_kv=config.target_kv)
+                                 self.own, target_kv=config.target_kv)
         self.relay = OutputRelay(self.peers, timeout_s=config.output_timeout_s,
                                  on_verifier_lost=self._verifier_lost, on_unasked_fail=self._unasked_fail,
                                  on_output=self._output, on_end=self._ended)
         self.tasks = TaskSet()
+        self.stopping = False                      # stop() began: nothing new is started
         self._ops: dict[bytes, int] = {}           # session -> control steps pending
+        self._readers: dict[bytes, asyncio.Task] = {}   # session -> its output reader or follower
         instances = {*config.verifiers, *(uri for uri, _ in config.drafters)}
         self.router = Router(authorizer=Authorizer({"status": instances,
                                                     "events": set(config.verifiers)}))
@@ -145,10 +174,19 @@ class RouterService(Routed):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        if self.table is not None:
+            await self.own.start()
+            self.tasks.spawn(self.own.keep())
+            self.tasks.spawn(self._scan_forever())
         self.tasks.spawn(self._monitor())
 
     async def stop(self) -> None:
+        """Stop acting, and hand the sessions over: the lease is revoked, so another router
+        takes them at its next scan (or this one when it comes back)."""
+        self.stopping = True
         await self.tasks.cancel_all()
+        if self.table is not None:
+            await self.own.close()
 
     # ------------------------------------------------------------------ SDCP resources
 
@@ -166,7 +204,7 @@ class RouterService(Routed):
         s = self.sessions.get(event.session)
         key = (event.epoch, int(event.kind), event.committed)
         if s is None or event.epoch != s.epoch or call.caller != s.verifier or key in s.seen_events:
-            return                   # stale, foreign or a retried event
+            return                   # stale, foreign (another router's session) or a retried event
         s.seen_events.add(key)
         log.info("session %s: event %s at %d tokens", s.id.hex(), event.kind.name.lower(), event.committed)
         s.place(f"event-{event.kind.name.lower()}")
@@ -188,16 +226,28 @@ class RouterService(Routed):
         fields.update({k: v for k, v in overrides.items() if v is not None})
         return Contract(**fields)
 
-    async def generate(self, prompt: list[int], contract: Contract, *,
+    async def generate(self, prompt: list[int], contract: Contract, *, door: dict | None = None,
                        wait_for_instances_s: float = 10.0) -> RouterSession:
-        """Open a session on a verifier chosen by load, assign a drafter, read its output."""
+        """Record the session, open it on a verifier chosen by load, assign a drafter, read
+        its output. `door`: how the client streams it (stored with it, so that a stream can
+        resume at any router)."""
         if not prompt:
             raise problem(Kind.BAD_REQUEST, "empty prompt")
         if len([s for s in self.sessions.values() if not s.done]) >= self.config.max_sessions:
             raise problem(Kind.UNAVAILABLE, "router at max_sessions")
         sid = os.urandom(16)
-        s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid))
-        self.sessions[sid] = s
+        s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid), door=dict(door or {}))
+        self.sessions[sid] = s            # before its record exists: the scan leaves it alone
+        try:
+            await self.own.create(s)
+        except CacheError as exc:        # no table, no lease, or the store is down
+            del self.sessions[sid]
+            raise problem(Kind.UNAVAILABLE, f"the session table does not take sessions now: {exc}") from None
+        except asyncio.CancelledError:   # the client went away: nothing was placed
+            del self.sessions[sid]
+            if s.owned is not None:
+                self.tasks.spawn(self._forget(s))
+            raise
         self.metrics.prompt_tokens.inc(len(prompt))
         deadline = time.monotonic() + wait_for_instances_s
         try:
@@ -207,51 +257,105 @@ class RouterService(Routed):
                 if opened:
                     break
                 if time.monotonic() > deadline:
-                    del self.sessions[sid]
+                    self.sessions.pop(sid, None)
+                    self.tasks.spawn(self._forget(s))
                     raise problem(Kind.UNAVAILABLE, "no verifier could open the session")
                 await asyncio.sleep(0.2)
+        except NotOwner as exc:
+            self._lost(s, exc)
+            raise problem(Kind.UNAVAILABLE, "this router lost the session while opening it") from None
+        except CacheError as exc:        # the session table did not answer in time
+            self.cancel(s)
+            raise problem(Kind.UNAVAILABLE, f"the session table did not answer: {exc}") from None
         except asyncio.CancelledError:
             # the client went away while the session was being opened: a verifier may have
             # opened it already, so it is fenced like any cancelled session
             self.cancel(s)
             raise
-        self.tasks.spawn(self.relay.read(s))
+        self._read_output(s)
         self._start_op(s, self.assign(s, why="created"), always=True)
         return s
 
+    async def find(self, sid: bytes) -> RouterSession | None:
+        """A session this router owns, or one another router owns (followed here: its
+        stream resumes at this router); None if the session table has no such session."""
+        s = self.sessions.get(sid) or self.followed.get(sid)
+        if s is not None or self.table is None:
+            return s
+        try:
+            record = await self.table.read(stored.key_of(sid))
+        except (CacheError, ValueError) as exc:
+            raise problem(Kind.UNAVAILABLE, f"the session table cannot be read: {exc}") from None
+        if record is None:
+            return None
+        s = self.sessions.get(sid) or self.followed.get(sid)     # found meanwhile
+        if s is not None:
+            return s
+        if len(self.followed) >= self.config.max_followed:
+            raise problem(Kind.UNAVAILABLE, "too many sessions of other routers streamed here")
+        s = stored.restore(stored.decode(record.value))
+        if s.done:                        # ended: its output, up to its end, from the log now
+            try:
+                tokens = await LogTail(self.commit_log, s.commit_log).read()
+            except (CacheError, ValueError) as exc:
+                raise problem(Kind.UNAVAILABLE, f"the commit log cannot be read: {exc}") from None
+            s.add_output(tokens)
+            self.followed[sid] = s
+            return s
+        self._follow(s)
+        return s
+
     async def update_policy(self, s: RouterSession, sampling: Sampling) -> int:
-        """Section 6.6: a new profile from a round after the current one; returns from_round."""
+        """Section 6.6: a new profile from a round after the current one; returns from_round.
+        The profile is recorded before the verifier is told, so a router that takes the
+        session over re-sends it."""
         async with s.lock:
             if s.done:
                 raise problem(Kind.SESSION_CLOSED, "the session has ended")
+            if not self.own.holds(s):
+                raise problem(Kind.UNAVAILABLE, "another router owns this session now: ask it")
             _, records = await self.committed.read(s)
             next_round = (records[-1].round if records else 0) + 2   # one round may be in flight
-            for from_round in range(next_round, next_round + 8):
-                state = await self.peers.set_policy(s.verifier, Policy(s.id, from_round, sampling))
-                if not isinstance(state, Refused):
-                    break
-                if state.lost:
-                    self._verifier_lost(s, s.verifier, s.epoch, "policy")
-                if state.kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
-                    raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")
-            else:
-                raise problem(Kind.UNAVAILABLE, "the session kept moving ahead of the policy")
-            s.sampling, s.policy_from_round = sampling, from_round
+            before = (s.sampling, s.policy_from_round)
+            try:
+                for from_round in range(next_round, next_round + 8):
+                    s.sampling, s.policy_from_round = sampling, from_round
+                    await self.own.act(s)
+                    state = await self.peers.set_policy(s.verifier, Policy(s.id, from_round, sampling,
+                                                                           router_epoch=s.router_epoch or None))
+                    if not isinstance(state, Refused):
+                        break
+                    if state.lost:
+                        self._verifier_lost(s, s.verifier, s.epoch, "policy")
+                    if state.kind != Kind.CONFLICT:      # CONFLICT: the session moved past from_round
+                        raise problem(Kind.UNAVAILABLE, "the verifier did not take the policy")
+                else:
+                    raise problem(Kind.UNAVAILABLE, "the session kept moving ahead of the policy")
+            except NotOwner as exc:
+                self._lost(s, exc)
+                raise problem(Kind.UNAVAILABLE, "another router owns this session now: ask it") from None
+            except Exception:
+                s.sampling, s.policy_from_round = before
+                raise
             s.place("policy", from_round=from_round)
-            if s.drafter is not None:
-                await self.placement.resend(s)
+            try:
+                await self.own.act(s)
+                if s.drafter is not None:
+                    await self.placement.resend(s)
+            except NotOwner as exc:
+                self._lost(s, exc)
             return from_round
 
     def cancel(self, s: RouterSession, reason: str = "abort") -> None:
         """End a session for its client: "abort" (the client went away) or "stop" (a stop
-        string was met). Its commit log is fenced with epoch + 1, so the verifier's next
+        string was met). Its commit log is fenced with a new epoch, so the verifier's next
         append is refused: it stops serving the session, its drafter's next proposal is
         answered sdcp-stale-epoch and the drafter stops too. At most the round under way
-        at each is wasted."""
-        if s.done:
+        at each is wasted. A session this router does not own (followed) is left to its
+        owner: it runs to its end."""
+        if s.done or not self.own.holds(s):
             return
-        s.cancelled = reason
-        s.finished_at = time.monotonic()
+        s.end(cancelled=reason)
         s.place("cancelled", reason=reason)
         s.notify()
         self._ended(s)
@@ -260,15 +364,21 @@ class RouterService(Routed):
 
     async def _fence_cancelled(self, s: RouterSession) -> None:
         async with s.lock:       # after a control step under way (it sees the session done)
-            epoch = s.epoch + 1
+            epoch = max(s.epoch, s.allocated) + 1
+            s.allocated = epoch
             try:
+                await self.own.act(s)        # the end and the epoch, before the fence
                 await self.commit_log.fence(s.commit_log, epoch)
+            except NotOwner as exc:
+                self._lost(s, exc)
+                return
             except Fenced:
                 return           # fenced higher already: nobody can commit at this epoch
             except Exception as exc:   # the store is unreachable: the verifier stops at idle_s
                 log.warning("session %s: fencing the cancelled session failed: %s", s.id.hex(), exc)
                 return
             s.epoch = epoch
+            await self._save(s)
 
     # ------------------------------------------------------------------ metrics hooks
 
@@ -278,11 +388,16 @@ class RouterService(Routed):
         gap = now - (s.last_output_at or s.created)
         s.last_output_at = now
         self.metrics.output(len(tokens), gap, first, now - s.created)
+        if now - s.saved_at >= 1.0:      # the relayed cursor, now and then
+            s.saved_at = now
+            self.tasks.spawn(self._save(s))
 
     def _ended(self, s: RouterSession) -> None:
         reason = s.finish_reason or "fail"
         self.metrics.finished.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe((s.finished_at or time.monotonic()) - s.created)
+        if s.cancelled is None:           # a cancel records its end with its fence
+            self.tasks.spawn(self._save(s))
 
     def _unasked_fail(self, s: RouterSession, verifier: str | None, epoch: int) -> bool:
         """The verifier ended the session with fail. Under a contract whose ladder has no
@@ -310,12 +425,13 @@ class RouterService(Routed):
     # ------------------------------------------------------------------ control steps
 
     async def assign(self, s: RouterSession, exclude: set[str] | frozenset[str] = frozenset(),
-                     why: str = "") -> None:
-        """A drafter for the session (none of `exclude` unless no other is live)."""
+                     why: str = "", prefer: str | None = None) -> None:
+        """A drafter for the session (none of `exclude` unless no other is live; `prefer`
+        first if it is not known to be dead)."""
         async with s.lock:
             if s.done:
                 return
-            ok = await self.placement.assign(s, exclude)
+            ok = await self.placement.assign(s, exclude, prefer=prefer)
             if not ok and exclude:
                 # no other drafter: the same one is better than none (logged: a real fleet
                 # would scale out here)
@@ -329,8 +445,9 @@ class RouterService(Routed):
     def _start_op(self, s: RouterSession, coro: Coroutine, *, always: bool = False) -> None:
         """Run one control step for `s` in the background (steps of a session take its lock,
         so they run one after the other). The monitor's steps are dropped while another step
-        of the session is pending; an event's step (`always`) is never dropped."""
-        if s.id in self._ops and not always:
+        of the session is pending; an event's step (`always`) is never dropped. A step that
+        finds the session no longer this router's stops there (NotOwner)."""
+        if (s.id in self._ops and not always) or self.stopping:
             coro.close()
             return
         self._ops[s.id] = self._ops.get(s.id, 0) + 1
@@ -338,6 +455,8 @@ class RouterService(Routed):
         async def run():
             try:
                 await coro
+            except NotOwner as exc:
+                self._lost(s, exc)
             except Exception:
                 log.exception("session %s: control step failed", s.id.hex())
             finally:
@@ -346,20 +465,174 @@ class RouterService(Routed):
                     del self._ops[s.id]
         self.tasks.spawn(run())
 
+    async def _save(self, s: RouterSession) -> None:
+        """Write the session's record (its cursor, its end); a lost session is let go."""
+        if self.stopping:
+            return
+        try:
+            await self.own.act(s)
+        except NotOwner as exc:
+            self._lost(s, exc)
+        except CacheError as exc:
+            log.info("session %s: record not written now: %s", s.id.hex(), exc)
+
+    async def _forget(self, s: RouterSession) -> None:
+        """Delete the record of a session that ended long ago (or never opened)."""
+        try:
+            await self.own.delete(s)
+        except NotOwner:
+            pass
+        except CacheError as exc:
+            log.info("session %s: record not deleted now: %s", s.id.hex(), exc)
+
+    # ------------------------------------------------------------------ ownership
+
+    def _read_output(self, s: RouterSession) -> None:
+        self._set_reader(s, self.relay.read(s))
+
+    def _follow(self, s: RouterSession) -> None:
+        self.followed[s.id] = s
+        self._set_reader(s, follow(s, self.commit_log, self.table, interval_s=self.config.follow_interval_s))
+
+    def _set_reader(self, s: RouterSession, coro: Coroutine) -> None:
+        if self.stopping:
+            coro.close()
+            return
+        old = self._readers.get(s.id)
+        if old is not None:
+            old.cancel()
+        task = self._readers[s.id] = self.tasks.spawn(coro)
+        task.add_done_callback(lambda t, sid=s.id: self._readers.pop(sid, None) if self._readers.get(sid) is t
+                               else None)
+
+    def _lost(self, s: RouterSession, why: BaseException | str) -> None:
+        """`s` is no longer this router's (taken over, or the lease ended): stop acting for
+        it; follow it, so its clients' streams here go on."""
+        if isinstance(why, LeaseExpired):
+            self.own.lost_lease(str(why))     # every session goes: _lease_lost
+            return
+        if self.sessions.get(s.id) is not s:
+            return
+        del self.sessions[s.id]
+        s.owned = None
+        self.metrics.lost.inc()
+        log.warning("session %s: no longer this router's (%s); following it", s.id.hex(), why)
+        if s.done:
+            return
+        s.notify()
+        self._follow(s)
+
+    def _lease_lost(self) -> None:
+        for s in list(self.sessions.values()):
+            self._lost(s, "the lease ended")
+
+    async def _scan_forever(self) -> None:
+        """Take over sessions whose owner's lease has ended (and adopt any record of this
+        router's lease it does not hold in memory: one whose takeover was cut short)."""
+        interval = self.config.scan_interval_s or self.config.lease_ttl_s / 8
+        while True:
+            await asyncio.sleep(interval)
+            if not self.own.valid():
+                continue
+            try:
+                records = await self.table.scan(values=False)   # a taken record is read again
+            except CacheError as exc:
+                log.info("session table scan failed: %s", exc)
+                continue
+            await self._take_all(records)
+
+    async def _take_all(self, records: list[Record]) -> None:
+        """Take the orphaned records (and adopt those of this lease not held in memory),
+        TAKEOVERS_AT_ONCE at a time."""
+        lease = self.own.lease
+        if lease is None:
+            return
+        slots = asyncio.Semaphore(TAKEOVERS_AT_ONCE)
+
+        async def take(record: Record) -> None:
+            async with slots:
+                if not self.own.valid():
+                    return
+                if record.orphaned:
+                    await self._take_over(record)
+                else:
+                    await self._take_over(record, Owned(record.key, lease, record.token))
+
+        await asyncio.gather(*(take(r) for r in records if r.orphaned or (
+            r.lease == lease.id and bytes.fromhex(r.key) not in self.sessions)))
+
+    async def _take_over(self, record: Record, owned: Owned | None = None) -> None:
+        try:
+            if owned is None:
+                owned = await self.own.take(record)
+            # read again: the old owner may have written after the scan read it, before its
+            # lease ended (all its writes precede the take; none can follow it)
+            now = await self.table.read(record.key)
+            if now is None or now.token != owned.token or now.lease != owned.lease.id:
+                return
+            obj = stored.decode(now.value)
+        except NotOwner:
+            return                      # another router took it first, or its owner came back
+        except (CacheError, ValueError) as exc:
+            log.warning("session record %s not taken: %s", record.key, exc)
+            return
+        sid = bytes.fromhex(obj["id"])
+        if sid in self.sessions:
+            return
+        s = self.followed.pop(sid, None)
+        await cancel_and_wait(self._readers.pop(sid, None))
+        s = stored.restore(obj, into=s)
+        s.owned, s.router_epoch = owned, owned.token
+        s.verifier_lost = s.needs_drafter = False
+        s.seen_events = set()
+        s.place("takeover", previous=record.holder, router_epoch=s.router_epoch)
+        self.sessions[sid] = s
+        self.metrics.takeovers.inc()
+        log.warning("session %s: taken over from %s (router epoch %d, epoch %d, verifier %s)", sid.hex(),
+                    record.holder, owned.token, s.epoch, s.verifier)
+        self._start_op(s, self._adopt(s), always=True)
+
+    async def _adopt(self, s: RouterSession) -> None:
+        """A session just taken over: its output so far from the commit log, then re-adopted
+        where its verifier still serves it (the PUT drafter, with this router's epoch, is the
+        question and makes the verifier refuse the previous owner from then on), or failed
+        over with a fence when its placement is unknown or was being changed."""
+        async with s.lock:
+            tokens, _ = await self.committed.read(s)
+            if len(tokens) > len(s.tokens):      # up to its end, if it has one (final_tokens)
+                s.add_output(tokens[len(s.tokens):])
+            await self.own.act(s)
+        if s.done:
+            if s.cancelled is not None:
+                await self._fence_cancelled(s)   # its fence may not have been written
+            return
+        self._read_output(s)
+        if s.resume_pending or s.allocated > s.epoch or s.verifier is None:
+            s.verifier_lost = s.verifier is not None
+            await self._failover(s)
+        else:
+            await self.assign(s, prefer=s.drafter, why="takeover")
+
     async def _monitor(self) -> None:
         while True:
             await asyncio.sleep(self.config.monitor_interval_s)
             now = time.monotonic()
+            for s in list(self.followed.values()):
+                if s.done and s.finished_at is not None and now - s.finished_at > self.config.closed_keep_s:
+                    del self.followed[s.id]
+            if not self.own.valid() and self.table is not None:
+                continue            # no lease (lost, or renewing late): act for nothing
             for s in list(self.sessions.values()):
                 if s.done:
                     if s.finished_at is not None and now - s.finished_at > self.config.closed_keep_s:
                         del self.sessions[s.id]
+                        self.tasks.spawn(self._forget(s))
                     continue
                 if s.id in self._ops or s.verifier is None:
                     continue
                 if self.failover.needed(s):
                     self._start_op(s, self._failover(s))
-                elif s.drafter is not None and not self.registry.is_live(s.drafter):
+                elif s.drafter is not None and self.registry.silent(s.drafter):
                     log.warning("session %s: drafter %s expired", s.id.hex(), s.drafter)
                     self._start_op(s, self.assign(s, exclude={s.drafter}, why="drafter expired"))
                 elif s.needs_drafter:

@@ -1,5 +1,9 @@
 """What the router keeps per session: placement (epoch, verifier, drafter), the output the
-front door has received, and the bookkeeping its monitor needs."""
+front door has received, and the bookkeeping its monitor needs.
+
+A session is owned here (`owned` is the session-table record this router holds: it places
+and relays it) or followed (`owned` is None: another router owns it, and this router only
+streams it to a client that reconnected here, from the commit log; follow.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ class RouterSession:
     prompt: tuple[int, ...]
     commit_log: str                           # cache-ref of the session's commit log
     epoch: int = 1
+    allocated: int = 1                        # highest epoch allocated for a fence (stored.py)
+    router_epoch: int = 0                     # ownership epoch: the record's fencing token
+    owned: object | None = None               # cache.Owned: the session-table record held here
+    door: dict = field(default_factory=dict)  # the client-facing stream (which API, its options)
     verifier: str | None = None
     drafter: str | None = None
     sampling: Sampling | None = None          # profile set by a policy update, if any
@@ -25,6 +33,8 @@ class RouterSession:
     finish: Action | None = None              # FINISH or FAIL once the final output arrived
     cancelled: str | None = None              # ended by the router: "abort" (the client went
                                               # away) or "stop" (a stop string was met)
+    final_tokens: int | None = None           # output length at the end (a cancelled session's
+                                              # log may hold a round more)
     replace_why: str | None = None            # why the next failover runs (metrics)
     needs_drafter: bool = False               # no drafter could be assigned yet: retry
     verifier_lost: bool = False               # the verifier said sdcp-stale-epoch: resume
@@ -32,10 +42,13 @@ class RouterSession:
     history: list[dict] = field(default_factory=list)  # placements, for clients and tests
     seen_events: set[tuple] = field(default_factory=set)  # (epoch, kind, committed) handled
     created: float = field(default_factory=time.monotonic)
+    created_wall: float = field(default_factory=time.time)
+    finished_wall: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     last_progress: float = field(default_factory=time.monotonic)
     last_output_at: float | None = None
+    saved_at: float = 0.0                     # when the relayed cursor was last recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one control step at a time
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -77,6 +90,8 @@ class RouterSession:
                              "committed": len(self.tokens), **details})
 
     def add_output(self, tokens: list[int]) -> None:
+        if self.final_tokens is not None:
+            tokens = tokens[:max(0, self.final_tokens - len(self.tokens))]
         if tokens:
             now = time.monotonic()
             if self.first_token_at is None:
@@ -85,9 +100,17 @@ class RouterSession:
             self.last_progress = now
             self.notify()
 
+    def end(self, *, finish: Action | None = None, cancelled: str | None = None) -> None:
+        """The session has ended (the final output arrived, or the router cancelled it)."""
+        self.finish, self.cancelled = finish, cancelled
+        self.final_tokens = len(self.tokens)
+        self.finished_at = time.monotonic()
+        self.finished_wall = time.time()
+
     def info(self) -> dict:
         return {
-            "id": self.id.hex(), "epoch": self.epoch, "verifier": self.verifier,
+            "id": self.id.hex(), "epoch": self.epoch, "router_epoch": self.router_epoch,
+            "owned": self.owned is not None, "verifier": self.verifier,
             "drafter": self.drafter, "committed": len(self.tokens), "tokens": list(self.tokens),
             "finish": None if self.finish is None else self.finish.name.lower(),
             "finish_reason": self.finish_reason,

@@ -42,7 +42,7 @@ from ..core.messages import (
 from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, Replay, State, VerifierSession, Wait, request_key
 from ..refs import decode_session_id, read_token_list, target_kv_ref
-from ..reports import RouterLink
+from ..reports import RouterLink, router_targets
 from ..transport import Authorizer, Call, Routed, Router
 from .engine import Engine, EngineConfig
 from .metrics import Metrics
@@ -62,6 +62,8 @@ class VerifierConfig:
     uri: str                          # this verifier's base URI (its certificate's URI SAN)
     routers: frozenset[str]           # identities that may open, assign, read output, set policy
     router_uri: str | None = None     # where events and status reports go
+    router_uris: tuple[str, ...] = () # every router (several share the sessions): reports and
+                                      # events go to each; empty: router_uri alone
     output_wait_s: float = 5.0        # long-poll wait of GET output
     status_interval_s: float = 1.0    # status reports to the router; below ttl_ms
     ttl_ms: int = 3000
@@ -109,8 +111,9 @@ class VerifierService(Routed):
     async def start(self) -> None:
         self.engine.start()
         self.tasks.spawn(self._drop_idle_sessions())
-        if self.client is not None and self.config.router_uri:
-            self.link = RouterLink(self.client, self.config.router_uri, self.config.uri,
+        routers = router_targets(self.config.router_uris, self.config.router_uri)
+        if self.client is not None and routers:
+            self.link = RouterLink(self.client, routers, self.config.uri,
                                    timeout_s=self.config.request_timeout_s)
             self.tasks.spawn(self.link.report_status_forever(self.status, self.config.status_interval_s))
 
@@ -142,7 +145,8 @@ class VerifierService(Routed):
             if msg.epoch == old.epoch:
                 if msg.contract.digest != old.contract.digest:
                     raise problem(Kind.CONFLICT, "the session exists with another contract")
-                return old.state_message()   # a retried open
+                old.check_router(msg.router_epoch)
+                return old.state_message()   # a retried open, or a router taking the session over
         entries = await self.commit_log.read(msg.commit_log)
         self._check_log(msg, entries)
         prompt = await read_token_list(self.store, msg.prompt, "prompt")

@@ -445,3 +445,28 @@ def test_sampling_outside_the_contract_ignores_unknown_keys():
     with pytest.raises(ProblemError) as exc:   # inside the contract the map stays closed
         make_contract(sampling={"seed": 4, "future": 1})
     assert exc.value.problem.kind == Kind.BAD_CONTRACT
+
+
+def test_instructions_from_a_router_that_lost_the_session_are_refused():
+    """router_epoch (the extension member): the highest one seen is kept; an assignment or a
+    policy carrying a lower one is refused (sdcp-stale-epoch) and changes nothing; one that
+    does not carry it is taken as before."""
+    session = open_session(assign=False)
+    session.assign(assignment(session).replace(router_epoch=1))
+    session.assign(assignment(session, drafter=OTHER).replace(router_epoch=2))   # a new owner
+    assert session.router_epoch == 2 and session.drafter == OTHER
+    late = assignment(session, drafter=DRAFTER).replace(router_epoch=1)           # the old owner, late
+    assert problem_of(session.assign, late).kind == Kind.STALE_EPOCH
+    assert session.drafter == OTHER
+    policy = Policy(SID, 5, Sampling(temperature_milli=0), router_epoch=1)
+    assert problem_of(session.policy, policy).kind == Kind.STALE_EPOCH and session.policies == []
+    session.policy(policy.replace(router_epoch=2))
+    session.assign(assignment(session, drafter=DRAFTER))                          # no member: as before
+    assert session.drafter == DRAFTER and session.router_epoch == 2
+    reopened = VerifierSession.open(SessionOpen(SID, 2, make_contract(), PROMPT, "file:/log/1", router_epoch=3),
+                                    model_digest=MODEL, prompt=PROMPT)
+    assert reopened.router_epoch == 3
+    # the member travels in CBOR and is left out when absent (the draft's messages unchanged)
+    a = assignment(session)
+    assert Assignment.from_cbor(a.replace(router_epoch=7).to_cbor()).router_epoch == 7
+    assert "router_epoch" not in a.to_obj()

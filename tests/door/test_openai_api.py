@@ -84,8 +84,57 @@ def test_streamed_completion_equals_the_whole_one_and_ends_with_done(door):
         lines = [line for line in r.iter_lines() if line]
     assert r.headers["content-type"].startswith("text/event-stream")
     assert lines[-1] == "data: [DONE]"
-    assert all(line.startswith("data: ") for line in lines)
-    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+    data = [line for line in lines if line.startswith("data: ")]
+    ids = [int(line[4:]) for line in lines if line.startswith("id: ")]
+    assert len(data) + len(ids) == len(lines) and len(ids) == len(data) - 1   # [DONE] has no id
+    assert ids == sorted(ids) and ids[-1] == 4                 # completion tokens covered so far
+    assert json.loads(data[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_stream_resumes_from_its_last_event_id(door, chat):
+    """GET /v1/[chat/]completions/{id}/stream with Last-Event-ID (or from=): the rest of the
+    text exactly as the first stream sent it, then the finish chunk, usage and [DONE]."""
+    cluster, _, _ = door
+    base = cluster.instances["router"].frontdoor_url
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL_NAME, "max_tokens": 24, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})}
+
+    def events(response) -> list[tuple[int | None, str]]:
+        out, event_id = [], None
+        for line in response.iter_lines():
+            if line.startswith("id: "):
+                event_id = int(line[4:])
+            elif line.startswith("data: "):
+                out.append((event_id, line[6:]))
+                event_id = None
+        return out
+
+    def text_of(evs) -> str:
+        chunks = [json.loads(d) for _, d in evs if d != "[DONE]"]
+        key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+        return "".join(key(c["choices"][0]) for c in chunks if c["choices"])
+
+    with httpx.stream("POST", base + path, json=body, timeout=60) as r:
+        first = events(r)
+    cid = json.loads(first[0][1])["id"]
+    assert cid.startswith("chatcmpl-" if chat else "cmpl-")
+    cut = len(first) // 2
+    last_id = first[cut - 1][0]
+    with httpx.stream("GET", f"{base}{path}/{cid}/stream", headers={"Last-Event-ID": str(last_id)},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        rest = events(r)
+    assert text_of(first[:cut]) + text_of(rest) == text_of(first)
+    assert [d for _, d in rest][-1] == "[DONE]"
+    assert json.loads(rest[-2][1])["usage"]["completion_tokens"] == 24
+    with httpx.stream("GET", f"{base}{path}/{cid}/stream?from=0", timeout=60) as r:
+        assert text_of(events(r)) == text_of(first)
+    other = "/v1/completions" if chat else "/v1/chat/completions"
+    assert httpx.get(f"{base}{other}/{cid}/stream", timeout=10).status_code == 404
+    assert httpx.get(f"{base}{path}/{cid}/stream?from=x", timeout=10).status_code == 400
 
 
 def test_prompt_as_token_ids(door):

@@ -33,6 +33,24 @@ def test_demo_runs_and_cleans_up(tmp_path, protocol):
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"{name} still running"
 
 
+@pytest.mark.timeout(150)
+def test_demo_with_two_routers_survives_the_first_one_killed(tmp_path):
+    """`sdcp-fast demo --routers 2`: the router the client streams from is killed once every
+    prompt is under way; router-2 takes the sessions over, the streams resume there, and
+    the outputs are still the target's greedy decoding."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--pair", "tiny", "--prompts", "2", "--max-new", "96",
+         "--routers", "2", "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=140, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "killed router (SIGKILL)" in out
+    taken = re.findall(r"taken over by router-2 (\d+\.\d+) s after the kill \(lease TTL 2 s\); "
+                       r"the stream resumed at token \d+", out)
+    assert len(taken) == 2 and all(float(t) <= 4.0 for t in taken), out[-2000:]
+    assert "outputs identical to the target's greedy decoding: 2/2" in out
+
+
 def _zombie(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z"

@@ -323,6 +323,31 @@ def test_assignments_are_checked(tmp_path):
     run(main())
 
 
+def test_a_late_assignment_from_a_router_that_lost_the_session_is_refused(tmp_path):
+    """Two routers: the one that took the session over assigned it with router epoch 2; the
+    former owner's assignment (router epoch 1) arrives late. The verifier refuses its PUT
+    drafter and the drafter its POST (sdcp-stale-epoch): the running loop is not replaced
+    and the output is the greedy decoding. An assignment of an older epoch is refused too."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            contract = b.contract(max_new=40)
+            sid = await b.open(contract)
+            assert (await b.assign(b.assignment(sid, contract, router_epoch=2))).status == 204
+            loop = b.draft_session(sid)
+            late = b.assignment(sid, contract, router_epoch=1, m_init=1)
+            put = await b.router_call("PUT", f"/sessions/{_b64(sid)}/drafter", late.to_cbor())
+            assert put.status == 409 and b"sdcp-stale-epoch" in put.body
+            post = await dispatch(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+                                                     late.to_cbor(), ROUTER))
+            assert post.status == 409 and b"sdcp-stale-epoch" in post.body
+            older = await dispatch(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+                                                      late.replace(epoch=0, router_epoch=5).to_cbor(), ROUTER))
+            assert older.status == 409
+            assert b.draft_session(sid) is loop and loop.placed_by == (1, 2)
+            assert await b.finished(sid) == greedy(b.target_spec, [1, 2, 3], 40)
+    run(main())
+
+
 def _b64(sid: bytes) -> str:
     from sdcp_fast.refs import encode_session_id
     return encode_session_id(sid)

@@ -6,111 +6,24 @@ reader waits on output it cannot use."""
 from __future__ import annotations
 
 import asyncio
-import os
-from urllib.parse import urlsplit
 
 import pytest
+from router_bench import D1, D2, V1, V2, Bench, cbor_answer, problem_answer, run
 
-from sdcp_fast.cache import open_log, open_store
-from sdcp_fast.core.digest import prefix_digest
 from sdcp_fast.core.messages import (
-    ROLE_DRAFTER,
     ROLE_VERIFIER,
     Action,
     Assignment,
-    Contract,
     Output,
     Policy,
     Sampling,
     SessionOpen,
-    SessionState,
     Status,
 )
-from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Kind, Problem
-from sdcp_fast.refs import commit_log_name
-from sdcp_fast.router import RouterConfig, RouterService, RouterSession
-from sdcp_fast.transport import ClientResponse, TransportError
+from sdcp_fast.core.problems import Kind
+from sdcp_fast.transport import ClientResponse
 
-ROUTER = "https://router.test/"
-V1, V2, D1, D2 = (f"https://{n}.test/" for n in ("v1", "v2", "d1", "d2"))
-MODEL = b"m" * 32
-PROMPT = (1, 2, 3)
 pytestmark = pytest.mark.timeout(30)
-
-
-class Network:
-    """`transport.Client`'s interface: records every call; `routes[(method, base, path
-    suffix)]` answers it (a function of the body); a call with no route gets no answer."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, str, str, bytes | None]] = []
-        self.routes: dict[tuple[str, str, str], object] = {}
-
-    async def request(self, method, url, body=None, content_type=None, *, idempotent=False,
-                      timeout=None) -> ClientResponse:
-        parts = urlsplit(url)
-        base = f"{parts.scheme}://{parts.netloc}/"
-        self.calls.append((method, base, parts.path, body))
-        for (m, b, suffix), answer in self.routes.items():
-            if (m, b) == (method, base) and parts.path.endswith(suffix):
-                return answer(body)
-        raise TransportError(f"cannot connect to {url}", sent=False)
-
-    def sent(self, method: str, base: str, suffix: str) -> list[bytes]:
-        return [body for m, b, p, body in self.calls if (m, b) == (method, base) and p.endswith(suffix)]
-
-    def order(self) -> list[tuple[str, str, str]]:
-        return [(m, b, p.rsplit("/", 1)[-1]) for m, b, p, _ in self.calls]
-
-
-def cbor_answer(message) -> ClientResponse:
-    return ClientResponse(200, {"content-type": "application/sdcp+cbor"}, message.to_cbor())
-
-
-def problem_answer(kind: Kind) -> ClientResponse:
-    return ClientResponse(kind.status, {"content-type": PROBLEM_MEDIA_TYPE}, Problem(kind).to_json())
-
-
-class Bench:
-    def __init__(self, tmp):
-        self.tmp = tmp
-        self.net = Network()
-
-    async def __aenter__(self):
-        self.store = await open_store(f"embedded:{self.tmp / 'mlc'}")
-        self.log = await open_log(f"file:{self.tmp / 'log'}")
-        config = RouterConfig(ROUTER, (V1, V2), ((D1, MODEL), (D2, MODEL)))
-        self.router = RouterService(config, None, self.store, self.log, client=self.net)
-        self.contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50,
-                                 stop=(), low_rounds=3, fallback=(Action.REDUCE,), drafters=(MODEL,))
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.router.stop()
-        await self.store.close()
-        await self.log.close()
-
-    def live(self, *uris: str) -> None:
-        for uri in uris:
-            role = ROLE_VERIFIER if uri in (V1, V2) else ROLE_DRAFTER
-            self.router.registry.report(Status(uri, role, 0, 0, 60_000))
-
-    def session(self, verifier: str, drafter: str | None = None, epoch: int = 1) -> RouterSession:
-        sid = os.urandom(16)
-        s = RouterSession(sid, self.contract, PROMPT, commit_log_name(sid), epoch=epoch,
-                          verifier=verifier, drafter=drafter)
-        self.router.sessions[sid] = s
-        return s
-
-    def state(self, s: RouterSession, epoch: int | None = None) -> SessionState:
-        return SessionState(s.id, epoch or s.epoch, 0, 0, prefix_digest(self.contract.digest, PROMPT))
-
-    async def fences(self, s: RouterSession) -> list[int]:
-        return [e.epoch for e in await self.log.read(s.commit_log) if e.kind == "fence"]
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 25))
 
 
 def test_policy_update_informs_the_verifier_before_another_drafter(tmp_path):
@@ -120,7 +33,7 @@ def test_policy_update_informs_the_verifier_before_another_drafter(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1, D2)                                   # D1 stopped reporting
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             b.net.routes[("POST", V1, "/policy")] = lambda body: cbor_answer(b.state(s))
             b.net.routes[("PUT", V1, "/drafter")] = lambda body: cbor_answer(b.state(s))
             b.net.routes[("POST", D2, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
@@ -142,7 +55,7 @@ def test_failover_whose_open_failed_resumes_even_if_the_old_verifier_returns(tmp
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V2, D1)                                   # V1 (the session's) expired
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             refuse = [True]
             b.net.routes[("POST", V2, "/sessions")] = lambda body: (
                 ClientResponse(503, {}, b"") if refuse[0] else cbor_answer(b.state(s)))
@@ -171,7 +84,7 @@ def test_stale_epoch_from_the_verifier_resumes_the_session_there(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1, D1)
-            s = b.session(V1)
+            s = await b.session(V1)
 
             def put_drafter(body):
                 if Assignment.from_cbor(body).epoch == 1:
@@ -196,7 +109,7 @@ def test_stale_epoch_on_output_marks_the_session_for_resume(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1)
-            s = b.session(V1)
+            s = await b.session(V1)
 
             def output(body):
                 s.finish = Action.FAIL                       # one answer is enough: end the reader
@@ -213,7 +126,7 @@ def test_output_reader_waits_before_asking_again(tmp_path, case):
     it holds) is followed by a wait for a placement change, not an immediate new GET."""
     async def main():
         async with Bench(tmp_path) as b:
-            s = b.session(V1, epoch=2)
+            s = await b.session(V1, epoch=2)
             epoch, start = (1, 0) if case == "older epoch" else (2, 5)
             waits: list[float] = []
 
@@ -236,7 +149,7 @@ def test_output_reader_waits_before_asking_again(tmp_path, case):
 def test_policy_refused_as_stale_epoch_marks_the_session_for_resume(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
-            s = b.session(V1, drafter=D1)
+            s = await b.session(V1, drafter=D1)
             b.net.routes[("POST", V1, "/policy")] = lambda body: problem_answer(Kind.STALE_EPOCH)
             with pytest.raises(Exception, match="did not take the policy"):
                 await b.router.update_policy(s, Sampling(temperature_milli=500))
@@ -252,7 +165,7 @@ def test_session_retired_on_output_is_resumed_from_its_log(tmp_path):
     async def main():
         async with Bench(tmp_path) as b:
             b.live(V1, D1)
-            s = b.session(V1)
+            s = await b.session(V1)
 
             def output(body):
                 s.finish = Action.FAIL                       # one answer is enough: end the reader
@@ -275,7 +188,7 @@ def test_capacity_refusal_places_the_session_on_another_verifier(tmp_path):
         async with Bench(tmp_path) as b:
             b.live(V1, D1)
             b.router.registry.report(Status(V2, ROLE_VERIFIER, 40, 0, 60_000))   # V1 is picked first
-            s = b.session(None)
+            s = await b.session(None)
             b.net.routes[("POST", V1, "/sessions")] = lambda body: problem_answer(Kind.CAPACITY)
             b.net.routes[("POST", V2, "/sessions")] = lambda body: cbor_answer(b.state(s))
             assert await b.router.placement.open(s, exclude=set())

@@ -71,3 +71,44 @@ def test_status_and_events_reach_the_router(tmp_path):
             await server.stop(grace=1)
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_reports_and_events_reach_every_router_and_a_dead_one_delays_none(tmp_path):
+    """Several routers (router_uris): each gets every status report and every event; one
+    that does not answer (a SIGSTOPped router: it accepts the connection, never replies)
+    delays neither the reports nor the events of the others."""
+    async def main():
+        make_certs(tmp_path / "pki", [VERIFIER, ROUTER, DRAFTER])
+        tls = TLSConfig.for_instance(tmp_path / "pki", ROUTER)
+        first, second = FakeRouter(), FakeRouter()
+        servers = [await serve(r, host="127.0.0.1", port=0, tls=tls) for r in (first, second)]
+        silent = await asyncio.start_server(lambda reader, writer: None, "127.0.0.1", 0)
+        silent_uri = f"https://127.0.0.1:{silent.sockets[0].getsockname()[1]}/"
+        h = await Harness.start(tmp_path)
+        client = Client(TLSConfig.for_instance(tmp_path / "pki", VERIFIER), "h2", timeout=5)
+        h.service.client = client
+        uris = (silent_uri, *(f"https://127.0.0.1:{s.port}/" for s in servers))
+        h.service.config = dataclasses.replace(h.service.config, router_uris=uris, request_timeout_s=2.0,
+                                               status_interval_s=0.05, ttl_ms=300)
+        await h.service.start()
+        try:
+            contract = contract_for(h.backend, low_rounds=1, fallback=(Action.SWITCH,), max_new=30)
+            sid, r = await h.open(contract)
+            state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+            target = int(h.backend.table[3].argmax())
+            await h.propose(sid, state, [(target + 1) % 16])
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            while not all(r.events and len(r.status) >= 10 for r in (first, second)):
+                assert loop.time() - started < 1.5, "a silent router delayed the others"
+                await asyncio.sleep(0.02)
+            for r in (first, second):
+                assert [(e.session, e.kind) for e in r.events] == [(sid, Action.SWITCH)]
+        finally:
+            await client.close()
+            await h.close()
+            for s in servers:
+                await s.stop(grace=1)
+            silent.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
