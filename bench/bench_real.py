@@ -229,11 +229,15 @@ def side_by_side(target, front: str, prompts: list[list[int]], max_new: int, eos
 
 
 @torch.no_grad()
-def in_process(target, draft, prompts: list[list[int]], max_new: int, eos: int, m: int) -> Decoded:
+def in_process(target, draft, prompts: list[list[int]], max_new: int, eos: int, m: int,
+               split: dict[str, float] | None = None) -> Decoded:
     """The speculative loop with the backends called directly, all prompts at once: M
     tokens drafted greedily (one batched draft pass a token), one batched target pass over
     every session's M + 1 rows, rule 1 acceptance (the longest prefix equal to the target's
-    argmax, plus the target's token after it), commit to both. No messages, no sockets."""
+    argmax, plus the target's token after it), commit to both. No messages, no sockets.
+    `split` (when given) adds up the seconds spent drafting and in the target's passes: the
+    profile of where a round's time goes."""
+    split = {} if split is None else split
     sids = [f"inproc-{n}".encode() for n in range(len(prompts))]
     for sid, prompt in zip(sids, prompts, strict=True):
         target.open(sid, prompt)
@@ -245,6 +249,7 @@ def in_process(target, draft, prompts: list[list[int]], max_new: int, eos: int, 
         while active:
             proposals = {n: [] for n in active}
             want = {n: max(0, min(m, max_new - len(outputs[n]) - 1)) for n in active}
+            drafting_since = time.perf_counter()
             for _ in range(max(want.values())):
                 drafting = [n for n in active if len(proposals[n]) < want[n]]
                 rows = draft.score([(sids[n], proposals[n]) for n in drafting])
@@ -252,7 +257,11 @@ def in_process(target, draft, prompts: list[list[int]], max_new: int, eos: int, 
                 for n in drafting:
                     at += len(proposals[n]) + 1
                     proposals[n].append(int(rows[at - 1].argmax()))
+            passing_since = time.perf_counter()
             rows = target.score([(sids[n], proposals[n]) for n in active])
+            split["draft"] = split.get("draft", 0.0) + passing_since - drafting_since
+            split["target"] = split.get("target", 0.0) + time.perf_counter() - passing_since
+            split["rounds"] = split.get("rounds", 0.0) + 1
             at = 0
             for n in active:
                 x = proposals[n]
@@ -386,9 +395,9 @@ def main() -> int:
     assisted = generate_each(target.model, prompts, max_new, eos, prompt_lookup_num_tokens=LOOKUP_TOKENS)
     print(f"the speculative loop in this process (backends only, M = {args.m}), 1 prompt, then "
           f"{len(prompts)} at once ...", flush=True)
-    loop_one = Decoded([], [])
+    loop_one, split = Decoded([], []), {}
     for prompt in prompts:
-        one = in_process(target, draft_backend, [prompt], max_new, eos, args.m)
+        one = in_process(target, draft_backend, [prompt], max_new, eos, args.m, split)
         loop_one.outputs += one.outputs
         loop_one.seconds += one.seconds
     loop_all = in_process(target, draft_backend, prompts, max_new, eos, args.m)
@@ -435,6 +444,12 @@ def main() -> int:
         print(f"{what:<58} {d.tokens:>6} {sum(d.seconds):>8.2f} {d.rate:>8.1f} {per_round:>9} {accept:>6}  {ident}")
     print(f"\ntarget pass times at context {context}: one step {1000 * t1:.1f} ms, M + 1 = {args.m + 1} "
           f"tokens {1000 * tm:.1f} ms ({tm / t1:.2f}x); ceiling (M + 1) t(1) / t(M + 1) = {ceiling:.2f}x")
+    if split.get("rounds"):
+        rest = sum(loop_one.seconds) - split["draft"] - split["target"]
+        print(f"one process, one prompt at a time: {split['rounds']:.0f} rounds, per round "
+              f"{1000 * split['draft'] / split['rounds']:.1f} ms drafting, "
+              f"{1000 * split['target'] / split['rounds']:.1f} ms in the target's pass, "
+              f"{1000 * rest / split['rounds']:.1f} ms the rest (acceptance, commits)")
     print(f"draft {draft_name}; load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
           f"{os.getloadavg()[2]:.2f}")
     print(f"\nsample [1]: {target.decode(sdcp_one.outputs[0])!r}")
