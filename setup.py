@@ -25,8 +25,11 @@ packages += ["sdcp_fast.kernels", *(f"sdcp_fast.kernels.{p}" for p in find_packa
 
 NATIVE = "sdcp_fast.kernels._native"
 CSRC = Path("csrc")
-SOURCES = ["sdcp_ops.cpp", "cpu/verify_cpu.cpp", "cpu/rows.cpp", "cpu/vector_loops_scalar.cpp",
-           "cpu/vector_loops_avx2.cpp", "cpu/vector_loops_avx512.cpp"]
+SOURCES = ["sdcp_ops.cpp", "cpu/isa.cpp", "cpu/verify_cpu.cpp", "cpu/rows.cpp",
+           "cpu/vector_loops_scalar.cpp", "cpu/vector_loops_avx2.cpp", "cpu/vector_loops_avx512.cpp",
+           # the twin decoder (twin: backend)
+           "cpu/twin_cpu.cpp", "cpu/twin_loops_scalar.cpp", "cpu/twin_loops_avx2.cpp",
+           "cpu/twin_loops_avx512.cpp"]
 
 
 def say(message: str) -> None:

@@ -5,9 +5,10 @@ same run.
     .venv/bin/python bench/bench_drafts.py                       # needs the [real] extra
     .venv/bin/python bench/bench_drafts.py --prompts 4 --drafts ngram,gguf
 
-Drafts (backend specs): gguf:smollm2 (llama.cpp, the shipped Q4_1 file), gguf:smollm2?type=q8_0
-(requantised), ngram:smollm2, distilled:smollm2 (the trained draft), distilled:smollm2?early=N
-(the target's first N layers).
+Drafts (backend specs): twin:smollm2 (the native int8 decoder, per-row scales),
+twin:smollm2?group=32 (a scale per 32 columns), gguf:smollm2 (llama.cpp, the shipped Q4_1 file),
+gguf:smollm2?type=q8_0 (requantised), ngram:smollm2, distilled:smollm2 (the trained draft),
+distilled:smollm2?early=N (the target's first N layers).
 
 Method, on held-out prompts (written here, not in scripts/draft_prompts.py) in the chat
 template. A greedy continuation and one sampled at temperature 0.7, --new-tokens tokens each,
@@ -28,7 +29,9 @@ forcing) gives q there. The target's greedy token at t is argmax p_t, whatever t
   takes the accepted prefix to be distributed like the target's sample (exact where p = q).
 * Tokens per round at M: 1 + sum_{i=1..M} mean_t prod_{j<i} (m or a).
 * Costs, through the Backend protocol as the drafter calls it: one `score` per drafted token
-  on a growing proposal (context ~200 tokens), for 1 session and for 4 sessions per call;
+  on a growing proposal (context ~200 tokens), for 1, 4 and 8 sessions per call, at one torch
+  thread as a drafter process runs (wall clock, and the calling thread's CPU time, which a
+  busy machine disturbs less);
   the target's cached forward (transformers, DynamicCache) for 1, 4, 6, 9 new tokens at a
   context of 200, for 1 and 4 sessions, interpolated linearly in M + 1.
 * Expected speedup at M (one session): tokens per round x t_target(1) / (M x t_draft +
@@ -66,7 +69,7 @@ HELD_OUT = [
     "What are the planets of the solar system?",
     "Write two sentences encouraging someone before an exam.",
 ]
-DEFAULT_DRAFTS = "gguf:smollm2,gguf:smollm2?type=q8_0,ngram:smollm2,distilled:smollm2,distilled:smollm2?early=4"
+DEFAULT_DRAFTS = "twin:smollm2,twin:smollm2?group=32,gguf:smollm2,gguf:smollm2?type=q8_0,ngram:smollm2,distilled:smollm2,distilled:smollm2?early=4"
 TEMPERATURE_MILLI = 700
 
 
@@ -145,17 +148,22 @@ def chain_stats(ok: list[torch.Tensor], max_m: int) -> tuple[list[float], list[f
     return reach, alpha
 
 
-def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: int = 3) -> float:
-    """Seconds per `score` step when `sessions` sessions each draft one more token (as the
-    drafter's batcher calls it), over `rounds` rounds of `m` tokens with a commit between."""
+def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: int = 3) -> tuple[float, float]:
+    """(wall, thread CPU) seconds per `score` step when `sessions` sessions each draft one more
+    token (as the drafter's batcher calls it), over `rounds` rounds of `m` tokens with a commit
+    between. At one torch thread, as each serving process runs (procs.Cluster sets
+    OMP_NUM_THREADS): with two, torch's copies of logits rows wait on OpenMP barriers while
+    the other core is busy, which measured 2-3x the draft's own cost on a loaded machine."""
     sids = [f"c{k}".encode() for k in range(sessions)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     for s in sids:
         backend.open(s, context)
     try:
-        steps, spent = 0, 0.0
+        steps, spent, cpu = 0, 0.0, 0.0
         for r in range(rounds + 1):  # the first round warms up
             props = {s: [] for s in sids}
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             for _ in range(m):
                 rows = backend.score([(s, props[s]) for s in sids])
                 ends = torch.cumsum(torch.tensor([len(props[s]) + 1 for s in sids]), 0) - 1
@@ -163,13 +171,15 @@ def draft_cost(backend, context: list[int], sessions: int, m: int = 5, rounds: i
                     props[s].append(int(rows[e].argmax()))
             if r:
                 spent += time.perf_counter() - started
+                cpu += time.thread_time() - cpu_started
                 steps += m
             for s in sids:
                 backend.commit(s, props[s][:2])  # a partly accepted round
-        return spent / steps
+        return spent / steps, cpu / steps
     finally:
         for s in sids:
             backend.release(s)
+        torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -260,7 +270,7 @@ def main() -> None:
     print(f"# first greedy reply: {tok.decode(greedy[0][len(prompts[0]):])[:100]!r}")
     print("# target cached forward, ms (1 session / 4 sessions): " + ", ".join(
         f"{n} new: {1e3 * t1[n]:.0f} / {1e3 * t4[n]:.0f}" for n in t1))
-    print("| draft | greedy accept, positions 1..5 | greedy tokens/round (M=5) | T=0.7 accept, positions 1..5 | T=0.7 tokens/round (M=5) | ms/step 1 session | ms/step 4 sessions | expected speedup greedy 1 / 4 sessions (M) | T=0.7 1 / 4 sessions (M) |")
+    print("| draft | greedy accept, positions 1..5 | greedy tokens/round (M=5) | T=0.7 accept, positions 1..5 | T=0.7 tokens/round (M=5) | ms/step 1 / 4 / 8 sessions | CPU ms/step 1 / 4 / 8 | expected speedup greedy 1 / 4 sessions (M) | T=0.7 1 / 4 sessions (M) |")
     print("|---|---|---|---|---|---|---|---|---|")
     summary = []
     for spec in args.drafts.split(","):
@@ -276,12 +286,13 @@ def main() -> None:
             a_ok.append(torch.minimum(pt, q).sum(-1).clamp(max=1.0))
         g_reach, g_alpha = chain_stats(m_ok, args.max_m)
         s_reach, s_alpha = chain_stats(a_ok, args.max_m)
-        d1, d4 = draft_cost(backend, context, 1), draft_cost(backend, context, 4)
+        (d1, c1), (d4, c4), (d8, c8) = (draft_cost(backend, context, n) for n in (1, 4, 8))
         g1, s1 = best_speedup(g_reach, d1, t1), best_speedup(s_reach, d1, t1)
         g4, s4 = best_speedup(g_reach, d4, t4), best_speedup(s_reach, d4, t4)
         print(f"| `{spec}` | {' '.join(f'{a:.2f}' for a in g_alpha[:5])} | {sum(g_reach[:6]):.2f} "
               f"| {' '.join(f'{a:.2f}' for a in s_alpha[:5])} | {sum(s_reach[:6]):.2f} "
-              f"| {1e3 * d1:.1f} | {1e3 * d4:.1f} | {g1[0]:.2f}x ({g1[1]}) / {g4[0]:.2f}x ({g4[1]}) "
+              f"| {1e3 * d1:.1f} / {1e3 * d4:.1f} / {1e3 * d8:.1f} | {1e3 * c1:.1f} / {1e3 * c4:.1f} / {1e3 * c8:.1f} "
+              f"| {g1[0]:.2f}x ({g1[1]}) / {g4[0]:.2f}x ({g4[1]}) "
               f"| {s1[0]:.2f}x ({s1[1]}) / {s4[0]:.2f}x ({s4[1]}) |", flush=True)
         print(f"#   {spec}: loaded in {loaded:.1f} s", flush=True)
         summary.append((g1[0], spec, g1, g4, s1, s4, g_alpha[0], s_alpha[0]))

@@ -6,12 +6,17 @@
 
     locks = KeyedLock()
     async with locks.hold(key): ...    # one holder per key; the lock is dropped when unused
+
+    offload = Offload()
+    await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import AsyncIterator, Coroutine, Hashable
 from typing import Any
 
@@ -70,3 +75,42 @@ class KeyedLock:
 
     def __len__(self) -> int:
         return len(self._locks)
+
+
+class Offload:
+    """Blocking calls of one kind (a model's forward pass, a verify launch) run in a worker
+    thread so the event loop keeps serving, except those measured cheaper than the hop.
+
+    Handing a call to a worker thread and back costs two wake-ups: tens of microseconds on
+    a quiet machine, milliseconds on a loaded one, where the worker must wait for a core.
+    For a call that itself takes microseconds (a table model, a small verify batch on CPU)
+    the hop is most of a round. So each call's own duration per unit of work (rows, jobs) is
+    tracked (EWMA), and a call whose estimate, times its units, is under `inline_below_s`
+    runs on the event loop: the loop is held for less than a hop would have cost. The first
+    call, and any call of a kind measured slow, goes to a thread; a call that grows slow
+    moves itself back to threads by the same measurement.
+    """
+
+    def __init__(self, inline_below_s: float | None = None, alpha: float = 0.25):
+        if inline_below_s is None:   # SDCP_INLINE_BELOW_US=0: every call in a thread
+            inline_below_s = float(os.environ.get("SDCP_INLINE_BELOW_US", "300")) / 1e6
+        self.inline_below_s = inline_below_s
+        self.alpha = alpha
+        self.per_unit: float | None = None   # seconds per unit of work, measured
+
+    def inline(self, units: int) -> bool:
+        return self.per_unit is not None and self.per_unit * max(units, 1) < self.inline_below_s
+
+    async def run(self, fn, *args: Any, units: int = 1) -> Any:
+        if self.inline(units):
+            return self._timed(units, fn, *args)
+        return await asyncio.to_thread(self._timed, units, fn, *args)
+
+    def _timed(self, units: int, fn, *args: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            per_unit = (time.perf_counter() - started) / max(units, 1)
+            self.per_unit = per_unit if self.per_unit is None else \
+                self.per_unit + self.alpha * (per_unit - self.per_unit)

@@ -38,10 +38,16 @@ SDCP_INLINE VF load8(const Bf16* p) {
 SDCP_INLINE VF load8(const F16* p) {
   return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
 }
+SDCP_INLINE VF load8(const int8_t* p) {  // int8 weights (twin_loops.inc)
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
 SDCP_INLINE void store8(float* p, VF a) { _mm256_storeu_ps(p, a.v); }
 SDCP_INLINE VF vf_add(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
 SDCP_INLINE VF vf_sub(VF a, VF b) { return {_mm256_sub_ps(a.v, b.v)}; }
 SDCP_INLINE VF vf_mul(VF a, VF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+SDCP_INLINE VF vf_div(VF a, VF b) { return {_mm256_div_ps(a.v, b.v)}; }
+// keeps a loaded vector in a register (the compiler would fold its load into every use)
+SDCP_INLINE void vf_in_register(VF& a) { asm("" : "+x"(a.v)); }
 SDCP_INLINE VF vf_fmadd(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
 SDCP_INLINE VF vf_max(VF a, VF b) { return {_mm256_max_ps(a.v, b.v)}; }
 SDCP_INLINE VF vf_gt(VF a, VF b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)}; }

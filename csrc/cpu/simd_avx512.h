@@ -43,10 +43,16 @@ SDCP_INLINE VF load8(const Bf16* p) {
 SDCP_INLINE VF load8(const F16* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
+SDCP_INLINE VF load8(const int8_t* p) {  // int8 weights (twin_loops.inc)
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 SDCP_INLINE void store8(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 SDCP_INLINE VF vf_add(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
 SDCP_INLINE VF vf_sub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 SDCP_INLINE VF vf_mul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+SDCP_INLINE VF vf_div(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
+// keeps a loaded vector in a register (the compiler would fold its load into every use)
+SDCP_INLINE void vf_in_register(VF& a) { asm("" : "+v"(a.v)); }
 SDCP_INLINE VF vf_fmadd(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 SDCP_INLINE VF vf_max(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }  // b when either is NaN
 SDCP_INLINE VF vf_gt(VF a, VF b) { return lanes_of(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ)); }

@@ -49,12 +49,15 @@ SDCP_INLINE VF vf_zero() { return vf_set1(0.0f); }
 SDCP_INLINE VF load8(const float* p) { SDCP_LANES(p[l]); }
 SDCP_INLINE VF load8(const Bf16* p) { SDCP_LANES(to_float(p[l])); }
 SDCP_INLINE VF load8(const F16* p) { SDCP_LANES(to_float(p[l])); }
+SDCP_INLINE VF load8(const int8_t* p) { SDCP_LANES(float(p[l])); }  // int8 weights (twin_loops.inc)
 SDCP_INLINE void store8(float* p, VF a) {
   for (int l = 0; l < 8; ++l) p[l] = a.v[l];
 }
 SDCP_INLINE VF vf_add(VF a, VF b) { SDCP_LANES(a.v[l] + b.v[l]); }
 SDCP_INLINE VF vf_sub(VF a, VF b) { SDCP_LANES(a.v[l] - b.v[l]); }
 SDCP_INLINE VF vf_mul(VF a, VF b) { SDCP_LANES(a.v[l] * b.v[l]); }
+SDCP_INLINE VF vf_div(VF a, VF b) { SDCP_LANES(a.v[l] / b.v[l]); }
+SDCP_INLINE void vf_in_register(VF&) {}
 SDCP_INLINE VF vf_fmadd(VF a, VF b, VF c) { SDCP_LANES(a.v[l] * b.v[l] + c.v[l]); }
 // maxps: the second operand when either is NaN (or both are zeros)
 SDCP_INLINE VF vf_max(VF a, VF b) { SDCP_LANES(a.v[l] > b.v[l] ? a.v[l] : b.v[l]); }

@@ -18,36 +18,19 @@
 #include <tuple>
 #include <vector>
 
+#include "isa.h"
 #include "rows.h"
 
 namespace sdcp::cpu {
 namespace {
 
-const IsaKernels& best_isa() {
-  static const IsaKernels* best = [] {
-#if defined(__x86_64__) || defined(_M_X64)
-    __builtin_cpu_init();
-    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                      __builtin_cpu_supports("f16c");
-    if (avx512_kernels() && avx2 && __builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
-      return avx512_kernels();
-    }
-    if (avx2_kernels() && avx2) return avx2_kernels();
-#endif
-    return &scalar_kernels();
-  }();
-  return *best;
-}
-
-// SDCP_NATIVE_ISA=scalar or =avx2 caps the loops (tests, and CPUs that slow down on AVX-512)
+// the row loops of the instruction set chosen now (isa.h)
 const IsaKernels& choose_isa() {
-  const IsaKernels& best = best_isa();
-  const char* force = std::getenv("SDCP_NATIVE_ISA");
-  if (force && std::strcmp(force, "scalar") == 0) return scalar_kernels();
-  if (force && std::strcmp(force, "avx2") == 0 && &best != &scalar_kernels()) return *avx2_kernels();
-  return best;
+  switch (chosen_isa()) {
+    case Isa::kAvx512: return *avx512_kernels();
+    case Isa::kAvx2: return *avx2_kernels();
+    default: return scalar_kernels();
+  }
 }
 
 std::string cpu_capability() { return choose_isa().name; }

@@ -28,6 +28,9 @@ default 5 s, `timeout_s=` in any spec's query):
         # epoch exists (retry: returns current length); Fenced if a higher one exists
     await log.read(log: str, start: int = 0) -> list[LogEntry]
     await log.close() -> None
+    await append_batch(log, [Append(log, record, epoch, expected), ...]) -> [int | Exception]
+        # a batch's appends (distinct logs): group commit on the file log, one pipelined
+        # round trip on Redis, concurrent appends elsewhere; each answer as `append`'s
     LogEntry(position: int, kind: "commit" | "fence", epoch: int, record: bytes)
 
     effective_commits(entries) -> list[LogEntry]  # skips commits refused by a later-epoch fence
@@ -48,7 +51,16 @@ qrows.QRowsUnavailable.
 Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
 """
 
-from .api import CommitLog, LogEntry, ObjectStore, effective_commits, object_uri
+from .api import (
+    Append,
+    CommitLog,
+    LogEntry,
+    ObjectStore,
+    append_batch,
+    append_each,
+    effective_commits,
+    object_uri,
+)
 from .errors import (
     BadSpec,
     CacheError,
@@ -66,10 +78,10 @@ from .records import Exists, Lease, LeaseExpired, NotOwner, Owned, Record, Recor
 from .specs import open_log, open_store, open_table, table_beside_log
 
 __all__ = [
-    "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Exists", "Fenced", "Lease",
+    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Exists", "Fenced", "Lease",
     "LeaseExpired", "LogEntry", "NotFound", "NotOwner", "ObjectStore", "Owned", "Record",
     "RecordTable", "SizeMismatch", "StoreFull", "StoreTimeout", "UnsafeDirectory",
-    "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",
+    "append_batch", "append_each", "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",
     "open_store", "open_table", "table_beside_log",
 ]
 

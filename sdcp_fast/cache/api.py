@@ -7,6 +7,7 @@ async and bounded by a timeout; errors are the typed ones of `errors.py`.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,40 @@ class CommitLog(Protocol):
     async def fence(self, log: str, epoch: int) -> int: ...
     async def read(self, log: str, start: int = 0) -> list[LogEntry]: ...
     async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Append:
+    """One conditional append of a batch (`append_batch`)."""
+
+    log: str
+    record: bytes
+    epoch: int
+    expected: int
+
+
+async def append_batch(commit_log: CommitLog, appends: Sequence[Append]) -> list[int | Exception]:
+    """Every append of a batch (distinct logs, typically one per session); each answer is the
+    new length or the exception that append raised (`Fenced`, `Conflict`, `StoreTimeout`,
+    ...), exactly as `append` would have. A log class with a batched path of its own
+    (`FileCommitLog.append_batch`: one worker call and one sync pass; `RedisCommitLog`: one
+    pipelined round trip) takes the batch whole; any other log, wrappers included (the
+    method is looked up on the class, so a wrapper delegating by `__getattr__` keeps its own
+    `append`), gets the appends concurrently."""
+    batched = getattr(type(commit_log), "append_batch", None)
+    if batched is not None:
+        return await batched(commit_log, appends)
+    return await append_each(commit_log, appends)
+
+
+async def append_each(commit_log: CommitLog, appends: Sequence[Append]) -> list[int | Exception]:
+    """`append_batch` without a batched path: the appends concurrently."""
+    answers = await asyncio.gather(*(commit_log.append(a.log, a.record, epoch=a.epoch, expected=a.expected)
+                                     for a in appends), return_exceptions=True)
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer   # cancellation goes on up
+    return answers
 
 
 def effective_commits(entries: Sequence[LogEntry]) -> list[LogEntry]:

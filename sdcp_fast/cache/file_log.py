@@ -19,6 +19,12 @@ Frame of one entry on disk:
   may still land if the deadline passed during its write or `fdatasync`. It never races a
   later append (that one waits for the lock, sees the landed record and answers
   `Conflict`), and a caller learns the outcome by reading position `expected`.
+- Group commit (`append_batch`): a batch's appends (one per session's log) run in one
+  worker-thread call: every log is locked and its frame written, then every written file is
+  `fdatasync`ed, and only then are the locks dropped and the lengths returned, so an
+  acknowledged position is exactly as durable as with `append`. Logs are locked in path
+  order (two writers' batches cannot deadlock); a log named twice in a batch is appended to
+  in a later pass.
 - Per-log scan state is an LRU of `max_cached_logs` entries; a forgotten log is rescanned.
 """
 
@@ -32,10 +38,11 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
+from .api import DEFAULT_TIMEOUT_S, Append, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
 from .lru import DEFAULT_MAX_LOGS, LruCache
@@ -90,6 +97,14 @@ class FileCommitLog:
         check_position(expected)
         return await self._run(self._append_sync, log, "commit", epoch, bytes(record), expected)
 
+    async def append_batch(self, appends: Sequence[Append]) -> list[int | Exception]:
+        """See `api.append_batch`: every append in one worker call and one durable pass."""
+        for a in appends:
+            check_epoch(a.epoch)
+            check_position(a.expected)
+        items = [(a.log, "commit", a.epoch, bytes(a.record), a.expected) for a in appends]
+        return await self._run(self._append_passes, items)
+
     async def fence(self, log: str, epoch: int) -> int:
         check_epoch(epoch, minimum=1)  # 0 means "no fence"; session epochs start at 1
         return await self._run(self._append_sync, log, "fence", epoch, b"", None)
@@ -124,43 +139,105 @@ class FileCommitLog:
 
     def _append_sync(self, deadline: float, log: str, kind: str, epoch: int, record: bytes,
                      expected: int | None) -> int:
+        (result,) = self._append_group(deadline, [(log, kind, epoch, record, expected)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _append_passes(self, deadline: float, items: list[tuple]) -> list[int | Exception]:
+        """Group commits of `items`; a log already in a pass waits for the next one (a second
+        flock on the same file from this process would wait for the first)."""
+        results: list[int | Exception | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            seen: set[str] = set()
+            group, later = [], []
+            for n in pending:
+                (later if items[n][0] in seen else group).append(n)
+                seen.add(items[n][0])
+            for n, result in zip(group, self._append_group(deadline, [items[n] for n in group]), strict=True):
+                results[n] = result
+            pending = later
+        return results  # type: ignore[return-value]
+
+    def _append_group(self, deadline: float, items: list[tuple]) -> list[int | Exception]:
+        """Append each (log, kind, epoch, record, expected) of distinct logs: lock and write
+        every one (in path order), sync every written file, then drop the locks. Each item's
+        answer is its new length or the exception it raised; nothing is acknowledged before
+        its sync."""
+        results: list[int | Exception] = [OSError(errno.EIO, "not attempted")] * len(items)
+        written: list[tuple[int, int, _Scan, str, int, int]] = []  # (item, fd, scan, kind, epoch, size)
+        fds: list[int] = []
+        try:
+            for n in sorted(range(len(items)), key=lambda n: self.path_of(items[n][0])):
+                log, kind, epoch, record, expected = items[n]
+                try:
+                    fd = self._open(log)
+                    fds.append(fd)
+                    done = self._write_locked(deadline, fd, log, kind, epoch, record, expected)
+                except Exception as exc:
+                    results[n] = exc
+                    continue
+                if isinstance(done, int):
+                    results[n] = done          # a retried fence already in place
+                else:
+                    written.append((n, fd, done[0], kind, epoch, done[1]))
+            for n, fd, scan, kind, epoch, size in written:
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    results[n] = exc
+                    continue
+                scan.offset += size
+                scan.length += 1
+                if kind == "fence":
+                    scan.fence_epoch = epoch
+                results[n] = scan.length
+        finally:
+            for fd in fds:
+                os.close(fd)  # also drops the flock
+        return results
+
+    def _open(self, log: str) -> int:
         path = self.path_of(log)
         created = not path.exists()
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if created:
+        if created:
+            try:
                 _fsync_dir(self.directory)  # the new file's name must survive a crash too
-            self._lock(fd, deadline)
-            scan = self._catch_up(log, fd)
-            if time.monotonic() > deadline:
-                # The caller has given up (or is about to): a write now would land behind
-                # its back. Past this point only a write already under way can.
-                raise StoreTimeout("commit log deadline passed before the write")
-            if kind == "commit":
-                if scan.fence_epoch > epoch:
-                    raise Fenced(scan.fence_epoch)
-                if scan.length != expected:
-                    raise Conflict(scan.length)
-            else:
-                if scan.fence_epoch > epoch:
-                    raise Fenced(scan.fence_epoch)
-                if scan.fence_epoch == epoch:
-                    return scan.length  # a retried fence: already in place
-            payload = pack_entry(kind, epoch, record)
-            frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-            if os.fstat(fd).st_size != scan.offset:
-                os.ftruncate(fd, scan.offset)  # drop a torn tail left by a crashed writer
-            written = os.pwrite(fd, frame, scan.offset)
-            if written != len(frame):
-                raise OSError(errno.EIO, f"short write to {path}")
-            os.fdatasync(fd)
-            scan.offset += len(frame)
-            scan.length += 1
-            if kind == "fence":
-                scan.fence_epoch = epoch
-            return scan.length
-        finally:
-            os.close(fd)  # also drops the flock
+            except BaseException:
+                os.close(fd)
+                raise
+        return fd
+
+    def _write_locked(self, deadline: float, fd: int, log: str, kind: str, epoch: int, record: bytes,
+                      expected: int | None) -> tuple[_Scan, int] | int:
+        """Lock, check and write one frame (not yet synced): (scan, frame size), or the
+        length when a retried fence is already in place."""
+        self._lock(fd, deadline)
+        scan = self._catch_up(log, fd)
+        if time.monotonic() > deadline:
+            # The caller has given up (or is about to): a write now would land behind
+            # its back. Past this point only a write already under way can.
+            raise StoreTimeout("commit log deadline passed before the write")
+        if kind == "commit":
+            if scan.fence_epoch > epoch:
+                raise Fenced(scan.fence_epoch)
+            if scan.length != expected:
+                raise Conflict(scan.length)
+        else:
+            if scan.fence_epoch > epoch:
+                raise Fenced(scan.fence_epoch)
+            if scan.fence_epoch == epoch:
+                return scan.length  # a retried fence: already in place
+        payload = pack_entry(kind, epoch, record)
+        frame = _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+        if os.fstat(fd).st_size != scan.offset:
+            os.ftruncate(fd, scan.offset)  # drop a torn tail left by a crashed writer
+        written = os.pwrite(fd, frame, scan.offset)
+        if written != len(frame):
+            raise OSError(errno.EIO, f"short write to {self.path_of(log)}")
+        return scan, len(frame)
 
     def _lock(self, fd: int, deadline: float) -> None:
         while True:

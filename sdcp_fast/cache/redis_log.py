@@ -21,10 +21,11 @@ the commit log where verifier failover must be exact (section 6.9).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from redis import exceptions as redis_errors
 
-from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
+from .api import DEFAULT_TIMEOUT_S, Append, LogEntry, append_each, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
 from .fencing import Checked, check_after_append
@@ -82,6 +83,34 @@ class RedisCommitLog:
         status, value = await self._call(
             self._script(keys=self.keys(log), args=["c", epoch, expected, entry]))
         return _outcome(status, value)
+
+    async def append_batch(self, appends: Sequence[Append]) -> list[int | Exception]:
+        """See `api.append_batch`: the batch's scripts in one pipelined round trip (each
+        script still runs atomically on the server); in check mode, each append alone."""
+        if not self.server_fencing:
+            return await append_each(self, appends)
+        for a in appends:
+            check_epoch(a.epoch)
+            check_position(a.expected)
+
+        async def pipelined() -> list:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for a in appends:
+                    await self._script(keys=self.keys(a.log), args=["c", a.epoch, a.expected,
+                                                                    pack_entry("commit", a.epoch, a.record)],
+                                       client=pipe)   # queued: the pipeline sends them together
+                return await pipe.execute(raise_on_error=False)
+
+        answers: list[int | Exception] = []
+        for reply in await self._call(pipelined()):
+            if isinstance(reply, Exception):
+                answers.append(reply)
+                continue
+            try:
+                answers.append(_outcome(*reply))
+            except (Fenced, Conflict) as exc:
+                answers.append(exc)
+        return answers
 
     async def fence(self, log: str, epoch: int) -> int:
         check_epoch(epoch, minimum=1)

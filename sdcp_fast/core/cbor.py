@@ -98,7 +98,60 @@ def _encode_float(value: float) -> bytes:
     return b"\xfb" + struct.pack(">d", value)
 
 
+_SMALL_HEADS = [[bytes((major << 5 | n,)) for n in range(24)] for major in range(8)]
+_KEY_CACHE: dict[str, bytes] = {}     # encodings of map keys seen (message member names)
+_KEY_CACHE_MAX = 1024
+
+
 def _encode(obj: Any, out: list[bytes]) -> None:
+    # exact types first (most of a message: small ints, short strings and bytes, lists,
+    # maps with string keys), then the general chain below for everything else
+    kind = type(obj)
+    if kind is int:
+        if 0 <= obj < 24:
+            out.append(_SMALL_HEADS[0][obj])
+        else:
+            out.append(_head(0, obj) if obj >= 0 else _head(1, -1 - obj))
+    elif kind is str:
+        data = obj.encode("utf-8")
+        out.append(_SMALL_HEADS[3][len(data)] if len(data) < 24 else _head(3, len(data)))
+        out.append(data)
+    elif kind is bytes:
+        out.append(_SMALL_HEADS[2][len(obj)] if len(obj) < 24 else _head(2, len(obj)))
+        out.append(obj)
+    elif kind is list or kind is tuple:
+        out.append(_SMALL_HEADS[4][len(obj)] if len(obj) < 24 else _head(4, len(obj)))
+        for item in obj:
+            _encode(item, out)
+    elif kind is dict:
+        _encode_map(obj, out)
+    else:
+        _encode_any(obj, out)
+
+
+def _key_bytes(key: Any) -> bytes:
+    if type(key) is str:
+        cached = _KEY_CACHE.get(key)
+        if cached is None:
+            cached = dumps(key)
+            if len(_KEY_CACHE) < _KEY_CACHE_MAX:
+                _KEY_CACHE[key] = cached
+        return cached
+    return dumps(key)
+
+
+def _encode_map(obj: Mapping, out: list[bytes]) -> None:
+    pairs = sorted((_key_bytes(k), dumps(v)) for k, v in obj.items())
+    for a, b in zip(pairs, pairs[1:], strict=False):
+        if a[0] == b[0]:
+            raise ValueError("map has two keys with the same encoding")
+    out.append(_head(5, len(pairs)))
+    for key, value in pairs:
+        out.append(key)
+        out.append(value)
+
+
+def _encode_any(obj: Any, out: list[bytes]) -> None:
     if obj is False:
         out.append(b"\xf4")
     elif obj is True:
@@ -120,14 +173,7 @@ def _encode(obj: Any, out: list[bytes]) -> None:
         for item in obj:
             _encode(item, out)
     elif isinstance(obj, Mapping):
-        pairs = sorted((dumps(k), dumps(v)) for k, v in obj.items())
-        for a, b in zip(pairs, pairs[1:], strict=False):
-            if a[0] == b[0]:
-                raise ValueError("map has two keys with the same encoding")
-        out.append(_head(5, len(pairs)))
-        for key, value in pairs:
-            out.append(key)
-            out.append(value)
+        _encode_map(obj, out)
     elif isinstance(obj, float):
         out.append(_encode_float(obj))
     else:

@@ -54,19 +54,21 @@ def gguf_metadata(path: Path, keys: Iterable[str]) -> dict[str, object]:
     return {k: fields[k].contents() for k in keys}
 
 
-def _dequantise(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+def dequantised(tensor) -> torch.Tensor:
+    """One tensor of a `gguf.GGUFReader` as fp32, in PyTorch's [out, in] order."""
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
+
+    values = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)  # a writable copy
+    shape = [int(s) for s in reversed(tensor.shape)]  # ggml lists dimensions innermost first
+    return torch.from_numpy(values.reshape(shape))
+
+
+def _dequantise(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
     unknown = [n for n in names if n not in tensors]
     if unknown:
         raise KeyError(f"{path.name}: no tensors {unknown}")
-    out = {}
-    for name in names:
-        t = tensors[name]
-        values = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        shape = [int(s) for s in reversed(t.shape)]  # ggml lists dimensions innermost first
-        out[name] = torch.from_numpy(values.reshape(shape))
-    return out
+    return {name: dequantised(tensors[name]) for name in names}

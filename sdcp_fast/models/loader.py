@@ -8,6 +8,7 @@
                    `smollm2` (lazy import; options dtype, device, threads, max_kv_bytes,
                    max_seq_len: see hf.py)
     gguf:SOURCE    the target's GGUF run by llama.cpp, a draft (llamacpp.py; [real] extra)
+    twin:SOURCE    the target's GGUF run by the native int8 decoder, a draft (twin.py)
     ngram:TOKENIZER  prompt-lookup drafting, no model (ngram.py)
     distilled:NAME   a draft on the target's GGUF: trained, or its first layers (distilled.py)
     replay:PATH    a benchmark draft that plays back recorded continuations (replay.py)
@@ -56,6 +57,12 @@ def _gguf(arg: str, **options) -> Backend:
     return LlamaCppBackend.from_spec(arg, **options)
 
 
+def _twin(arg: str, **options) -> Backend:
+    from .twin import TwinBackend  # the native int8 decoder (csrc/cpu/twin_cpu.cpp)
+
+    return TwinBackend.from_spec(arg, **options)
+
+
 def _ngram(arg: str, **options) -> Backend:
     from .ngram import NgramBackend
 
@@ -81,6 +88,7 @@ KINDS = {
     "table": _table,
     "hf": _hf,
     "gguf": _gguf,
+    "twin": _twin,
     "ngram": _ngram,
     "distilled": _distilled,
     "replay": _replay,

@@ -123,7 +123,8 @@ def collect_rows(
             s.cached.extend(p.new_tokens)
         if p.reuse_rows:
             s.drop_rows_before(p.first_row)
-            old = s.rows if s.rows is not None else torch.empty(0, vocab_size, device=device)
+            old = s.rows if s.rows is not None else torch.empty(0, vocab_size, device=device,
+                                                                dtype=new_rows.dtype if new_rows is not None else None)
             s.rows = old if new_rows is None else torch.cat([old, new_rows])
         else:  # computed from p.start <= first_row; rows from first_row on
             s.rows_start = p.first_row
@@ -141,6 +142,7 @@ class CachingBackend:
     vocab_size: int
     max_seq_len: int | None = None
     rows_device = None  # where kept rows live (the model's device); None: the CPU
+    rows_dtype = torch.float32  # the dtype of the rows score returns and keeps
     _sessions: dict[bytes, CachedSession]
 
     def _new_session(self, prompt: list[int]) -> CachedSession:
@@ -188,7 +190,7 @@ class CachingBackend:
     def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
         check_distinct_sessions(items)
         if not items:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size, dtype=self.rows_dtype, device=self.rows_device)
         plans = []
         for sid, x in items:
             p = plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
@@ -212,9 +214,9 @@ class CachingBackend:
         return rows + token_list_bytes(len(s.committed)) + token_list_bytes(len(s.cached))
 
     def _bookkeeping_bytes_for(self, tokens: int) -> int:
-        """The most `_bookkeeping_bytes` reaches for a session of `tokens` positions: the fp32
+        """The most `_bookkeeping_bytes` reaches for a session of `tokens` positions: the
         rows of a longest proposal and two token lists."""
-        return MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
+        return MAX_ROWS * self.vocab_size * self.rows_dtype.itemsize + 2 * token_list_bytes(tokens)
 
     def _get(self, session: bytes) -> CachedSession:
         try:

@@ -6,13 +6,20 @@ buffer and the logits rows kept for a growing proposal (prefix_cache.py, shared 
 `score` finds, per session, the longest prefix of C + x it already holds, truncates the rest,
 and feeds only the missing tokens; all sessions' missing tokens go through one packed forward.
 
-Memory: each buffer is [n_layer, 2, H, capacity, Dh] fp32 and grows by doubling up to
-`max_seq_len` positions (the per-session cap). The sum of all buffers' bytes is capped by
-`max_kv_bytes` (default 1 GiB). Either cap raises `KVCapacityError` before any state changes.
+Memory: each buffer is [n_layer, 2, H, capacity, Dh] in the model's dtype and grows by
+doubling up to `max_seq_len` positions (the per-session cap). The sum of all buffers' bytes
+is capped by `max_kv_bytes` (default 1 GiB). Either cap raises `KVCapacityError` before any
+state changes.
+
+Device and dtype (`device="cuda"`, `dtype=torch.bfloat16`; the CPU and fp32 by default):
+weights, K/V buffers and logits live there, and `score` returns logits in the model's dtype
+on its device, so a verifier hands them to the kernels with no host copy. A model served in
+another dtype than its file's has its own digest (the file's, tagged with the dtype).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +28,7 @@ import torch
 
 from . import kvblob
 from .base import KVCapacityError, KVImportError
-from .gpt import RaggedBatch, Transformer
+from .gpt import RaggedBatch, Transformer, rope_table
 from .prefix_cache import CachedSession, CachingBackend, Plan
 from .tokenizer import ByteTokenizer
 from .weights import load_tiny
@@ -46,8 +53,18 @@ class TinyBackend(CachingBackend):
         tokenizer: ByteTokenizer | None = None,
         *,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        self.model = model
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model.rope = rope_table(model.cfg).to(self.device)  # fp32 in any dtype
+        if self.dtype != torch.float32:
+            tag = str(self.dtype).removeprefix("torch.").encode()
+            digest = hashlib.sha256(b"sdcp-fast tiny dtype=" + tag + b"\0" + digest).digest()
         self.cfg = model.cfg
         self.tokenizer = tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -59,7 +76,9 @@ class TinyBackend(CachingBackend):
         self.max_seq_len = self.cfg.max_seq_len  # the RoPE table's length: a session's cap
         self._sessions: dict[bytes, _Session] = {}
         self._kv_bytes = 0  # sum of all sessions' buffer sizes, kept in step with them
-        self._bytes_per_position = 4 * self.cfg.n_layer * 2 * self.cfg.d_model
+        self._itemsize = self.dtype.itemsize
+        self.rows_device, self.rows_dtype = self.device, self.dtype  # score's logits
+        self._bytes_per_position = self._itemsize * self.cfg.n_layer * 2 * self.cfg.d_model
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_path: str | Path | None = None, **kw):
@@ -83,7 +102,7 @@ class TinyBackend(CachingBackend):
         s = self._get(session)
         super().release(session)
         if s.buffer is not None:
-            self._kv_bytes -= s.buffer.numel() * 4
+            self._kv_bytes -= s.buffer.numel() * self._itemsize
 
     def kv_bytes(self) -> int:
         """Bytes currently allocated to KV buffers (what `max_kv_bytes` caps)."""
@@ -91,7 +110,7 @@ class TinyBackend(CachingBackend):
 
     def session_bytes(self, session: bytes) -> int:
         s = self._get(session)
-        kv = s.buffer.numel() * 4 if s.buffer is not None else 0
+        kv = s.buffer.numel() * self._itemsize if s.buffer is not None else 0
         return kv + self._bookkeeping_bytes(s)
 
     def bytes_for(self, tokens: int) -> int:
@@ -121,14 +140,14 @@ class TinyBackend(CachingBackend):
             caches.append(self._ensure_capacity(p.session, len(p.full)))
         logits = self.model.forward_cached(
             RaggedBatch(
-                tokens=torch.tensor(tokens, dtype=torch.long),
-                positions=torch.tensor(positions, dtype=torch.long),
+                tokens=torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True),
+                positions=torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
                 starts=starts,
                 past_lengths=pasts,
                 caches=caches,
             ),
-            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long),
-        ).float()
+            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long).to(self.device),
+        )  # the model's dtype, on its device: a verifier hands them to the kernels as they are
         return [logits[row_starts[b] : row_starts[b + 1]] for b in range(len(plans))]
 
     # -- memory -----------------------------------------------------------------------------
@@ -155,11 +174,12 @@ class TinyBackend(CachingBackend):
         if s.buffer is None or s.buffer.shape[3] < n:
             cfg = self.cfg
             cap = self._capacity_for(n, cfg.max_seq_len)
-            buf = torch.empty(cfg.n_layer, 2, cfg.n_head, cap, cfg.head_dim)
+            buf = torch.empty(cfg.n_layer, 2, cfg.n_head, cap, cfg.head_dim,
+                              dtype=self.dtype, device=self.device)
             if s.buffer is not None:
                 buf[:, :, :, : len(s.cached)] = s.buffer[:, :, :, : len(s.cached)]
-                self._kv_bytes -= s.buffer.numel() * 4
-            self._kv_bytes += buf.numel() * 4
+                self._kv_bytes -= s.buffer.numel() * self._itemsize
+            self._kv_bytes += buf.numel() * self._itemsize
             s.buffer = buf
         return s.buffer
 
@@ -168,7 +188,7 @@ class TinyBackend(CachingBackend):
         """The committed sequence and the K/V of its cached prefix (speculative K/V dropped)."""
         s = self._get(session)
         n = s.committed_kv_tokens()
-        kv = s.buffer[:, :, :, :n] if s.buffer is not None and n else None
+        kv = s.buffer[:, :, :, :n].cpu() if s.buffer is not None and n else None
         return kvblob.pack(self.kind, self.digest, self.vocab_size, s.committed, kv, n)
 
     def import_kv(self, session: bytes, data: bytes) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..aio import Offload
 from ..core.problems import Kind, problem
 from ..models.base import KVCapacityError, ModelError
 
@@ -24,10 +25,16 @@ class TargetModel:
     def __init__(self, backend):
         self.backend = backend
         self.lock = asyncio.Lock()
+        self.scoring = Offload()   # a pass measured cheaper than a thread hop runs on the loop
 
     @property
     def vocab_size(self) -> int:
         return self.backend.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the backend puts its logits (its `device`; the CPU if it has none)."""
+        return torch.device(getattr(self.backend, "device", "cpu"))
 
     @property
     def digest(self) -> bytes:
@@ -46,13 +53,13 @@ class TargetModel:
         fails the others: the logits of the items it took, and {index: error} of the rest."""
         async with self.lock:
             try:
-                return await asyncio.to_thread(self.backend.score, items), {}
+                return await self.scoring.run(self.backend.score, items, units=_rows(items)), {}
             except ModelError as exc:
                 log.warning("batch of %d refused by the model (%s): scoring one by one", len(items), exc)
             rows, refused = [], {}
             for n, item in enumerate(items):
                 try:
-                    rows.append(await asyncio.to_thread(self.backend.score, [item]))
+                    rows.append(await self.scoring.run(self.backend.score, [item], units=_rows([item])))
                 except ModelError as exc:
                     refused[n] = exc
         return (torch.cat(rows) if rows else None), refused
@@ -113,3 +120,8 @@ class TargetModel:
         async with self.lock:
             with contextlib.suppress(ModelError):
                 self.backend.release(sid)
+
+
+def _rows(items: list[tuple[bytes, tuple[int, ...]]]) -> int:
+    """Logits rows a score call computes: M + 1 per item."""
+    return sum(len(tokens) + 1 for _, tokens in items)

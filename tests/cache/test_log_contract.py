@@ -12,10 +12,12 @@ from asyncio import run
 import pytest
 
 from sdcp_fast.cache import (
+    Append,
     CommitLog,
     Conflict,
     Fenced,
     LogEntry,
+    append_batch,
     effective_commits,
     open_log,
 )
@@ -187,3 +189,65 @@ def test_fence_racing_a_stale_writer(log_spec):
             await router.close()
 
     run(body())
+
+
+def test_append_batch_answers_each_append_as_append_would(log_spec):
+    """Group commit (`append_batch`): a batch's appends answered one by one, exactly as
+    `append` answers them: the new length, or Conflict / Fenced for that log alone; a log
+    named twice in a batch takes both, in order."""
+    logs = [f"mlc:/sessions/batch-{n}/commit_log" for n in range(4)]
+
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            await log.append(logs[1], b"old", epoch=1, expected=0)     # logs[1] is one long
+            await log.fence(logs[2], 3)                                # logs[2] fenced at 3
+            answers = await append_batch(log, [
+                Append(logs[0], b"a0", 1, 0),
+                Append(logs[1], b"a1", 1, 0),      # stale position
+                Append(logs[2], b"a2", 1, 1),      # below the fence
+                Append(logs[3], b"a3", 1, 0),
+                Append(logs[0], b"b0", 1, 1),      # the same log again, after a0
+            ])
+            assert answers[0] == 1 and answers[3] == 1 and answers[4] == 2
+            assert isinstance(answers[1], Conflict) and answers[1].current_length == 1
+            if enforces_fencing(log_spec):
+                assert isinstance(answers[2], Fenced) and answers[2].fence_epoch == 3
+            else:   # check mode: the record may land; readers skip it, the writer was told
+                assert isinstance(answers[2], Exception)
+                assert effective_commits(await log.read(logs[2])) == []
+            assert [e.record for e in await log.read(logs[0])] == [b"a0", b"b0"]
+            assert [e.record for e in await log.read(logs[1])] == [b"old"]
+            assert [e.record for e in await log.read(logs[3])] == [b"a3"]
+            assert await append_batch(log, []) == []
+        finally:
+            await log.close()
+
+    run(body())
+
+
+def test_append_batch_of_a_wrapper_goes_through_its_own_append(tmp_path):
+    """A wrapper that delegates by __getattr__ (the fault tests' logs) keeps its `append`."""
+    calls = []
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def append(self, log, record, *, epoch, expected):
+            calls.append(log)
+            return await self.inner.append(log, record, epoch=epoch, expected=expected)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    async def body():
+        log = await open_log(f"file:{tmp_path}")
+        try:
+            answers = await append_batch(Wrapper(log), [Append("x", b"1", 1, 0), Append("y", b"2", 1, 0)])
+        finally:
+            await log.close()
+        return answers
+
+    assert run(body()) == [1, 1]
+    assert sorted(calls) == ["x", "y"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
+from model_helpers import random_llama, write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -31,65 +31,13 @@ from sdcp_fast.models.tokenizer import ByteTokenizer  # noqa: E402
 V, D, F, H, KV, LAYERS = 256, 64, 96, 4, 2, 3
 
 
-def permute(w: torch.Tensor, heads: int) -> np.ndarray:
-    """convert_hf_to_gguf's q/k permutation: each head's halves become adjacent pairs."""
-    return (
-        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-        .numpy()
-    )
-
-
 @pytest.fixture
 def llama(tmp_path, monkeypatch):
     """(transformers LlamaForCausalLM, path of the same model as a GGUF)."""
     monkeypatch.setenv("SDCP_CACHE", str(tmp_path / "cache"))
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=LAYERS,
-        num_attention_heads=H, num_key_value_heads=KV, rope_theta=10000.0, rms_norm_eps=1e-5,
-        max_position_embeddings=256, tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # larger weights: peaked, position-sensitive logits
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                p.mul_(4)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
+    model = random_llama(V, D, F, LAYERS, H, KV)
     path = tmp_path / "tiny-llama.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(LAYERS)
-    w.add_context_length(256)
-    w.add_embedding_length(D)
-    w.add_feed_forward_length(F)
-    w.add_head_count(H)
-    w.add_head_count_kv(KV)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(V)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"].numpy())
-    w.add_tensor("output_norm.weight", sd["model.norm.weight"].numpy())
-    for i in range(LAYERS):
-        p = f"model.layers.{i}."
-        for name, value in {
-            "attn_norm": sd[p + "input_layernorm.weight"].numpy(),
-            "attn_q": permute(sd[p + "self_attn.q_proj.weight"], H),
-            "attn_k": permute(sd[p + "self_attn.k_proj.weight"], KV),
-            "attn_v": sd[p + "self_attn.v_proj.weight"].numpy(),
-            "attn_output": sd[p + "self_attn.o_proj.weight"].numpy(),
-            "ffn_norm": sd[p + "post_attention_layernorm.weight"].numpy(),
-            "ffn_gate": sd[p + "mlp.gate_proj.weight"].numpy(),
-            "ffn_up": sd[p + "mlp.up_proj.weight"].numpy(),
-            "ffn_down": sd[p + "mlp.down_proj.weight"].numpy(),
-        }.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(value))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_llama_gguf(model, path)
     return model, path
 
 

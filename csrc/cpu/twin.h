@@ -1,0 +1,43 @@
+// The loops of the twin decoder (twin_cpu.cpp: a Llama forward with int8 weights), one table
+// per instruction set like the verify op's IsaKernels (kernels.h): written once against the
+// vector API in twin_loops.inc, compiled by twin_loops_{scalar,avx2,avx512}.cpp, chosen at run
+// time (isa.h). No torch headers here.
+#pragma once
+
+#include <cstdint>
+
+namespace sdcp::cpu {
+
+// Widths the loops rely on (twin_cpu.cpp checks every model against them): matrix columns and
+// quantisation groups are whole multiples of kTwinCols, attention heads of kTwinHead.
+constexpr int64_t kTwinCols = 32;
+constexpr int64_t kTwinHead = 16;
+
+// An int8 matrix with fp32 scales: row o, column i holds W[o * cols + i] * S[o * groups + i /
+// (cols / groups)]; groups = 1 is one scale per row.
+struct QMatrix {
+  const int8_t* w = nullptr;
+  const float* s = nullptr;
+  int64_t rows = 0, cols = 0, groups = 1;
+};
+
+struct TwinLoops {
+  const char* name;
+  // Y[r * y_stride + o] = sum_i X[r * x_stride + i] * weight(o, i), for r < n and o in
+  // [o_begin, o_end): each weight row is read from memory once per call whatever n is.
+  void (*matmul)(const float* X, int64_t n, int64_t x_stride, const QMatrix& m, int64_t o_begin,
+                 int64_t o_end, float* Y, int64_t y_stride);
+  // Attention of the G query heads q[g * dh ..] (one token) that share one K/V head, over its
+  // positions 0..n_pos-1 (K, V: [n_pos, dh] rows): out[g * dh ..] = softmax(q K^T * scale) V.
+  // scores: room for G * n_pos floats.
+  void (*attend)(const float* q, int64_t G, const float* K, const float* V, int64_t n_pos,
+                 int64_t dh, float scale, float* scores, float* out);
+  // out[i] = silu(g[i]) * u[i] (n a multiple of kTwinCols)
+  void (*silu_mul)(const float* g, const float* u, float* out, int64_t n);
+};
+
+const TwinLoops& twin_scalar_loops();
+const TwinLoops* twin_avx2_loops();    // null where not compiled (not x86-64)
+const TwinLoops* twin_avx512_loops();  // likewise
+
+}  // namespace sdcp::cpu

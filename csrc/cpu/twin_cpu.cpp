@@ -1,0 +1,313 @@
+// The twin decoder: a Llama forward (SmolLM2's architecture: RMSNorm, rotary positions on
+// adjacent pairs as llama.cpp lays out q/k, grouped-query attention, SiLU-gated MLP, tied or
+// untied output head) over int8 weights with fp32 scales, fp32 activations, and a K/V cache
+// per session in fp32 buffers that Python owns (sdcp_fast/models/twin.py).
+//
+// One `forward` call advances any number of sessions by any number of tokens each (a prompt's
+// prefill, one drafted token for each of 8 sessions, a proposal to score): every token of the
+// call goes through each weight matrix together, so each weight row is read from memory once
+// per call, and a step for 4 sessions costs far less than 4 steps for one. Threads split the
+// output rows of every matrix (and the (token, K/V head) pairs of attention) with
+// at::parallel_for, at most `threads` at a time; 1 runs in the calling thread.
+//
+// Python reaches it as torch.classes.sdcp.TwinModel (twin.py documents the tensors).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "isa.h"
+#include "twin.h"
+
+namespace sdcp::cpu {
+namespace {
+
+const TwinLoops& choose_twin_loops() {
+  switch (chosen_isa()) {
+    case Isa::kAvx512: return *twin_avx512_loops();
+    case Isa::kAvx2: return *twin_avx2_loops();
+    default: return twin_scalar_loops();
+  }
+}
+
+struct Layer {
+  const float* attn_norm;
+  const float* ffn_norm;
+  QMatrix qkv, out, gate_up, down;
+};
+
+int64_t divide_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// at::parallel_for over [0, n) in at most `threads` chunks (1: inline, in this thread)
+template <class F>
+void split(int64_t n, int64_t threads, const F& body) {
+  if (n <= 0) return;
+  at::parallel_for(0, n, divide_up(n, std::max<int64_t>(threads, 1)), body);
+}
+
+}  // namespace
+
+class TwinModel : public torch::CustomClassHolder {
+ public:
+  // dims: [n_layer, d_model, n_head, n_kv_head, head_dim, d_ff, vocab, tied (0/1)]
+  // params: [rope_theta, norm_eps]
+  // tensors: token embedding int8 [V, D] and its scales fp32 [V, groups], output norm [D],
+  //   (untied: output int8 [V, D] and scales), then per layer: attn_norm [D], qkv int8
+  //   [(H + 2 Hkv) Dh, D] + scales, out int8 [D, H Dh] + scales, ffn_norm [D], gate_up int8
+  //   [2 F, D] + scales (gate rows first), down int8 [D, F] + scales.
+  TwinModel(std::vector<int64_t> dims, std::vector<double> params, std::vector<at::Tensor> tensors)
+      : tensors_(std::move(tensors)) {
+    TORCH_CHECK_VALUE(dims.size() == 8 && params.size() == 2, "TwinModel: dims[8], params[2]");
+    n_layer_ = dims[0], d_ = dims[1], n_head_ = dims[2], n_kv_ = dims[3], dh_ = dims[4];
+    d_ff_ = dims[5], vocab_ = dims[6];
+    const bool tied = dims[7] != 0;
+    theta_ = params[0], eps_ = float(params[1]);
+    TORCH_CHECK_VALUE(n_layer_ >= 1 && n_head_ >= 1 && n_kv_ >= 1 && n_head_ % n_kv_ == 0 &&
+                          n_head_ / n_kv_ <= 64 && vocab_ >= 1,
+                      "TwinModel: bad head counts or sizes");
+    TORCH_CHECK_VALUE(d_ % kTwinCols == 0 && d_ff_ % kTwinCols == 0 &&
+                          (n_head_ * dh_) % kTwinCols == 0 && dh_ % kTwinHead == 0,
+                      "TwinModel: d_model, d_ff and heads x head_dim must be multiples of ",
+                      kTwinCols, ", head_dim of ", kTwinHead);
+    const size_t want = 3 + (tied ? 0 : 2) + 10 * size_t(n_layer_);
+    TORCH_CHECK_VALUE(tensors_.size() == want, "TwinModel: ", want, " tensors expected, got ",
+                      tensors_.size());
+    size_t next = 0;
+    embed_ = matrix(next, vocab_, d_, "token embedding");
+    out_norm_ = vec(next, d_, "output norm");
+    head_ = tied ? embed_ : matrix(next, vocab_, d_, "output");
+    const int64_t qkv_rows = (n_head_ + 2 * n_kv_) * dh_;
+    for (int64_t l = 0; l < n_layer_; ++l) {
+      Layer L;
+      L.attn_norm = vec(next, d_, "attn_norm");
+      L.qkv = matrix(next, qkv_rows, d_, "qkv");
+      L.out = matrix(next, d_, n_head_ * dh_, "attn_output");
+      L.ffn_norm = vec(next, d_, "ffn_norm");
+      L.gate_up = matrix(next, 2 * d_ff_, d_, "gate_up");
+      L.down = matrix(next, d_, d_ff_, "down");
+      layers_.push_back(L);
+    }
+    // the rotary frequencies as transformers computes them (float): theta^-(2i / Dh)
+    for (int64_t i = 0; i < dh_ / 2; ++i) {
+      inv_freq_.push_back(1.0f / float(std::pow(theta_, double(float(2 * i) / float(dh_)))));
+    }
+  }
+
+  std::string isa() const { return choose_twin_loops().name; }
+
+  // tokens [N] int64: each session's new tokens, sessions one after another; counts [B],
+  // pasts [B] int64: how many tokens session b adds and how many its cache holds already
+  // (its new tokens sit at positions pasts[b]..); caches: B fp32 [n_layer, 2, n_kv_head,
+  // capacity, head_dim] buffers (K then V), written at the new positions; rows [R] int64:
+  // the tokens (indices into `tokens`) whose next-token logits come back -> fp32 [R, vocab].
+  at::Tensor forward(const at::Tensor& tokens_in, const at::Tensor& counts_in,
+                     const at::Tensor& pasts_in, std::vector<at::Tensor> caches,
+                     const at::Tensor& rows_in, int64_t threads) const {
+    const at::Tensor tokens = index_vector(tokens_in, "tokens");
+    const at::Tensor counts = index_vector(counts_in, "counts");
+    const at::Tensor pasts = index_vector(pasts_in, "pasts");
+    const at::Tensor rows = index_vector(rows_in, "rows");
+    const int64_t N = tokens.size(0), B = counts.size(0), R = rows.size(0);
+    TORCH_CHECK_VALUE(pasts.size(0) == B && int64_t(caches.size()) == B,
+                      "counts, pasts and caches must all have one entry per session");
+    TORCH_CHECK_VALUE(threads >= 1, "threads must be >= 1");
+    const int64_t* tok = tokens.data_ptr<int64_t>();
+    const int64_t* cnt = counts.data_ptr<int64_t>();
+    const int64_t* past = pasts.data_ptr<int64_t>();
+    const int64_t* row = rows.data_ptr<int64_t>();
+    // every index is checked before anything is read or written
+    std::vector<int64_t> session(static_cast<size_t>(N)), pos(static_cast<size_t>(N));
+    std::vector<float*> cache(static_cast<size_t>(B));
+    std::vector<int64_t> capacity(static_cast<size_t>(B));
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK_VALUE(cnt[b] >= 1 && past[b] >= 0 && n + cnt[b] <= N, "session ", b,
+                        ": bad count ", cnt[b], " or past ", past[b]);
+      const at::Tensor& c = caches[size_t(b)];
+      TORCH_CHECK_VALUE(c.device().is_cpu() && c.scalar_type() == at::kFloat &&
+                            c.is_contiguous() && c.dim() == 5 && c.size(0) == n_layer_ &&
+                            c.size(1) == 2 && c.size(2) == n_kv_ && c.size(4) == dh_,
+                        "session ", b, ": the cache must be a contiguous fp32 tensor [", n_layer_,
+                        ", 2, ", n_kv_, ", capacity, ", dh_, "], got ", c.scalar_type(), " ",
+                        c.sizes());
+      TORCH_CHECK_VALUE(past[b] + cnt[b] <= c.size(3), "session ", b, ": ", past[b] + cnt[b],
+                        " positions do not fit its cache of ", c.size(3));
+      cache[size_t(b)] = c.data_ptr<float>();
+      capacity[size_t(b)] = c.size(3);
+      for (int64_t j = 0; j < cnt[b]; ++j, ++n) {
+        TORCH_CHECK_VALUE(tok[n] >= 0 && tok[n] < vocab_, "token ", tok[n], " outside [0, ",
+                          vocab_, ")");
+        session[size_t(n)] = b;
+        pos[size_t(n)] = past[b] + j;
+      }
+    }
+    TORCH_CHECK_VALUE(n == N, "counts add up to ", n, ", not to the ", N, " tokens");
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK_VALUE(row[r] >= 0 && row[r] < N, "row ", row[r], " outside [0, ", N, ")");
+    }
+    at::Tensor logits = at::empty({R, vocab_}, tokens.options().dtype(at::kFloat));
+    if (N == 0) return logits;
+
+    const TwinLoops& k = choose_twin_loops();
+    const int64_t D = d_, F = d_ff_, H = n_head_, Hkv = n_kv_, Dh = dh_, G = H / Hkv;
+    const int64_t QKV = (H + 2 * Hkv) * Dh;
+    std::vector<float> x(static_cast<size_t>(N * D)), h(static_cast<size_t>(N * D)), tmp(static_cast<size_t>(N * D));
+    std::vector<float> qkv(static_cast<size_t>(N * QKV)), att(static_cast<size_t>(N * H * Dh));
+    std::vector<float> gu(static_cast<size_t>(N * 2 * F)), act(static_cast<size_t>(N * F));
+
+    for (int64_t t = 0; t < N; ++t) embed_row(tok[t], x.data() + t * D);
+    // cos and sin of every token's rotary angles, shared by all layers and heads
+    const int64_t half = Dh / 2;
+    std::vector<float> cos_t(static_cast<size_t>(N * half)), sin_t(static_cast<size_t>(N * half));
+    for (int64_t t = 0; t < N; ++t) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float angle = float(pos[size_t(t)]) * inv_freq_[size_t(i)];
+        cos_t[size_t(t * half + i)] = float(std::cos(double(angle)));
+        sin_t[size_t(t * half + i)] = float(std::sin(double(angle)));
+      }
+    }
+    const int64_t max_pos = *std::max_element(pos.begin(), pos.end()) + 1;
+    const float scale = 1.0f / std::sqrt(float(Dh));
+
+    for (int64_t l = 0; l < n_layer_; ++l) {
+      const Layer& L = layers_[size_t(l)];
+      rms_norm(x.data(), N, L.attn_norm, h.data());
+      matmul(k, h.data(), N, L.qkv, qkv.data(), threads);
+      for (int64_t t = 0; t < N; ++t) {
+        float* q = qkv.data() + t * QKV;
+        for (int64_t hd = 0; hd < H + Hkv; ++hd) {  // q heads, then k heads
+          rotate(q + hd * Dh, cos_t.data() + t * half, sin_t.data() + t * half);
+        }
+        // this token's K and V into its session's cache, before any token attends to them
+        const size_t b = size_t(session[size_t(t)]);
+        for (int64_t j = 0; j < Hkv; ++j) {
+          for (int64_t kv = 0; kv < 2; ++kv) {
+            float* dst = cache[b] + (((l * 2 + kv) * Hkv + j) * capacity[b] + pos[size_t(t)]) * Dh;
+            std::copy_n(q + (H + kv * Hkv + j) * Dh, Dh, dst);
+          }
+        }
+      }
+      split(N * Hkv, threads, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(static_cast<size_t>(G * max_pos));
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t t = task / Hkv, j = task % Hkv;
+          const size_t b = size_t(session[size_t(t)]);
+          const float* K = cache[b] + ((l * 2 + 0) * Hkv + j) * capacity[b] * Dh;
+          const float* V = cache[b] + ((l * 2 + 1) * Hkv + j) * capacity[b] * Dh;
+          k.attend(qkv.data() + t * QKV + j * G * Dh, G, K, V, pos[size_t(t)] + 1, Dh, scale,
+                   scores.data(), att.data() + t * H * Dh + j * G * Dh);
+        }
+      });
+      matmul(k, att.data(), N, L.out, tmp.data(), threads);
+      for (size_t i = 0; i < x.size(); ++i) x[i] += tmp[i];
+      rms_norm(x.data(), N, L.ffn_norm, h.data());
+      matmul(k, h.data(), N, L.gate_up, gu.data(), threads);
+      for (int64_t t = 0; t < N; ++t) {
+        k.silu_mul(gu.data() + t * 2 * F, gu.data() + t * 2 * F + F, act.data() + t * F, F);
+      }
+      matmul(k, act.data(), N, L.down, tmp.data(), threads);
+      for (size_t i = 0; i < x.size(); ++i) x[i] += tmp[i];
+    }
+    // the output head only for the rows asked for (a prompt's prefill asks for one)
+    std::vector<float> last(static_cast<size_t>(std::max<int64_t>(R, 1) * D));
+    for (int64_t r = 0; r < R; ++r) rms_norm(x.data() + row[r] * D, 1, out_norm_, last.data() + r * D);
+    if (R > 0) matmul(k, last.data(), R, head_, logits.data_ptr<float>(), threads);
+    return logits;
+  }
+
+ private:
+  std::vector<at::Tensor> tensors_;  // keeps every weight alive (they may map a file)
+  int64_t n_layer_, d_, n_head_, n_kv_, dh_, d_ff_, vocab_;
+  double theta_;
+  float eps_;
+  QMatrix embed_, head_;
+  const float* out_norm_;
+  std::vector<Layer> layers_;
+  std::vector<float> inv_freq_;
+
+  static at::Tensor index_vector(const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1, name,
+                      " must be a 1-D CPU int64 tensor, got ", t.scalar_type(), " ", t.sizes());
+    return t.contiguous();
+  }
+
+  const at::Tensor& take(size_t& next, at::ScalarType type, std::vector<int64_t> shape,
+                         const char* what) {
+    const at::Tensor& t = tensors_[next++];
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == type && t.is_contiguous() &&
+                          t.sizes().vec() == shape,
+                      "TwinModel: ", what, " must be a contiguous CPU ", type, " tensor ", shape,
+                      ", got ", t.scalar_type(), " ", t.sizes());
+    return t;
+  }
+
+  const float* vec(size_t& next, int64_t n, const char* what) {
+    return take(next, at::kFloat, {n}, what).data_ptr<float>();
+  }
+
+  QMatrix matrix(size_t& next, int64_t rows, int64_t cols, const char* what) {
+    QMatrix m;
+    m.w = take(next, at::kChar, {rows, cols}, what).data_ptr<int8_t>();
+    const at::Tensor& s = tensors_[next];
+    const int64_t groups = s.dim() == 2 ? s.size(1) : 0;
+    TORCH_CHECK_VALUE(groups >= 1 && cols % groups == 0 &&
+                          (groups == 1 || (cols / groups) % kTwinCols == 0),
+                      "TwinModel: ", what, " scales must be [rows, groups] with groups 1 or "
+                      "groups of a multiple of ", kTwinCols, " columns, got ", s.sizes());
+    m.s = take(next, at::kFloat, {rows, groups}, what).data_ptr<float>();
+    m.rows = rows, m.cols = cols, m.groups = groups;
+    return m;
+  }
+
+  void embed_row(int64_t token, float* out) const {
+    const int8_t* w = embed_.w + token * d_;
+    const float* s = embed_.s + token * embed_.groups;
+    const int64_t group = d_ / embed_.groups;
+    for (int64_t i = 0; i < d_; ++i) out[i] = float(w[i]) * s[i / group];
+  }
+
+  // out = x / sqrt(mean(x^2) + eps) * weight, row by row (as transformers' LlamaRMSNorm in fp32)
+  void rms_norm(const float* x, int64_t n, const float* weight, float* out) const {
+    for (int64_t t = 0; t < n; ++t) {
+      const float* xr = x + t * d_;
+      float ss = 0.0f;
+      for (int64_t i = 0; i < d_; ++i) ss += xr[i] * xr[i];
+      const float inv = 1.0f / std::sqrt(ss / float(d_) + eps_);
+      for (int64_t i = 0; i < d_; ++i) out[t * d_ + i] = weight[i] * (xr[i] * inv);
+    }
+  }
+
+  // one head's rotary embedding: pairs (2i, 2i + 1) turned by angle i (llama.cpp's layout)
+  void rotate(float* v, const float* c, const float* s) const {
+    for (int64_t i = 0; i < dh_ / 2; ++i) {
+      const float a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = a * c[i] - b * s[i];
+      v[2 * i + 1] = a * s[i] + b * c[i];
+    }
+  }
+
+  // Y [n, m.rows] = X [n, m.cols] W^T, threads over blocks of output rows
+  static void matmul(const TwinLoops& k, const float* X, int64_t n, const QMatrix& m, float* Y,
+                     int64_t threads) {
+    constexpr int64_t kRowsPerTask = 64;
+    split(divide_up(m.rows, kRowsPerTask), threads, [&](int64_t begin, int64_t end) {
+      k.matmul(X, n, m.cols, m, begin * kRowsPerTask, std::min(end * kRowsPerTask, m.rows), Y,
+               m.rows);
+    });
+  }
+};
+
+}  // namespace sdcp::cpu
+
+TORCH_LIBRARY_FRAGMENT(sdcp, m) {
+  m.class_<sdcp::cpu::TwinModel>("TwinModel")
+      .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
+      .def("forward", &sdcp::cpu::TwinModel::forward)
+      .def("isa", &sdcp::cpu::TwinModel::isa);
+}
