@@ -46,14 +46,24 @@ LOOKUP_TOKENS = 5   # transformers' prompt lookup: tokens per guess (its documen
 
 
 def choose_draft() -> tuple[str, str]:
-    """(draft spec, why). Measured on SmolLM2 (bench/RESULTS.md, issue 14 part A): the
-    llama.cpp twin accepts 0.97 a token greedy at about 13 ms a token on a quiet core, prompt
-    lookup 0.24 on the first token of open-ended chat, the distilled and early-exit drafts
-    0.07-0.13. So the twin when llama-cpp-python is importable (`pip install -e '.[real]'`;
-    pip compiles it for 20+ minutes where no wheel is cached, beyond the demo's install
-    budget), else prompt lookup, which needs no model. SDCP_DEMO_DRAFT overrides."""
+    """(draft spec, why). Measured on SmolLM2 (bench/RESULTS.md, issue 14 parts A and B1):
+    the native int8 twin `twin:` accepts 0.97-0.98 a token at 7.2 ms CPU a token (1 session;
+    3.4-3.7x cheaper than llama.cpp at 4-8 sessions) and builds with the project's own
+    extension; the llama.cpp twin `gguf:` accepts 0.97 at 7.5 ms (13 ms wall on a quiet
+    core), but pip compiles llama-cpp-python for 20+ minutes where no wheel is cached, beyond
+    the demo's install budget; prompt lookup accepts 0.24 on the first token of open-ended
+    chat; the distilled and early-exit drafts 0.07-0.13. So `twin:` when the native op has
+    the twin decoder, else `gguf:` when llama-cpp-python is importable, else prompt lookup,
+    which needs no model. SDCP_DEMO_DRAFT overrides."""
     if os.environ.get("SDCP_DEMO_DRAFT"):
         return os.environ["SDCP_DEMO_DRAFT"], "SDCP_DEMO_DRAFT"
+    try:
+        from ..models.twin import native_model
+
+        native_model()
+        return "twin:smollm2", "the native int8 twin of the target: accepts 0.97-0.98 a token (bench/RESULTS.md)"
+    except Exception:   # no native op, or one built before the twin decoder
+        pass
     if importlib.util.find_spec("llama_cpp") is not None:
         return "gguf:smollm2", "the llama.cpp twin of the target: accepts 0.97 a token (bench/RESULTS.md)"
     return "ngram:smollm2", ("prompt lookup (llama-cpp-python is not installed, so no gguf: twin; "
