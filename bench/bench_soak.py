@@ -5,9 +5,10 @@ A router, a verifier and two drafters run as processes (procs.Cluster, HTTP/2 wi
 TLS, file commit log, embedded store) on table models (the target's V x V logits table and a
 draft table near it). N clients (this process, asyncio + httpx) each stream one generation
 after another through POST /v1/generate: rule 1 (the output must be the target's greedy
-decoding) and rule 2 with one of a few seeds (the output must equal the first output of the
-same prompt and seed: the HMAC derivation makes it reproducible). The stream must never show
-a token twice or skip one. A client whose stream fails, or whose output is wrong, counts an
+decoding) and rule 2 with a seed. Every output must be exactly what the session's commit log
+holds (its effective commits); rule 1's must also be the greedy decoding. (Rule 2 outputs are
+not compared across generations: the draft's HMAC uniforms are keyed by the session id.) The
+stream must never show a token twice or skip one. A client whose stream fails, or whose output is wrong, counts an
 error and goes on.
 
 One line per window: tokens/s, generations finished, errors, and RSS (MB) and open
@@ -40,9 +41,12 @@ from pathlib import Path
 import httpx
 import torch
 
+from sdcp_fast.cache import effective_commits, open_log
+from sdcp_fast.core.messages import CommitRecord
 from sdcp_fast.models import load_backend
 from sdcp_fast.models.table import write_table
 from sdcp_fast.procs import Cluster
+from sdcp_fast.refs import commit_log_name
 
 V = 64
 PROMPTS = 64
@@ -112,7 +116,6 @@ class Tally:
     tokens: int = 0
     errors: int = 0
     failures: list[str] = field(default_factory=list)
-    rule2_first: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     def error(self, what: str) -> None:
         self.errors += 1
@@ -120,8 +123,9 @@ class Tally:
             self.failures.append(what)
 
 
-async def one_generation(http: httpx.AsyncClient, base: str, prompt: list[int], fields: dict) -> list[int]:
-    tokens: list[int] = []
+async def one_generation(http: httpx.AsyncClient, base: str, prompt: list[int],
+                         fields: dict) -> tuple[str, list[int]]:
+    gid, tokens = "", []
     ended = False
     async with http.stream("POST", f"{base}/v1/generate", json={"tokens": prompt, **fields}) as r:
         if r.status_code != 200:
@@ -134,7 +138,9 @@ async def one_generation(http: httpx.AsyncClient, base: str, prompt: list[int], 
                 data.append(line[5:].strip())
             elif not line and name is not None:
                 event = json.loads("\n".join(data))
-                if name == "tokens":
+                if name == "start":
+                    gid = event["id"]
+                elif name == "tokens":
                     if event["index"] != len(tokens):
                         raise RuntimeError(f"stream index {event['index']} after {len(tokens)} tokens")
                     tokens += event["tokens"]
@@ -145,11 +151,16 @@ async def one_generation(http: httpx.AsyncClient, base: str, prompt: list[int], 
                 name, data = None, []
     if not ended:
         raise RuntimeError(f"stream closed without an end after {len(tokens)} tokens")
-    return tokens
+    return gid, tokens
+
+
+async def committed(log, gid: str) -> list[int]:
+    entries = await log.read(commit_log_name(bytes.fromhex(gid)))
+    return [t for e in effective_commits(entries) for t in CommitRecord.from_cbor(e.record).emitted]
 
 
 async def client(n: int, base: str, prompts: list[list[int]], references: list[list[int]],
-                 max_new: int, stop_at: float, tally: Tally) -> None:
+                 max_new: int, stop_at: float, tally: Tally, log) -> None:
     rng = random.Random(n)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10)) as http:
         while time.monotonic() < stop_at:
@@ -160,17 +171,15 @@ async def client(n: int, base: str, prompts: list[list[int]], references: list[l
             if rule2:
                 fields.update(rule=2, sampling={"temperature_milli": 1000, "seed": seed})
             try:
-                tokens = await one_generation(http, base, prompts[k], fields)
+                gid, tokens = await one_generation(http, base, prompts[k], fields)
             except Exception as exc:                               # noqa: BLE001 (counted)
                 tally.error(f"client {n}: {type(exc).__name__}: {exc}")
                 await asyncio.sleep(0.5)
                 continue
-            if rule2:
-                expected = tally.rule2_first.setdefault((k, seed), tokens)
-            else:
-                expected = references[k]
-            if tokens != expected:
-                tally.error(f"client {n}: rule {2 if rule2 else 1} output differs (prompt {k})")
+            if tokens != await committed(log, gid):
+                tally.error(f"client {n}: rule {2 if rule2 else 1}: the stream is not the log's ({gid})")
+            elif not rule2 and tokens != references[k]:
+                tally.error(f"client {n}: rule 1 output is not greedy (prompt {k})")
             tally.finished += 1
             tally.tokens += len(tokens)
 
@@ -186,7 +195,8 @@ async def soak(cluster: Cluster, target: str, args) -> tuple[Tally, dict[str, li
     started = time.monotonic()
     stop_at = started + args.minutes * 60
     tally = Tally()
-    clients = [asyncio.create_task(client(n, base, prompts, references, args.max_new, stop_at, tally))
+    log = await open_log(cluster.commit_log)
+    clients = [asyncio.create_task(client(n, base, prompts, references, args.max_new, stop_at, tally, log))
                for n in range(args.clients)]
     names = list(cluster.instances)
     rss: dict[str, list[float]] = {name: [] for name in names}
@@ -204,6 +214,7 @@ async def soak(cluster: Cluster, target: str, args) -> tuple[Tally, dict[str, li
             cells.append(f"{rss[name][-1][1]:.0f}/{open_fds(pid)}")
         print(f"{now - started:6.0f} {rate:6.0f} {tally.finished:5d} {tally.errors:6d}  " + "  ".join(cells),
               flush=True)
+    await log.close()
     return tally, rss
 
 
