@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import queue
 import random
 import socket
 import ssl
@@ -327,12 +328,13 @@ async def slow_cbor(port: int, tls: TLSConfig, stop_at: float, budget: int) -> d
     return {"requests": sent[0], "answers": statuses}
 
 
-def _attack_main(name: str, index: int, port: int, certs: str, seconds: float, args, out) -> None:
+def _attack_main(name: str, index: int, port: int, certs: str, seconds: float, args, out, ready) -> None:
     os.nice(10)
     if args.attack_cores:   # passed in: a spawned child inherits the parent's pinning
         os.sched_setaffinity(0, args.attack_cores)
     tls = TLSConfig.for_instance(certs, ATTACKERS[index])
     stop_at = time.monotonic() + seconds
+    ready.set()   # imports done (seconds on a loaded machine): the measurement may start
     if name == "rapid reset":
         coro = rapid_reset(port, tls, stop_at, args.resets)
     elif name == "idle connections":
@@ -387,11 +389,17 @@ async def run(args, cluster: Cluster, verifier_port: int, verifier_pid: int, tab
     for attack in ATTACKS:
         out = context.Queue()
         count = 2 if attack == "rapid reset" else 1
+        ready = [context.Event() for _ in range(count)]
         processes = [context.Process(target=_attack_main, args=(attack, i, verifier_port, certs,
-                                                                args.seconds + 3.0, args, out), daemon=True)
+                                                                args.seconds + 3.0, args, out, ready[i]),
+                                     daemon=True)
                      for i in range(count)]
         for p in processes:
             p.start()
+        # a spawned attacker imports torch first: on a loaded machine that alone can take
+        # longer than a phase, so the clock starts once every attacker is running
+        for event in ready:
+            await loop.run_in_executor(None, event.wait, 120)
         await asyncio.sleep(2.0)                                # the attack ramps up
         latencies, cpu = await measured(drafter, args.seconds, verifier_pid)
         reports = []
@@ -399,8 +407,12 @@ async def run(args, cluster: Cluster, verifier_port: int, verifier_pid: int, tab
             await loop.run_in_executor(None, p.join, args.seconds + 30)
             if p.is_alive():
                 p.kill()
-        while not out.empty():
-            reports.append(out.get()[2])
+                reports.append({"attacker killed": "no report within the phase"})
+        while True:
+            try:
+                reports.append((await loop.run_in_executor(None, out.get, True, 1.0))[2])
+            except queue.Empty:
+                break
         results.append((attack, latencies, cpu, reports))
         await asyncio.sleep(1.0)                                # let the verifier settle
     # quiet again: how far the machine itself drifted during the run (it may be shared)

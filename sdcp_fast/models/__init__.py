@@ -11,7 +11,8 @@ session's committed sequence (prompt + committed output).
     decode(tokens: Sequence[int]) -> str
     open(session: bytes, prompt: Sequence[int]) -> None          # prefill; prompt non-empty
     score(items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor
-        # fp32 [sum(len(x_b) + 1), V]; for each (session b, proposal x_b), in order, the
+        # [sum(len(x_b) + 1), V] (fp32 on the CPU; on the backend's `device`, in its dtype,
+        # when it has one); for each (session b, proposal x_b), in order, the
         # next-token logits after C_b, C_b + x_b[:1], ..., C_b + x_b. One batched forward.
         # Does not change C_b; caches K/V (and logits rows) of the proposal for reuse.
     commit(session: bytes, emitted: Sequence[int]) -> None       # C_b += emitted; K/V that

@@ -59,8 +59,9 @@ class Backend(Protocol):
         """Start a session whose committed sequence is `prompt` (non-empty) and prefill it."""
 
     def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
-        """fp32 logits [sum(len(x_b) + 1), V]: for each (session b, proposal x_b) in order,
-        the next-token logits after C_b, C_b + x_b[:1], ..., C_b + x_b. One forward pass."""
+        """Logits [sum(len(x_b) + 1), V]: for each (session b, proposal x_b) in order, the
+        next-token logits after C_b, C_b + x_b[:1], ..., C_b + x_b. One forward pass. fp32
+        on the CPU; a backend with a `device` attribute returns them there, in its dtype."""
 
     def commit(self, session: bytes, emitted: Sequence[int]) -> None:
         """Append `emitted` to the committed sequence; drop K/V that contradicts it."""

@@ -168,7 +168,7 @@ class Transformer(nn.Module):
         rope = self.rope[batch.positions][None]  # [1, T, Dh/2, 2]
         x = self.tok_embeddings(batch.tokens)[None]  # [1, T, D]
         masks = [
-            causal_offset_mask(past, batch.starts[b + 1] - batch.starts[b])
+            causal_offset_mask(past, batch.starts[b + 1] - batch.starts[b], x.device)
             for b, past in enumerate(batch.past_lengths)
         ]
         for i, layer in enumerate(self.layers):
@@ -200,8 +200,9 @@ class RaggedBatch:
     caches: list[torch.Tensor]  # B x [n_layer, 2, H, capacity, Dh], capacity >= past + new
 
 
-def causal_offset_mask(past: int, new: int) -> torch.Tensor | None:
+def causal_offset_mask(past: int, new: int, device=None) -> torch.Tensor | None:
     """[new, past + new] bool: new query i sees keys 0..past+i. None when new == 1 (sees all)."""
     if new == 1:
         return None
-    return torch.arange(past + new)[None, :] <= (past + torch.arange(new))[:, None]
+    keys = torch.arange(past + new, device=device)
+    return keys[None, :] <= (past + torch.arange(new, device=device))[:, None]

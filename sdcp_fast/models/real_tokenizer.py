@@ -121,12 +121,16 @@ class HFTokenizer:
 
     def chat(self, user: str) -> list[int]:
         """Token ids of a one-turn chat with the model's template, ready for the reply."""
-        ids = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return chat_template_ids(self.tokenizer, [{"role": "user", "content": user}])
+
+
+def chat_template_ids(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` rendered by a transformers tokenizer's chat template, with
+    the assistant's turn opened (add_generation_prompt)."""
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding (a UserDict) in 5.x
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def cache_dir() -> Path:

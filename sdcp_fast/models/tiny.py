@@ -11,13 +11,20 @@ Per session we hold
 `score` finds, per session, the longest prefix of C + x it already holds, truncates the rest,
 and feeds only the missing tokens; all sessions' missing tokens go through one packed forward.
 
-Memory: each buffer is [n_layer, 2, H, capacity, Dh] fp32 and grows by doubling up to
-`max_seq_len` positions (the per-session cap). The sum of all buffers' bytes is capped by
-`max_kv_bytes` (default 1 GiB). Either cap raises `KVCapacityError` before any state changes.
+Memory: each buffer is [n_layer, 2, H, capacity, Dh] in the model's dtype and grows by
+doubling up to `max_seq_len` positions (the per-session cap). The sum of all buffers' bytes
+is capped by `max_kv_bytes` (default 1 GiB). Either cap raises `KVCapacityError` before any
+state changes.
+
+Device and dtype (`device="cuda"`, `dtype=torch.bfloat16`; the CPU and fp32 by default):
+weights, K/V buffers and logits live there, and `score` returns logits in the model's dtype
+on its device, so a verifier hands them to the kernels with no host copy. A model served in
+another dtype than its file's has its own digest (the file's, tagged with the dtype).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +43,7 @@ from .base import (
     common_prefix_length,
     token_list_bytes,
 )
-from .gpt import RaggedBatch, Transformer
+from .gpt import RaggedBatch, Transformer, rope_table
 from .tokenizer import ByteTokenizer
 from .weights import load_tiny
 
@@ -49,9 +56,9 @@ MAX_ROWS = 65   # logits rows kept for the last proposal: at most m_max (64) + 1
 class _Session:
     committed: list[int]
     cached: list[int] = field(default_factory=list)
-    buffer: torch.Tensor | None = None  # [n_layer, 2, H, capacity, Dh] fp32
+    buffer: torch.Tensor | None = None  # [n_layer, 2, H, capacity, Dh], model dtype and device
     rows_start: int = 0
-    rows: torch.Tensor | None = None  # [len(cached) - rows_start, V] fp32
+    rows: torch.Tensor | None = None  # [len(cached) - rows_start, V] logits
 
     def truncate(self, n: int) -> None:
         """Forget cached positions >= n (their K/V and logits rows)."""
@@ -88,8 +95,18 @@ class TinyBackend:
         tokenizer: ByteTokenizer | None = None,
         *,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
     ) -> None:
-        self.model = model
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, not {self.dtype}")
+        self.model = model.to(device=self.device, dtype=self.dtype)
+        self.model.rope = rope_table(model.cfg).to(self.device)  # fp32 in any dtype
+        if self.dtype != torch.float32:
+            tag = str(self.dtype).removeprefix("torch.").encode()
+            digest = hashlib.sha256(b"sdcp-fast tiny dtype=" + tag + b"\0" + digest).digest()
         self.cfg = model.cfg
         self.tokenizer = tokenizer or ByteTokenizer()
         if self.tokenizer.vocab_size > self.cfg.vocab_size:
@@ -100,7 +117,8 @@ class TinyBackend:
         self.max_kv_bytes = max_kv_bytes
         self._sessions: dict[bytes, _Session] = {}
         self._kv_bytes = 0  # sum of all sessions' buffer sizes, kept in step with them
-        self._bytes_per_position = 4 * self.cfg.n_layer * 2 * self.cfg.d_model
+        self._itemsize = self.dtype.itemsize
+        self._bytes_per_position = self._itemsize * self.cfg.n_layer * 2 * self.cfg.d_model
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer_path: str | Path | None = None, **kw):
@@ -142,7 +160,7 @@ class TinyBackend:
         if s is None:
             raise UnknownSession(session)
         if s.buffer is not None:
-            self._kv_bytes -= s.buffer.numel() * 4
+            self._kv_bytes -= s.buffer.numel() * self._itemsize
 
     def sessions(self) -> list[bytes]:
         return list(self._sessions)
@@ -153,8 +171,8 @@ class TinyBackend:
 
     def session_bytes(self, session: bytes) -> int:
         s = self._get(session)
-        kv = s.buffer.numel() * 4 if s.buffer is not None else 0
-        rows = s.rows.numel() * 4 if s.rows is not None else 0
+        kv = s.buffer.numel() * self._itemsize if s.buffer is not None else 0
+        rows = s.rows.numel() * self._itemsize if s.rows is not None else 0
         return kv + rows + token_list_bytes(len(s.committed)) + token_list_bytes(len(s.cached))
 
     def bytes_for(self, tokens: int) -> int:
@@ -162,7 +180,7 @@ class TinyBackend:
         at max_seq_len), the logits rows of a longest proposal, two token lists."""
         tokens = min(tokens, self.cfg.max_seq_len)
         kv = self._capacity_for(tokens, self.cfg.max_seq_len) * self._bytes_per_position
-        return kv + MAX_ROWS * self.vocab_size * 4 + 2 * token_list_bytes(tokens)
+        return kv + MAX_ROWS * self.vocab_size * self._itemsize + 2 * token_list_bytes(tokens)
 
     def cached_tokens(self, session: bytes) -> list[int]:
         """Tokens whose K/V the session holds (for tests and diagnostics)."""
@@ -186,7 +204,7 @@ class TinyBackend:
     def score(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> torch.Tensor:
         check_distinct_sessions(items)
         if not items:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size, dtype=self.dtype, device=self.device)
         plans = [
             self._plan(self._get(sid), check_tokens(x, self.vocab_size, "proposal"))
             for sid, x in items
@@ -206,7 +224,8 @@ class TinyBackend:
                 s.cached.extend(p.full[p.start :])
             if p.reuse_rows:
                 s.drop_rows_before(p.first_row)
-                old = s.rows if s.rows is not None else torch.empty(0, self.vocab_size)
+                old = s.rows if s.rows is not None else torch.empty(
+                    0, self.vocab_size, dtype=self.dtype, device=self.device)
                 s.rows = old if new_rows is None else torch.cat([old, new_rows])
             else:  # computed from p.start <= first_row; rows come from first_row on
                 s.rows_start = p.first_row
@@ -242,14 +261,14 @@ class TinyBackend:
             caches.append(self._ensure_capacity(p.session, len(p.full)))
         logits = self.model.forward_cached(
             RaggedBatch(
-                tokens=torch.tensor(tokens, dtype=torch.long),
-                positions=torch.tensor(positions, dtype=torch.long),
+                tokens=torch.tensor(tokens, dtype=torch.long).to(self.device, non_blocking=True),
+                positions=torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
                 starts=starts,
                 past_lengths=pasts,
                 caches=caches,
             ),
-            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long),
-        ).float()
+            rows=None if len(rows) == len(tokens) else torch.tensor(rows, dtype=torch.long).to(self.device),
+        )
         # Copies: a session's cached rows must not pin the whole batch's logits in memory.
         return [logits[row_starts[b] : row_starts[b + 1]].clone() for b in range(len(plans))]
 
@@ -283,11 +302,12 @@ class TinyBackend:
         if s.buffer is None or s.buffer.shape[3] < n:
             cfg = self.cfg
             cap = self._capacity_for(n, cfg.max_seq_len)
-            buf = torch.empty(cfg.n_layer, 2, cfg.n_head, cap, cfg.head_dim)
+            buf = torch.empty(cfg.n_layer, 2, cfg.n_head, cap, cfg.head_dim,
+                              dtype=self.dtype, device=self.device)
             if s.buffer is not None:
                 buf[:, :, :, : len(s.cached)] = s.buffer[:, :, :, : len(s.cached)]
-                self._kv_bytes -= s.buffer.numel() * 4
-            self._kv_bytes += buf.numel() * 4
+                self._kv_bytes -= s.buffer.numel() * self._itemsize
+            self._kv_bytes += buf.numel() * self._itemsize
             s.buffer = buf
         return s.buffer
 
@@ -296,7 +316,7 @@ class TinyBackend:
         """The committed sequence and the K/V of its cached prefix (speculative K/V dropped)."""
         s = self._get(session)
         n = common_prefix_length(s.cached, s.committed)
-        kv = s.buffer[:, :, :, :n] if s.buffer is not None and n else None
+        kv = s.buffer[:, :, :, :n].cpu() if s.buffer is not None and n else None
         return kvblob.pack(self.kind, self.digest, self.vocab_size, s.committed, kv, n)
 
     def import_kv(self, session: bytes, data: bytes) -> None:

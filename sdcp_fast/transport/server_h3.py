@@ -31,6 +31,7 @@ from aioquic.quic.events import (
     StreamDataReceived,
     StreamReset,
 )
+from aioquic.quic.packet import QuicErrorCode
 
 from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
@@ -112,8 +113,12 @@ class H3ServerProtocol(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, serving: Serving, **kwargs):
         require_client_certificate(quic, serving.certificates)
         # aioquic fixes MAX_STREAMS at 128; it is announced in the transport parameters, so
-        # it must be set before the first datagram (a private name of aioquic 1.7.2)
-        quic._local_max_streams_bidi.value = serving.limits.max_concurrent_streams
+        # it must be set before the first datagram (a private name of aioquic 1.7.2). `sent`
+        # too: aioquic raises MAX_STREAMS by one per closed stream, and only once the new
+        # value is ahead of what it believes was announced (with `sent` left at 128, a client
+        # would never get a stream beyond the first max_concurrent_streams)
+        streams = quic._local_max_streams_bidi
+        streams.value = streams.sent = serving.limits.max_concurrent_streams
         super().__init__(quic, **kwargs)
         self._serving = serving
         self._limits = serving.limits
@@ -210,6 +215,11 @@ class H3ServerProtocol(QuicConnectionProtocol):
             reason = refused or event.reason_phrase or f"error {event.error_code:#x}"
             kind = Kind.CERTIFICATE if refused is not None else Kind.TLS
             self._serving.refusals.refuse(kind, self._peer(), f"h3: refused client {self._peer()}: {reason}")
+        elif event.error_code == QuicErrorCode.STREAM_LIMIT_ERROR:
+            # a stream beyond MAX_STREAMS: QUIC makes it a connection error (RFC 9000 4.6)
+            self._serving.refusals.refuse(Kind.STREAM_LIMIT, self.caller,
+                                          f"h3: more than {self._limits.max_concurrent_streams} streams "
+                                          f"opened: closed ({event.reason_phrase})")
         elif event.reason_phrase == "Idle timeout":  # aioquic's own close
             self._serving.refusals.refuse(Kind.IDLE, self.caller, f"h3: idle for {self._limits.idle_timeout}s: closed")
         else:
@@ -358,14 +368,17 @@ class H3ServerProtocol(QuicConnectionProtocol):
         assert self._h3 is not None
         no_content = head or not response.body
         try:
+            # aioquic queues the bytes and paces them by QUIC flow control, which covers the
+            # HEADERS frame too: a response without content can stall as well
             self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
             if not no_content:
-                # aioquic queues the bytes and paces them by QUIC flow control
                 self._h3.send_data(stream_id, response.body, end_stream=True)
-                asyncio.get_running_loop().call_later(self._limits.send_timeout, self._check_sent, stream_id)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
         self.transmit()
+        stream = self._quic._streams.get(stream_id)  # private in aioquic 1.7.2
+        if stream is not None and not stream.sender.buffer_is_empty:   # not all sent at once: watch it
+            asyncio.get_running_loop().call_later(self._limits.send_timeout, self._check_sent, stream_id)
 
     def _check_sent(self, stream_id: int) -> None:
         """A response still not delivered `send_timeout` after it was queued (the client gives

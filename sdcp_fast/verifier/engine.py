@@ -1,15 +1,26 @@
 """The verifier's engine: many sessions' jobs, one forward pass, one kernel launch.
 
 Jobs arrive from the service as the core's session state machine hands them out
-(`submit(served, job) -> RoundResult`). The engine gathers what arrives within `max_wait_ms`
-(up to `max_batch` jobs), then per batch:
+(`submit(served, job) -> RoundResult`). A rule-2 job's q rows start moving from the cache
+as soon as it is queued (`cache.QRowStager.fetch`: pinned host slots on CUDA, a GPU-tier
+object through its IPC handle). The engine gathers what arrives within `max_wait_ms` (up
+to `max_batch` jobs), then per batch:
 
-1. starts fetching the q rows of its rule-2 jobs into one tensor on the logits' device,
+1. lands the batch's q rows in one tensor on the device, on a side stream,
 2. scores every job in one ragged forward pass of the backend (in a worker thread, so the
-   event loop keeps taking requests), concurrently with 1,
-3. runs one `kernels.verify` over the batch,
+   event loop keeps taking requests), concurrently with 1; the logits stay where the model
+   put them (on a GPU: device memory),
+3. makes one `kernels.verify` launch that waits on the q rows' event (the device waits,
+   not the host) and brings back only the small results (`verify_step`),
 4. for each job: `session.complete` -> commit-log append -> `session.commit_result`, all
    appends of the batch concurrently; only then are verdicts released and output woken.
+
+The kernel path follows the model's device (Triton on CUDA; on the CPU the native op when
+built, else the torch CPU path); SDCP_KERNELS_PATH overrides it; the choice is made at start
+and logged once, with the first batch. On the CPU the same code runs, with streams and
+events as no-ops (`kernels.device`). Each batch's time split (forward, q staging and how
+much of it the kernel waited for, kernel, commit) is kept in `batch_times` and in the
+metrics.
 
 A job whose q rows cannot be fetched, or whose q(x) is not positive, or whose logits hold
 NaN, is refused without consuming its round; the rest of the batch goes on.
@@ -25,20 +36,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import kernels
 from ..aio import cancel_and_wait
 from ..cache import Fenced
+from ..cache.qrows import QFetch, QRowStager
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem
 from ..core.session import Job
+from ..kernels.device import Device
+from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
+from . import verify_step
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
 from .target import TargetModel
-from .verify_step import JobOutcome, verify_jobs
+from .verify_step import JobOutcome
 
 log = logging.getLogger("sdcp_fast.verifier.engine")
 
@@ -66,7 +84,7 @@ class _Queued:
     job: Job
     future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
-    index: int = 0                    # position in its batch (q-row bookkeeping)
+    fetch: QFetch | None = None       # its q rows on their way (rule 2)
 
     @property
     def session(self):
@@ -80,26 +98,63 @@ class EngineConfig:
                                   # stops waiting once no other session could add a job)
     batching: bool = True         # False: one job per pass (the benchmark's baseline)
     append_timeout_s: float = 5.0
-    q_buffer_bytes: int = 256 << 20   # largest q-row buffer kept between batches
+    q_buffer_bytes: int = 256 << 20   # largest device q-row buffer kept between batches
+    q_staging_bytes: int = 512 << 20  # host slots for q rows fetched ahead (pinned on CUDA)
+    prefetch_q: bool | None = None    # fetch q rows when a job is queued (None: on CUDA only;
+                                      # on the CPU it costs a copy and hides little)
+
+
+@dataclass(frozen=True)
+class BatchTimes:
+    """Where one batch's time went (milliseconds; device clocks on CUDA)."""
+
+    jobs: int
+    q_jobs: int            # jobs with q rows
+    prefetched: int        # of those, fetched before the batch began
+    forward_ms: float      # batch start -> the forward pass done (compute stream)
+    q_read_ms: float       # host reads of the q rows (overlaps counted once)
+    q_copy_ms: float       # copies to the device (side stream)
+    q_wait_ms: float       # how long after the forward the q rows were ready: what the
+                           # kernel waited for them (0 when fully hidden)
+    kernel_ms: float       # the verify launch, from its start (after that wait) to its end
+    commit_ms: float       # appends, follow-ups and verdicts (host)
+
+    @property
+    def q_staging_ms(self) -> float:
+        return self.q_read_ms + self.q_copy_ms
+
+    @property
+    def q_hidden_share(self) -> float | None:
+        """Share of the q staging that did not delay the kernel (None: no q rows)."""
+        if not self.q_jobs or self.q_staging_ms <= 0:
+            return None
+        return max(0.0, 1.0 - self.q_wait_ms / self.q_staging_ms)
 
 
 class Engine:
     def __init__(self, target: TargetModel, store, commit_log, sessions: ServedSessions, *,
-                 config: EngineConfig = EngineConfig(), device: torch.device | str = "cpu",
+                 config: EngineConfig = EngineConfig(), device: torch.device | str | None = None,
                  metrics: Metrics | None = None):
         self.target = target
         self.store = store
         self.commit_log = commit_log
         self.sessions = sessions
         self.config = config
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else target.device
         self.metrics = metrics or Metrics()
+        self.kernels_path = kernels.choose_path(self.device)   # SDCP_KERNELS_PATH overrides
+        self._path_reason = f"{KERNELS_PATH_VAR} set" if os.environ.get(KERNELS_PATH_VAR) else "chosen by the device"
+        self._path_logged = False   # logged with the first batch: a start that fails says nothing more
+        self._dev = Device(self.device)
+        prefetch = config.prefetch_q
+        self._prefetch = self._dev.is_cuda if prefetch is None else prefetch
+        # q rows land in buffers reused across batches (batches run one at a time)
+        self._stager = QRowStager(store, target.vocab_size, self._dev,
+                                  host_bytes=config.q_staging_bytes, device_bytes=config.q_buffer_bytes)
+        self.batch_times: deque[BatchTimes] = deque(maxlen=1024)
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._busy = 0                                # jobs in the batch being processed
         self.load_override: int | None = None         # pins the reported load (tests, drills)
-        # q rows land in one buffer reused across batches (batches run one at a time): a
-        # fresh allocation per batch pays first-touch page faults, 5x slower on CPU
-        self._q_buffer: torch.Tensor | None = None
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ load
@@ -128,13 +183,18 @@ class Engine:
         self._task = None
         while not self._queue.empty():
             item = self._queue.get_nowait()
+            if item.fetch is not None:
+                self._stager.release([item.fetch])
             if not item.future.done():
                 item.future.set_result(RoundResult(problem=Problem(Kind.UNAVAILABLE, "verifier stopping")))
 
     async def submit(self, served: ServedSession, job: Job) -> RoundResult:
         """Queue a job; resolves with what became of it."""
         future: asyncio.Future[RoundResult] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Queued(served, job, future))
+        fetch = None
+        if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
+            fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
+        self._queue.put_nowait(_Queued(served, job, future, fetch=fetch))
         return await future
 
     # ------------------------------------------------------------------ the loop
@@ -170,81 +230,88 @@ class Engine:
 
     async def _process(self, batch: list[_Queued]) -> None:
         started = time.perf_counter()
+        if not self._path_logged:
+            self._path_logged = True
+            log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device, self._path_reason)
         self.metrics.batch_size.observe(len(batch))
         for item in batch:
             self.metrics.queue_wait.observe(started - item.enqueued)
-        vocab = self.target.vocab_size
-        q_task = asyncio.create_task(self._fetch_q_rows(batch, vocab))
+        dev = self._dev
+        fetches = [item.fetch for item in batch if item.fetch is not None]
+        prefetched = sum(f.early for f in fetches)
+        batch_began = dev.event()
+        landing = asyncio.create_task(self._stager.land(fetches)) if fetches else None
+        landed = kernel_done = None
         try:
-            t0 = time.perf_counter()
-            batch, logits = await self._score(batch)
-            self.metrics.forward_seconds.observe(time.perf_counter() - t0)
+            try:
+                scored, logits = await self._score(batch)
+                forward_done = dev.event()
+            finally:
+                # never leave the landing running: it writes into buffers the next batch reuses
+                landed = await landing if landing is not None else None
+            if not scored:
+                return
+            q, starts, problems = None, {}, {}
+            if landed is not None:
+                q = landed.q
+                slot = {id(f): i for i, f in enumerate(fetches)}
+                for n, (_, item) in enumerate(scored):
+                    i = slot.get(id(item.fetch))
+                    if i in landed.starts:
+                        starts[n] = landed.starts[i]
+                    elif i is not None:
+                        problems[n] = Problem(Kind.Q_UNAVAILABLE, str(landed.problems[i]))
+            items = [item for _, item in scored]
+            jobs = [item.job for item in items]
+            logits = logits.to(self.device)   # a no-op when the model runs on the engine's device
+
+            def verify():   # in a worker thread: the event loop keeps taking requests
+                with dev.use():
+                    dev.wait(landed.ready if landed is not None else None)
+                    kernel_began = dev.event()
+                    launched = verify_step.launch(jobs, logits, q, starts, problems, path=self.kernels_path)
+                    kernel_done = dev.event()
+                    return verify_step.collect(launched), kernel_began, kernel_done
+
+            outcomes, kernel_began, kernel_done = await asyncio.to_thread(verify)
         finally:
-            # never leave the fetch running: it writes into the buffer the next batch reuses
-            q, q_starts, q_problems = await q_task
-        if not batch:
-            return
-        t1 = time.perf_counter()
-        # q rows were fetched for the batch as it came; renumber for the jobs still in it
-        starts = {n: q_starts[item.index] for n, item in enumerate(batch) if item.index in q_starts}
-        problems = {n: q_problems[item.index] for n, item in enumerate(batch) if item.index in q_problems}
-        outcomes = await asyncio.to_thread(   # keep the event loop free for requests
-            verify_jobs, [item.job for item in batch], logits.to(self.device), q, starts, problems)
-        self.metrics.kernel_seconds.observe(time.perf_counter() - t1)
-        results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(batch, outcomes, strict=True)),
+            # slots and the q tensor are free once the launch that read them (else the
+            # copies into them) has finished
+            self._stager.release(fetches, after=kernel_done or (landed.ready if landed else None))
+        t_commit = time.perf_counter()
+        results = await asyncio.gather(*(self._commit(item, outcome) for item, outcome in zip(items, outcomes, strict=True)),
                                        return_exceptions=True)
-        for item, result in zip(batch, results, strict=True):
+        for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):   # a bug: that job alone is answered 503
                 log.error("commit of round %d failed", item.job.round, exc_info=result)
                 self._fail(item, Problem(Kind.UNAVAILABLE, f"commit failed: {result}"))
+        commit_ms = (time.perf_counter() - t_commit) * 1e3
+        self._record(BatchTimes(
+            jobs=len(items), q_jobs=len(fetches), prefetched=prefetched,
+            forward_ms=forward_done.since(batch_began),
+            q_read_ms=landed.read_seconds() * 1e3 if landed else 0.0,
+            q_copy_ms=landed.ready.since(landed.copies_began) if landed else 0.0,
+            q_wait_ms=max(0.0, landed.ready.since(batch_began) - forward_done.since(batch_began))
+            if landed else 0.0,
+            kernel_ms=kernel_done.since(kernel_began), commit_ms=commit_ms))
 
-    async def _score(self, batch: list[_Queued]) -> tuple[list[_Queued], torch.Tensor | None]:
+    def _record(self, times: BatchTimes) -> None:
+        """Keep the batch's split; the results are back, so every event has completed."""
+        self.batch_times.append(times)
+        self.metrics.forward_seconds.observe(times.forward_ms / 1e3)
+        self.metrics.kernel_seconds.observe(times.kernel_ms / 1e3)
+        if times.q_jobs:
+            self.metrics.q_staging_seconds.observe(times.q_staging_ms / 1e3)
+            self.metrics.q_wait_seconds.observe(times.q_wait_ms / 1e3)
+
+    async def _score(self, batch: list[_Queued]) -> tuple[list[tuple[int, _Queued]], torch.Tensor | None]:
         """One forward pass for the batch; the jobs the model cannot score are refused
-        (TargetModel.score scores them one by one so that they fail alone)."""
-        for n, item in enumerate(batch):
-            item.index = n
+        (TargetModel.score scores them one by one so that they fail alone). Returns the
+        scored jobs with their index in the batch, and their logits."""
         logits, refused = await self.target.score([(item.session.id, item.job.tokens) for item in batch])
         for n, exc in refused.items():
             self._refuse(batch[n], Problem(Kind.UNAVAILABLE, f"the target model cannot score this session: {exc}"))
-        return [item for n, item in enumerate(batch) if n not in refused], logits
-
-    async def _fetch_q_rows(self, batch: list[_Queued], vocab: int):
-        """One [sum M, V] tensor for the rule-2 jobs; a job whose rows fail is refused alone."""
-        from ..cache.qrows import QRowsUnavailable, load_q_rows
-
-        wanted = [(n, item.job) for n, item in enumerate(batch) if item.job.q_rows is not None]
-        problems: dict[int, Problem] = {}
-        while wanted:
-            refs = [(job.q_rows, job.m) for _, job in wanted]
-            try:
-                q = await load_q_rows(self.store, refs, vocab, self.device,
-                                      out=self._q_rows_buffer(sum(m for _, m in refs), vocab))
-            except QRowsUnavailable as exc:
-                # reads that timed out may still land in the buffer later: never reuse it
-                self._q_buffer = None
-                failed = [n for n, job in wanted if job.q_rows == exc.uri]
-                for n in failed:
-                    problems[n] = Problem(Kind.Q_UNAVAILABLE, str(exc))
-                wanted = [(n, job) for n, job in wanted if n not in failed]
-                if not failed:   # cannot tell which: refuse them all
-                    for n, _ in wanted:
-                        problems[n] = Problem(Kind.Q_UNAVAILABLE, str(exc))
-                    wanted = []
-                continue
-            starts, offset = {}, 0
-            for n, job in wanted:
-                starts[n] = offset
-                offset += job.m
-            return q, starts, problems
-        return None, {}, problems
-
-    def _q_rows_buffer(self, rows: int, vocab: int) -> torch.Tensor:
-        buf = self._q_buffer
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab:
-            buf = torch.empty(max(rows, 64), vocab, dtype=torch.float32, device=self.device)
-            # keep it for the next batch only while it is of a bounded size
-            self._q_buffer = buf if buf.numel() * 4 <= self.config.q_buffer_bytes else None
-        return buf
+        return [(n, item) for n, item in enumerate(batch) if n not in refused], logits
 
     async def _commit(self, item: _Queued, outcome: JobOutcome) -> None:
         served, session, job = item.served, item.session, item.job

@@ -15,7 +15,8 @@ The speculative-decoding set, named as vLLM's under `sdcp_` so the same charts w
     sdcp_sessions_retired_total{reason}            sessions let go while resumable: idle | room
     sdcp_refusals_total{kind}                      the transport's refusals (metrics.refusal_counter)
     sdcp_batch_size, sdcp_queue_wait_seconds, sdcp_forward_seconds, sdcp_kernel_seconds,
-    sdcp_commit_log_append_seconds, sdcp_accepted_tokens (per round)      histograms
+    sdcp_q_staging_seconds, sdcp_q_wait_seconds (what the kernel waited for q rows after the
+    forward), sdcp_commit_log_append_seconds, sdcp_accepted_tokens (per round)   histograms
     sdcp_sessions, sdcp_load_percent, sdcp_queue_depth                       gauges
 
 Acceptance rate = accepted_tokens / draft_tokens; mean accepted length per round
@@ -64,6 +65,10 @@ class Metrics:
         self.queue_wait = histogram(r, "queue_wait_seconds", "Time a job waited for its batch", STEP_BUCKETS)
         self.append_seconds = histogram(r, "commit_log_append_seconds", "Commit-log append time per round",
                                         STEP_BUCKETS)
+        self.q_staging_seconds = histogram(r, "q_staging_seconds", "q rows read and copied to the device per batch",
+                                           STEP_BUCKETS)
+        self.q_wait_seconds = histogram(r, "q_wait_seconds",
+                                        "Time the verify kernel waited for q rows after the forward pass", STEP_BUCKETS)
 
     def watch(self, *, sessions: Callable[[], float], load: Callable[[], float],
               queue: Callable[[], float]) -> None:

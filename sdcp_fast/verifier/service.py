@@ -79,7 +79,7 @@ class VerifierConfig:
 
 class VerifierService(Routed):
     def __init__(self, config: VerifierConfig, backend, store, commit_log, *, client=None,
-                 engine_config: EngineConfig = EngineConfig(), device: str = "cpu",
+                 engine_config: EngineConfig = EngineConfig(), device: str | None = None,
                  metrics: Metrics | None = None):
         self.config = config
         self.target = TargetModel(backend)

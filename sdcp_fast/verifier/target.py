@@ -30,6 +30,11 @@ class TargetModel:
         return self.backend.vocab_size
 
     @property
+    def device(self) -> torch.device:
+        """Where the backend puts its logits (its `device`; the CPU if it has none)."""
+        return torch.device(getattr(self.backend, "device", "cpu"))
+
+    @property
     def digest(self) -> bytes:
         return self.backend.digest
 

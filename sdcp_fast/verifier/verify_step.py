@@ -1,8 +1,11 @@
 """From the core's jobs and the batch's logits to (accepted, extra token) per job.
 
-Proposals go through one `kernels.verify` launch; self-decoded tokens (M = 0) are drawn
-from p with the same transform and the same inverse-CDF rule (`kernels.sample`), on their
-single row.
+Two steps, so that the device keeps the big tensors and the host waits only for small
+results: `launch` makes one `kernels.verify` launch for the proposals over the logits and q
+rows where they lie (on a GPU: device memory, no host copy) and returns at once; `collect`
+brings back what the launch decided (B accepted counts, B tokens, B flags each) and draws
+the self-decoded tokens (M = 0) from p with the same transform and the same inverse-CDF
+rule (`kernels.sample`), on their single row. `verify_jobs` does both.
 """
 
 from __future__ import annotations
@@ -25,38 +28,61 @@ class JobOutcome:
     problem: Problem | None = None
 
 
-def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | None,
-                q_starts: dict[int, int], q_problems: dict[int, Problem]) -> list[JobOutcome]:
+@dataclass(frozen=True)
+class Launched:
+    """A verify launch in flight: its result tensors still on the device."""
+
+    jobs: Sequence[Job]
+    logits: torch.Tensor
+    rows: list[int]                       # job n's first logits row
+    refused: dict[int, Problem]           # jobs refused before the launch (their q rows)
+    picked: list[int]                     # jobs in the launch, in order
+    result: kernels.VerifyResult | None
+    path: str | None
+
+
+def launch(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | None,
+           q_starts: dict[int, int], q_problems: dict[int, Problem], *,
+           path: str | None = None) -> Launched:
     """`logits` holds M_b + 1 rows per job in order; `q_starts[n]` is job n's first q row."""
-    outcomes: list[JobOutcome | None] = [None] * len(jobs)
     row_of, row = [], 0
     for job in jobs:
         row_of.append(row)
         row += job.m + 1
     if row != logits.shape[0]:
         raise ValueError(f"backend returned {logits.shape[0]} rows for {row} positions")
-
-    proposals, picked = [], []
-    for n, job in enumerate(jobs):
-        if n in q_problems:
-            outcomes[n] = JobOutcome(problem=q_problems[n])
-        elif job.m == 0:
-            outcomes[n] = self_decode(job, logits[row_of[n]])
-        else:
-            picked.append(n)
-            greedy = job.rule == RULE_GREEDY
-            proposals.append(kernels.ProposalInput(
-                rule=job.rule,
-                tokens=job.tokens,
-                accept_uniforms=[0.0] * job.m if greedy else job.accept_uniforms,
-                extra_uniforms=0.0 if greedy else job.draw_uniforms,   # the op picks i = a + 1
-                sampling=transform_of(job.sampling),
-                q_start=None if greedy else q_starts[n],
-            ))
+    picked = [n for n, job in enumerate(jobs) if n not in q_problems and job.m > 0]
+    proposals = []
+    for n in picked:
+        job = jobs[n]
+        greedy = job.rule == RULE_GREEDY
+        proposals.append(kernels.ProposalInput(
+            rule=job.rule,
+            tokens=job.tokens,
+            accept_uniforms=[0.0] * job.m if greedy else job.accept_uniforms,
+            extra_uniforms=0.0 if greedy else job.draw_uniforms,   # the op picks i = a + 1
+            sampling=transform_of(job.sampling),
+            q_start=None if greedy else q_starts[n],
+        ))
+    result = None
     if proposals:
-        rows = torch.cat([logits[row_of[n]:row_of[n] + jobs[n].m + 1] for n in picked])
-        result = kernels.verify(kernels.build_batch(rows, proposals, q=q))
-        for n, (accepted, extra, bad_q, nan_logits) in zip(picked, result.rows(), strict=True):
+        if len(picked) == len(jobs):
+            rows = logits   # every row belongs to a proposal: no copy
+        else:
+            rows = torch.cat([logits[row_of[n]:row_of[n] + jobs[n].m + 1] for n in picked])
+        result = kernels.verify(kernels.build_batch(rows, proposals, q=q), path=path)
+    return Launched(jobs, logits, row_of, dict(q_problems), picked, result, path)
+
+
+def collect(launched: Launched) -> list[JobOutcome]:
+    """The outcome of every job: the launch's small results, brought to the host."""
+    jobs = launched.jobs
+    outcomes: list[JobOutcome | None] = [None] * len(jobs)
+    for n, prob in launched.refused.items():
+        outcomes[n] = JobOutcome(problem=prob)
+    if launched.result is not None:
+        for n, (accepted, extra, bad_q, nan_logits) in zip(launched.picked, launched.result.rows(),
+                                                           strict=True):
             if bad_q:
                 outcomes[n] = JobOutcome(problem=Problem(
                     Kind.BAD_PROPOSAL, "some q[i](x[i]) is zero, negative or not finite"))
@@ -64,17 +90,29 @@ def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | Non
                 outcomes[n] = JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN"))
             else:
                 outcomes[n] = JobOutcome(accepted, extra)
+    for n, job in enumerate(jobs):
+        if outcomes[n] is None:   # M = 0: a self-decoded token
+            outcomes[n] = self_decode(job, launched.logits[launched.rows[n]], path=launched.path)
     return outcomes  # type: ignore[return-value]
 
 
-def self_decode(job: Job, row: torch.Tensor) -> JobOutcome:
+def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | None,
+                q_starts: dict[int, int], q_problems: dict[int, Problem], *,
+                path: str | None = None) -> list[JobOutcome]:
+    return collect(launch(jobs, logits, q, q_starts, q_problems, path=path))
+
+
+def self_decode(job: Job, row: torch.Tensor, *, path: str | None = None) -> JobOutcome:
     """One token from p: argmax of the logits under rule 1 (ties to the smallest id, as the
     kernels decide rule 1), the inverse-CDF draw with the job's uniform (round, i = 1,
     purpose 1) under rule 2. A row the kernels would flag (NaN, +inf, nothing finite)
-    commits nothing."""
+    commits nothing. The Triton path takes the row as it is (bf16, fp16 or fp32); the
+    others in float64."""
     if bool(kernels.bad_rows(row)):
         return JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf"))
     if job.rule == RULE_GREEDY:
         return JobOutcome(0, int(kernels.greedy(row)))
-    p = kernels.target_probs(row.unsqueeze(0).double(), **transform_of(job.sampling))[0]
-    return JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0])))
+    chosen = kernels.choose_path(row.device, path)
+    rows = row.unsqueeze(0) if chosen == "triton" else row.unsqueeze(0).double()
+    p = kernels.target_probs(rows, **transform_of(job.sampling), path=chosen)[0]
+    return JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0], path=chosen)))

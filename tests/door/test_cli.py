@@ -4,7 +4,9 @@ logs in JSON; `sdcp-fast up` with the example deployment, driven by the openai c
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from sdcp_fast import config as schema
+from sdcp_fast import logs
 from sdcp_fast.models import load_backend
 from sdcp_fast.procs import free_port
 from sdcp_fast.transport import make_certs
@@ -178,6 +181,76 @@ def test_json_logs(tmp_path):
     records = [json.loads(line) for line in logged]
     assert records and all({"time", "level", "role", "logger", "message"} <= set(r) for r in records)
     assert error.startswith("sdcp-fast serve: ")
+
+
+def test_info_keeps_the_chatty_libraries_quiet():
+    """At INFO an instance's log says what the instance did: transformers and httpx say
+    nothing below WARNING; at DEBUG httpx speaks again."""
+    transformers = pytest.importorskip("transformers")
+    hf_log = transformers.utils.logging.get_logger("transformers.modeling_utils")
+    root = logging.getLogger()
+    saved = root.level, list(root.handlers), {name: logging.getLogger(name).level for name in logs.CHATTY}
+    out = io.StringIO()
+    try:
+        transformers.utils.logging.set_verbosity_info()    # as a library or an env var may have set it
+        logs.setup("info", role="verifier", stream=out)
+        quiet = not hf_log.isEnabledFor(logging.INFO) and hf_log.isEnabledFor(logging.WARNING)
+        logging.getLogger("httpx").info("HTTP Request: POST https://127.0.0.1:1/status")
+        logging.getLogger("sdcp_fast.verifier").info("ready")
+        logs.setup("debug", role="verifier", stream=out)
+        logging.getLogger("httpx").debug("HTTP Request: GET https://127.0.0.1:1/health")
+    finally:
+        root.setLevel(saved[0])
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved[1]:
+            root.addHandler(handler)
+        for name, level in saved[2].items():
+            logging.getLogger(name).setLevel(level)
+    said = out.getvalue()
+    assert quiet
+    assert "POST https://127.0.0.1:1/status" not in said
+    assert "verifier INFO sdcp_fast.verifier: ready" in said
+    assert "GET https://127.0.0.1:1/health" in said
+
+
+@pytest.mark.timeout(180)
+def test_up_without_a_directory_serves_the_demo_pair(tmp_path):
+    """`sdcp-fast up` alone: the demo pair (here on any free port, one drafter), greedy
+    output identical to the target alone; Ctrl-C stops every process and removes the
+    temporary work directory."""
+    import openai
+    from door_support import greedy_text
+
+    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", "--port", "0", "--drafters", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        starting = proc.stderr.readline()
+        workdir = Path(re.search(r"\(logs in (.+)\)", starting).group(1))
+        line = proc.stdout.readline()
+        api = re.fullmatch(r"OpenAI API at (http://127\.0\.0\.1:\d+/v1)\n", line)
+        assert api, (starting, line, proc.stderr.read() if proc.poll() is not None else "")
+        client = openai.OpenAI(base_url=api.group(1), api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["demo-target"]
+        prompt = "def main():\n    "
+        _, want = greedy_text(load_backend("tiny:demo-target").encode(prompt), 16)
+        r = client.completions.create(model="demo-target", prompt=prompt, max_tokens=16, temperature=0)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "length")
+        pids = {ready.stem: json.loads(ready.read_text())["pid"] for ready in workdir.glob("*.ready")}
+        assert sorted(pids) == ["drafter-1", "router", "verifier"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert code == 0
+    assert not workdir.exists()
+    time.sleep(0.2)
+    for name, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), name
 
 
 # ---------------------------------------------------------------------- sdcp-fast up examples/deployment

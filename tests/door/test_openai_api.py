@@ -19,6 +19,7 @@ from door_support import (
     wait_live,
 )
 
+from sdcp_fast.core.problems import Kind
 from sdcp_fast.drafter import rounds_from_file
 from sdcp_fast.models import load_backend
 from sdcp_fast.router.chat import fallback_text
@@ -296,7 +297,8 @@ def test_every_series_exists_at_zero_before_the_first_request(door):
         assert v[("sdcp_verdicts_total", (("action", action),))] == 0
     for action in ("reduce", "switch", "self_decode", "fail"):
         assert v[("sdcp_escalations_total", (("action", action),))] == 0
-    assert v[("sdcp_problems_total", (("type", "sdcp-stale-base"),))] == 0
+    for kind in Kind:       # every problem type the verifier can answer, not only the common one
+        assert v[("sdcp_problems_total", (("type", kind.suffix),))] == 0, kind
     assert v[("sdcp_spec_decode_num_accepted_tokens_per_pos_total", (("position", "0"),))] == 0
     for name in ROUTER_SERIES:
         assert r[(name, ())] == 0, name

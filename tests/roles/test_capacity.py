@@ -1,5 +1,5 @@
-"""A verifier with no room answers `capacity`, and the router places the session on another
-verifier: real processes on loopback (the router's scripted half is in test_router_recovery)."""
+"""A verifier or drafter with no room answers `capacity`, and the router places the session on
+another one: real processes on loopback (the router's scripted half is in test_router_recovery)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,33 @@ def test_sessions_refused_for_capacity_are_placed_on_the_other_verifier(tmp_path
             cluster.certs, cluster.router_uri)))
         page = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5.0).text
         assert 'sdcp_refusals_total{kind="malformed"} 1' in page
+    finally:
+        fd.close()
+        cluster.stop()
+
+
+
+def test_sessions_a_full_drafter_refuses_are_placed_on_the_other_drafter(tmp_path):
+    # d1's budget holds no session at all; d2 has the default
+    cluster, target = build_cluster(tmp_path, verifiers=1, drafters=2,
+                                    drafter_options={"d1": {"session_memory_mb": 0}})
+    cluster.start(timeout=60)
+    fd = FrontDoorClient(cluster.instances["router"].frontdoor_url)
+    try:
+        fd.wait_live(len(cluster.instances) - 1)
+        d1, d2 = cluster.instances["d1"].uri, cluster.instances["d2"].uri
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:   # a burst: the router spreads it over both
+            results = list(pool.map(lambda p: fd.generate(p, max_new=30), PROMPTS))
+        for prompt, result in zip(PROMPTS, results, strict=True):
+            assert result["end"]["finish"] == "finish"
+            assert result["tokens"] == greedy(target, prompt, 30)
+            assert fd.info(result["id"])["drafter"] == d2
+        router_log = cluster.instances["router"].log_path.read_text()
+        refusals = [line for line in router_log.splitlines()
+                    if f"drafter {d1} refused the assignment (capacity: " in line]
+        assert refusals, "d1 was never asked"
+        drafter_log = cluster.instances["d1"].log_path.read_text()
+        assert "assigned (epoch" not in drafter_log   # d1 never ran a session
     finally:
         fd.close()
         cluster.stop()

@@ -8,6 +8,7 @@ import json
 
 import pytest
 from aioquic.h3.connection import ErrorCode, Setting
+from aioquic.quic.packet import QuicErrorCode
 from transport_rawh3 import RawH3
 from transport_support import PROPOSAL, RecordingRouter, run
 
@@ -167,5 +168,107 @@ def test_a_host_opening_quic_connections_too_fast_is_dropped_before_the_handshak
             assert len(set(server._quic._protocols.values())) == 2   # the dropped one is not kept
             for client in first:
                 await client.aclose()
+
+    run(main())
+
+
+def test_window_zero_streams_are_reset_after_send_timeout(pki):
+    """A client that grants no flow-control credit (QUIC max_stream_data 0) cannot even receive
+    a HEADERS frame: after send_timeout each such stream is reset (H3_REQUEST_CANCELLED), with
+    or without content, and a stream given credit on the same connection is answered."""
+
+    async def main():
+        async with await _serve(RecordingRouter(), pki, send_timeout=0.3) as server:
+            client = await RawH3.open(server.port, pki.drafter, max_stream_data=0)
+            stalled = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            empty = client.request("GET", "/slow?s=0")   # 204: no content, but HEADERS need credit
+            await client.until(lambda c: c.done(stalled) and c.done(empty), timeout=3.0)
+            for sid in (stalled, empty):
+                log = client.streams[sid]
+                assert (log.status, log.body, log.reset) == (None, b"", ErrorCode.H3_REQUEST_CANCELLED)
+            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
+            client.grant(good)
+            await client.until(lambda c: c.done(good))
+            assert client.streams[good].status == 200
+            assert client.streams[good].reset is None
+            assert client.terminated is None
+            assert server.refusals.counts["flow_stalled"] == 2
+            await client.aclose()
+
+    run(main())
+
+
+class CountingRouter(RecordingRouter):
+    """Records the most requests it ever had in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight = self.most_in_flight = 0
+
+    async def handle(self, request):
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await super().handle(request)
+        finally:
+            self.in_flight -= 1
+
+
+def test_streams_over_the_concurrency_limit_wait_or_end_the_connection(pki):
+    """QUIC MAX_STREAMS is max_concurrent_streams, raised as streams end: a conforming client's
+    third stream waits for a free one; a client that opens it anyway gets STREAM_LIMIT_ERROR
+    (RFC 9000 4.6), counted as stream_limit, and other clients are served throughout."""
+    handler = CountingRouter()
+
+    async def main():
+        async with await _serve(handler, pki, max_concurrent_streams=2) as server:
+            polite = await RawH3.open(server.port, pki.router)
+            slow = [polite.request("GET", "/slow?s=0.3") for _ in range(3)]
+            await polite.until(lambda c: all(c.done(s) for s in slow), timeout=5.0)
+            assert [polite.streams[s].status for s in slow] == [204, 204, 204]
+            assert handler.most_in_flight == 2
+            rude = await RawH3.open(server.port, pki.drafter)
+            rude.exceed_stream_limit()
+            for _ in range(3):
+                rude.request("GET", "/slow?s=0.3")
+            closed = await rude.until_closed()
+            assert closed.error_code == QuicErrorCode.STREAM_LIMIT_ERROR
+            good = polite.request("POST", "/proposals", CBOR, PROPOSAL)
+            await polite.until(lambda c: c.done(good))
+            assert polite.streams[good].status == 200
+            async with asyncio.timeout(5.0):   # the server's side ends after its closing period
+                while server.refusals.counts["stream_limit"] == 0:
+                    await asyncio.sleep(0.05)
+            assert server.refusals.counts["stream_limit"] == 1
+            await polite.aclose()
+
+    run(main())
+
+
+def test_connections_over_the_total_cap_are_refused(pki):
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_connections=3,
+                                max_connections_per_client=2) as server:
+            first = [await RawH3.open(server.port, pki.drafter) for _ in range(2)]
+            router = await RawH3.open(server.port, pki.router)   # another identity: fits
+            other = await RawH3.open(server.port, pki.router)    # over the total cap
+            closed = await other.until_closed()
+            assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+            assert "max_connections=3" in closed.reason_phrase
+            for client in [*first, router]:
+                sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
+                await client.until(lambda c, sid=sid: c.done(sid))
+                assert client.streams[sid].status == 200
+                await client.aclose()
+            assert server.refusals.counts["connections"] == 1
+            assert server.refusals.counts["client_connections"] == 0
+            async with asyncio.timeout(5.0):   # released once their closing periods end
+                while server.connections:
+                    await asyncio.sleep(0.05)
+            again = await RawH3.open(server.port, pki.router)
+            sid = again.request("POST", "/proposals", CBOR, PROPOSAL)
+            await again.until(lambda c: c.done(sid))
+            assert again.streams[sid].status == 200
+            await again.aclose()
 
     run(main())

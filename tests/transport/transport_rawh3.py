@@ -35,10 +35,14 @@ class RawH3(QuicConnectionProtocol):
         self.changed = asyncio.Event()
 
     @classmethod
-    async def open(cls, port: int, tls: TLSConfig) -> RawH3:
+    async def open(cls, port: int, tls: TLSConfig, *, max_stream_data: int | None = None) -> RawH3:
+        """`max_stream_data`: the flow-control credit the server gets per request stream
+        (0: it cannot send even the response's HEADERS frame until `grant` is called)."""
         config = quic_client_configuration(str(tls.ca), str(tls.cert), str(tls.key))
         loop = asyncio.get_running_loop()
         connection = QuicConnection(configuration=config)
+        if max_stream_data is not None:   # request streams only: HTTP/3's own streams keep theirs
+            connection._local_max_stream_data_bidi_local = max_stream_data   # private in aioquic 1.7.2
         _, protocol = await loop.create_datagram_endpoint(lambda: cls(connection),
                                                                   local_addr=("127.0.0.1", 0))
         protocol.connect(("127.0.0.1", port))
@@ -62,6 +66,15 @@ class RawH3(QuicConnectionProtocol):
         self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
         self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
         self.transmit()
+
+    def grant(self, stream_id: int, credit: int = 1 << 20) -> None:
+        """Give the server flow-control credit on one stream (MAX_STREAM_DATA)."""
+        self._quic._streams[stream_id].max_stream_data_local = credit   # private in aioquic 1.7.2
+        self.transmit()
+
+    def exceed_stream_limit(self) -> None:
+        """Ignore the server's MAX_STREAMS: open streams beyond it instead of waiting."""
+        self._quic._remote_max_streams_bidi = 1 << 30   # private in aioquic 1.7.2
 
     def quic_event_received(self, event) -> None:
         if isinstance(event, ConnectionTerminated):

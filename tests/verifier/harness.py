@@ -57,15 +57,19 @@ class Harness:
 
     @classmethod
     async def start(cls, workdir: Path, *, batching: bool = True, table_seed: int = 0, vocab: int = V,
-                    output_wait_s: float = 0.5, **config_options) -> Harness:
-        table = make_table(workdir / "table.safetensors", vocab=vocab, seed=table_seed)
-        backend = load_backend(f"table:{table}")
+                    output_wait_s: float = 0.5, backend=None, engine_config: EngineConfig | None = None,
+                    **config_options) -> Harness:
+        """A verifier over the table model (or `backend`) with `engine_config` (default:
+        `batching`, a 1 ms wait for company); `config_options` go to its VerifierConfig."""
+        if backend is None:
+            table = make_table(workdir / "table.safetensors", vocab=vocab, seed=table_seed)
+            backend = load_backend(f"table:{table}")
         store = await open_store(f"embedded:{workdir / 'mlc'}")
         log = await open_log(f"file:{workdir / 'log'}")
         config = VerifierConfig(uri=VERIFIER, routers=frozenset({ROUTER}), output_wait_s=output_wait_s,
                                 **config_options)
-        service = VerifierService(config, backend, store, log,
-                                  engine_config=EngineConfig(batching=batching, max_wait_ms=1.0))
+        service = VerifierService(config, backend, store, log, engine_config=engine_config
+                                  or EngineConfig(batching=batching, max_wait_ms=1.0))
         await service.start()
         return cls(service, backend, store, log, workdir)
 
