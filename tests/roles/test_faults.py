@@ -234,9 +234,11 @@ async def committed_tokens(commit_log: str, gid: str) -> list[int]:
     return [t for e in effective_commits(entries) for t in CommitRecord.from_cbor(e.record).emitted]
 
 
-def repeat(request, d: Deployment, seed: int, fault, *, heal=None, at=(5, MAX_NEW // 2)) -> None:
+def repeat(request, d: Deployment, seed: int, fault, *, heal=None, at=(5, MAX_NEW // 2),
+           victim=lambda g: True) -> None:
     """`fault(d, victim, rng)` once a generation of the repetition has committed a random
-    number of tokens in `at` (victim: its summary at the front door); `heal(d)` after the
+    number of tokens in `at` (victim: its summary at the front door, one that `victim`
+    accepts); `heal(d)` after the
     generations finished (restart what was killed, for the next repetition). Every output
     is the commit log's (both rules) and, under rule 1, the greedy decoding."""
     rng = random.Random(seed)
@@ -248,10 +250,11 @@ def repeat(request, d: Deployment, seed: int, fault, *, heal=None, at=(5, MAX_NE
         before = {g["id"] for g in d.fd.generations()}
         with ThreadPoolExecutor(len(jobs)) as pool:
             futures = [pool.submit(d.fd.generate, j.prompt, max_new=MAX_NEW, **j.fields) for j in jobs]
-            victim = wait_until(lambda before=before, point=point: next(
+            chosen = wait_until(lambda before=before, point=point: next(
                 (g for g in d.fd.generations() if g["id"] not in before and g["finish"] is None
-                 and g["committed"] >= point), None), 120, f"{where}: nothing reached {point} tokens")
-            fault(d, victim, rng)
+                 and g["committed"] >= point and victim(g)), None), 120,
+                f"{where}: nothing reached {point} tokens")
+            fault(d, chosen, rng)
             results = [f.result(timeout=300) for f in futures]
         for job, result in zip(jobs, results, strict=True):
             assert result["end"]["finish"] == "finish", f"{where}: {result['end']}"
@@ -345,15 +348,14 @@ def test_partitioned_verifier_left_running(request, deploy, seed):
 
     def fault(d, victim, rng):
         d.proxy.partition()
-        if victim["verifier"] == v1.uri:
-            wait_until(lambda: d.fd.info(victim["id"])["epoch"] >= 2, 60, f"no failover (seed {seed})")
+        wait_until(lambda: d.fd.info(victim["id"])["epoch"] >= 2, 60, f"no failover (seed {seed})")
         assert v1.alive()
 
     def heal(d):
         assert v1.alive()
         d.proxy.heal()
 
-    repeat(request, d, seed, fault, heal=heal)
+    repeat(request, d, seed, fault, heal=heal, victim=lambda g: g["verifier"] == v1.uri)
 
 
 def test_verdicts_dropped_on_the_way_back(request, deploy, seed):
