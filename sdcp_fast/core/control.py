@@ -9,7 +9,8 @@ M-choice rule of section 6.2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from .messages import Action, Contract
 
@@ -101,18 +102,70 @@ def expected_tokens(alpha: float, m: int) -> float:
     return (1.0 - alpha ** (m + 1)) / (1.0 - alpha)
 
 
-def choose_m(alpha: float, t_draft: float, t_verify: float, m_limit: int) -> int:
-    """The M in 1..m_limit maximising expected_tokens(alpha, M) / (M * t_draft + t_verify)
-    (section 6.2). Ties go to the smaller M: the same throughput for less draft work."""
+def choose_m(alpha: float, t_draft: float, t_verify: float | Callable[[int], float], m_limit: int) -> int:
+    """The M in 1..m_limit maximising expected_tokens(alpha, M) / (M * t_draft + t_verify(M))
+    (section 6.2). `t_verify` is the round's verify cost: a number when it does not depend
+    on M (a GPU verifier, nearly), or a function of M (a CPU verifier, whose pass over M + 1
+    new tokens costs up to twice one token's: `VerifyCost.at`), so a steeper verify cost
+    gives a shorter M. Ties go to the smaller M: the same throughput for less draft work."""
     if m_limit < 1:
         raise ValueError("m_limit must be at least 1")
     alpha = min(1.0, max(0.0, alpha))
+    cost = t_verify if callable(t_verify) else (lambda m: t_verify)
     best_m, best_rate = 1, -1.0
     for m in range(1, m_limit + 1):
-        rate = expected_tokens(alpha, m) / (m * t_draft + t_verify)
+        rate = expected_tokens(alpha, m) / (m * t_draft + cost(m))
         if rate > best_rate * (1 + 1e-12):
             best_m, best_rate = m, rate
     return best_m
+
+
+@dataclass
+class VerifyCost:
+    """The verify cost of a round as a function of M, t_v(M) = base + slope * M, learned from
+    verdict timing (proposal sent -> verdict received, seconds).
+
+    Each M seen keeps an EWMA of its round times; the line goes through them by least
+    squares weighted by how often each M was seen (slope clamped at >= 0: a verify pass
+    never gets cheaper with more tokens). With one M seen so far the slope is `prior_slope`
+    times that M's time per round for each token: on SmolLM2-135M on a CPU a pass over 6
+    new tokens cost 1.6-2.2x a one-token step (bench/RESULTS.md, issue 13), i.e. 0.12-0.24
+    of a step per extra token; on a GPU the measured line soon replaces the prior with a
+    near-flat one. Before any verdict, `initial` seconds flat."""
+
+    initial: float = 0.010
+    weight: float = 0.3
+    prior_slope: float = 0.15
+    seen: dict[int, list[float]] = field(default_factory=dict)   # M -> [EWMA seconds, rounds]
+
+    def observe(self, m: int, seconds: float) -> None:
+        entry = self.seen.get(m)
+        if entry is None:
+            self.seen[m] = [seconds, 1.0]
+        else:
+            entry[0] += self.weight * (seconds - entry[0])
+            entry[1] += 1.0
+
+    def line(self) -> tuple[float, float]:
+        """(base, slope) of t_v(M) = base + slope * M."""
+        if not self.seen:
+            return self.initial, 0.0
+        if len(self.seen) == 1:
+            ((m, (t, _)),) = self.seen.items()
+            slope = self.prior_slope * t / (1 + self.prior_slope * m)
+            return t - slope * m, slope
+        total = sum(w for _, w in self.seen.values())
+        mean_m = sum(m * w for m, (_, w) in self.seen.items()) / total
+        mean_t = sum(t * w for t, w in self.seen.values()) / total
+        var = sum(w * (m - mean_m) ** 2 for m, (_, w) in self.seen.items())
+        cov = sum(w * (m - mean_m) * (t - mean_t) for m, (t, w) in self.seen.items())
+        slope = max(0.0, cov / var)
+        return mean_t - slope * mean_m, slope
+
+    def at(self, m: int) -> float:
+        base, slope = self.line()
+        return max(1e-6, base + slope * m)
+
 
 
 @dataclass(frozen=True)

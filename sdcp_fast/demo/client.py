@@ -18,7 +18,9 @@ import httpx
 
 @dataclass
 class Generation:
-    prompt: str
+    prompt: str                       # the text shown (the user's turn for a chat prompt)
+    prompt_tokens: list[int] | None = None   # sent as token ids when given (chat template applied)
+    stop: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     gid: str = ""
@@ -81,7 +83,7 @@ def stream_one(fronts: list[str], g: Generation, max_new: int, lock: threading.L
             g.resumed.append(len(g.tokens))
             request = ("GET", f"{front}/v1/generations/{g.gid}/stream?from={len(g.tokens)}", None)
         else:
-            request = ("POST", f"{front}/v1/generate", {"prompt": g.prompt, "max_new": max_new})
+            request = ("POST", f"{front}/v1/generate", request_body(g, max_new))
         if _stream(request, g, lock) or g.error:
             return
     g.error = g.error or "the stream broke and no router was left to resume it"
@@ -91,7 +93,7 @@ def _stream(request, g: Generation, lock: threading.Lock) -> bool:
     """Read one stream into `g`; True once its end came, False if it broke first."""
     method, url, body = request
     try:
-        with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as http, \
+        with httpx.Client(timeout=httpx.Timeout(300.0, connect=10.0)) as http, \
                 http.stream(method, url, json=body) as r:
             if r.status_code != 200:
                 g.error = f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:200]}"
@@ -117,6 +119,11 @@ def _stream(request, g: Generation, lock: threading.Lock) -> bool:
     except Exception as exc:   # the table reports it; the demo still cleans up
         g.error = f"{type(exc).__name__}: {exc}"
     return False
+
+
+def request_body(g: Generation, max_new: int) -> dict:
+    body = {"tokens": g.prompt_tokens} if g.prompt_tokens is not None else {"prompt": g.prompt}
+    return body | {"max_new": max_new} | ({"stop": g.stop} if g.stop else {})
 
 
 def wait_live(front: str, count: int, timeout: float) -> None:

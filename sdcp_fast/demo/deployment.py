@@ -5,7 +5,10 @@ commit log and the routers' session table beside it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..drafter import rounds_from_file
@@ -19,19 +22,30 @@ def router_names(routers: int) -> list[str]:
     return ["router"] + [f"router-{n}" for n in range(2, routers + 1)]
 
 
-def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int) -> None:
+def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int,
+         stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False) -> None:
     """Add the instances and their configs (as many routers as the cluster was made for);
-    `cluster.start()` launches them."""
+    `cluster.start()` launches them. `stop`: the
+    contract's stop tokens (the real pair's end of turn); `verifier_spec`: the target as the
+    verifier loads it (options such as threads; the router's spec names the same weights);
+    `slow`: a model whose first load may convert files and whose passes take 100 ms, so
+    TTLs and timeouts with room for it."""
     # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
-    cluster.verifier("verifier", model=target_spec, max_wait_ms=1.0, ttl_ms=3000, status_interval_s=0.5)
+    ttl = 8000 if slow else 3000
+    cluster.verifier("verifier", model=verifier_spec or target_spec, max_wait_ms=1.0, ttl_ms=ttl,
+                     status_interval_s=0.5)
     for name in DRAFTERS:
-        cluster.drafter(name, model=draft_spec, ttl_ms=2000, status_interval_s=0.4)
+        extra = {"request_timeout_s": 60.0, "give_up_after_s": 120.0} if slow else {}
+        cluster.drafter(name, model=draft_spec, ttl_ms=ttl if slow else 2000, status_interval_s=0.4,
+                        **extra)
+    contract = {"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
+                "fallback": ["reduce", "switch", "self_decode"], "self_load": 60, "self_max": 16}
+    if stop:
+        contract["stop"] = list(stop)
+    extra = {"stall_s": 60.0, "request_timeout_s": 60.0} if slow else {}
     for router in router_names(len(cluster.router_ports)):
         cluster.router(model=target_spec, drafter_models={d: draft_digest for d in DRAFTERS}, name=router,
-                       contract={"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
-                                 "fallback": ["reduce", "switch", "self_decode"], "self_load": 60,
-                                 "self_max": 16},
-                       lease_ttl_s=LEASE_TTL_S)
+                       contract=contract, lease_ttl_s=LEASE_TTL_S, **extra)
 
 
 def rounds(cluster: Cluster) -> list[dict]:
@@ -49,3 +63,16 @@ def fast_tmp() -> str | None:
     """tmpfs for the work directory when there is one: the commit log syncs every record."""
     shm = Path("/dev/shm")
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+@contextlib.contextmanager
+def work_directory(workdir: str | None):
+    """The given directory (kept), or a temporary one on tmpfs when there is one (removed)."""
+    keep = workdir is not None
+    root = Path(workdir) if keep else Path(tempfile.mkdtemp(prefix="sdcp-demo-", dir=fast_tmp()))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        yield root
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)

@@ -183,11 +183,20 @@ class DrafterService(Routed):
                 await session.task
 
     async def _forget_stopped(self) -> None:
-        """Drop sessions whose loop ended (their KV too): bounded memory at max_sessions."""
-        for sid, session in list(self.sessions.items()):
-            if not session.running():
-                del self.sessions[sid]
-                await self.release_kv(sid)
+        """Drop sessions whose loop ended (their KV too): bounded memory at max_sessions.
+
+        Every stopped session leaves the table before the first await: two assignments
+        arriving together both run this, and one that deleted after awaiting the other's
+        release found the entry gone (KeyError, a 500 to the router)."""
+        stopped = [sid for sid, session in self.sessions.items() if not session.running()]
+        for sid in stopped:
+            del self.sessions[sid]
+        for sid in stopped:
+            async with self.batcher.model_lock:
+                if sid in self.sessions:
+                    continue        # assigned again while we waited: the KV is the new loop's
+                with contextlib.suppress(ModelError):
+                    self.backend.release(sid)
 
     async def release_kv(self, sid: bytes) -> None:
         async with self.batcher.model_lock:

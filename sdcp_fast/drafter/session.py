@@ -1,7 +1,7 @@
 """One assigned session on the drafter: the round loop of section 6.2.
 
     assignment -> prepare KV for the committed prefix -> loop:
-        M = choose_m(alpha, t_draft, t_verify, min(m_max, m_cap))
+        M = choose_m(alpha, t_draft, t_verify(M), min(m_max, m_cap))   # t_verify learned per M
         draft M tokens (batched with other sessions), q rows (rule 2) and draft KV to the
         cache under leases -> POST proposal (one outstanding per session) -> while it is
         out, draft ahead as if all M were accepted -> verdict:
@@ -26,12 +26,12 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import NotFound
-from ..core.control import AcceptanceEstimate, choose_m, clamp_m_init
+from ..core.control import AcceptanceEstimate, VerifyCost, choose_m, clamp_m_init
 from ..core.digest import chain, extend_digest, prefix_digest
 from ..core.messages import (
     RULE_SPECULATIVE,
@@ -56,17 +56,26 @@ Q_RETRY_LEASE_MS = 30_000   # lease of q rows published again after sdcp-q-unava
 
 @dataclass
 class Timing:
-    """EWMAs of the two costs in the M-choice rule (seconds)."""
+    """The two costs in the M-choice rule (seconds, docs/ARCHITECTURE.md "Choosing M"): an
+    EWMA of drafting one token, and the verify cost as a function of M learned from
+    verdict timing (proposal sent -> verdict received, per M proposed)."""
 
     draft_per_token: float = 0.002   # drafting one token, including its cache writes
-    verify: float = 0.010            # proposal sent -> verdict received
+    verify_cost: VerifyCost = field(default_factory=VerifyCost)
     weight: float = 0.3
+    last_m: int = 1
 
     def observe_draft(self, seconds: float, m: int) -> None:
         self.draft_per_token += self.weight * (seconds / max(1, m) - self.draft_per_token)
 
-    def observe_verify(self, seconds: float) -> None:
-        self.verify += self.weight * (seconds - self.verify)
+    def observe_verify(self, seconds: float, m: int) -> None:
+        self.verify_cost.observe(m, seconds)
+        self.last_m = m
+
+    @property
+    def verify(self) -> float:
+        """The verify cost at the last M proposed (round records, logs)."""
+        return self.verify_cost.at(self.last_m)
 
 
 @dataclass
@@ -215,7 +224,7 @@ class DraftSession:
 
     def choose(self) -> int:
         limit = min(self.contract.m_max, self.m_cap, self.contract.max_new - self.committed)
-        return choose_m(self.alpha.alpha, self.timing.draft_per_token, self.timing.verify,
+        return choose_m(self.alpha.alpha, self.timing.draft_per_token, self.timing.verify_cost.at,
                         max(1, limit))
 
     async def build(self, ready: DraftRequest | None = None) -> Built:
@@ -294,7 +303,7 @@ class DraftSession:
                 if self.service.drop_verdict(self, verdict):
                     built.retries += 1
                     continue   # test hook: as if the response were lost in transit
-                self.timing.observe_verify(time.perf_counter() - sent_at)
+                self.timing.observe_verify(time.perf_counter() - sent_at, built.proposal.m)
                 self.service.metrics.verdict(built.proposal.m, verdict.accepted)
                 return verdict
             if kind == Kind.Q_UNAVAILABLE and built.rows is not None:

@@ -8,6 +8,7 @@ from sdcp_fast.core.control import (
     LOAD_HIGH,
     AcceptanceEstimate,
     Escalation,
+    VerifyCost,
     choose_m,
     expected_tokens,
     is_low,
@@ -43,6 +44,38 @@ def test_choose_m_responds_to_load_and_bandwidth():
     assert choose_m(0.0, 1.0, 10.0, 7) == 1
     with pytest.raises(ValueError):
         choose_m(0.5, 1, 1, 0)
+
+
+def test_a_verify_cost_growing_with_m_gives_a_shorter_m():
+    # SmolLM2 on this CPU (stack.md): 82 ms for 1 new token, 133 ms for 6, 162 ms for 9, i.e.
+    # t_v(M) ~ 72 + 10 M ms for M + 1 new tokens; a llama.cpp draft at 13 ms a token, alpha 0.9
+    flat = choose_m(0.9, 0.013, 0.082, 16)
+    steep = choose_m(0.9, 0.013, lambda m: 0.072 + 0.010 * m, 16)
+    assert steep < flat
+    # the rule with a cost function is the same argmax, evaluated per M
+    for alpha in (0.5, 0.8, 0.97):
+        rates = {m: expected_tokens(alpha, m) / (m * 0.013 + 0.072 + 0.010 * m) for m in range(1, 17)}
+        assert choose_m(alpha, 0.013, lambda m: 0.072 + 0.010 * m, 16) == max(rates, key=rates.get)
+    # a GPU-like flat verify cost keeps the constant-cost answer
+    assert choose_m(0.9, 0.013, lambda m: 0.082, 16) == flat
+
+
+def test_verify_cost_learns_its_line_from_round_times():
+    cost = VerifyCost(initial=0.05)
+    assert cost.at(1) == cost.at(8) == 0.05                 # nothing seen: flat, the initial guess
+    cost.observe(4, 0.120)
+    base, slope = cost.line()                                # one M seen: the prior slope
+    assert cost.at(4) == pytest.approx(0.120)
+    assert slope == pytest.approx(cost.prior_slope * base)   # slope per token = prior x a 0-token pass
+    for m in (2, 4, 6, 8):                                   # exact rounds on t = 0.07 + 0.0125 M
+        for _ in range(20):
+            cost.observe(m, 0.07 + 0.0125 * m)
+    base, slope = cost.line()
+    assert base == pytest.approx(0.07, abs=1e-3) and slope == pytest.approx(0.0125, abs=2e-4)
+    noisy = VerifyCost()                                     # a cost that falls with M is noise
+    noisy.observe(2, 0.2)
+    noisy.observe(6, 0.1)
+    assert noisy.line()[1] == 0.0 and noisy.at(6) == noisy.at(2)
 
 
 def test_low_round_definition():

@@ -18,6 +18,7 @@ from hf_helpers import save_model_dir, tiny_llama  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_real  # noqa: E402
 
+from sdcp_fast.demo.hf_baseline import generate_each  # noqa: E402
 from sdcp_fast.models import BackendSpecError, load_backend  # noqa: E402
 from sdcp_fast.models.hf import HFBackend  # noqa: E402
 from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf  # noqa: E402
@@ -48,8 +49,9 @@ def test_replay_draft_through_the_processes_gives_the_targets_output(tmp_path, m
     target = HFBackend(model_dir)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15]]
     reference = [greedy(target, p, 20, stop=2) for p in prompts]
-    run = bench_real.Run(tmp_path, f"hf:{model_dir}", target, prompts, reference)
-    spec, digest = bench_real.DRAFTS["replay"].prepare(run)
+    run = bench_real.Run(tmp_path, f"hf:{model_dir}", target, prompts, max_new=20, eos=2)
+    spec = bench_real.DRAFTS["replay"].prepare(run)      # plays back generate()'s output
+    digest = load_backend(spec).digest.hex()
     cluster, front = bench_real.start_sdcp(tmp_path, f"hf:{model_dir}", spec, digest, m=4,
                                            max_new=20, eos=2, threads=1)
     try:
@@ -70,6 +72,6 @@ def test_smollm2_backend_decodes_like_generate():
     prompt = list(target.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a color."}], add_generation_prompt=True, tokenize=True,
         return_dict=False))
-    outputs, _ = bench_real.generate_alone(target, [prompt], 12, eos)
+    outputs = generate_each(target.model, [prompt], 12, eos).outputs
     assert greedy(target, prompt, 12, stop=eos) == outputs[0]
     assert isinstance(outputs[0], list) and torch.tensor(outputs[0]).numel() > 0

@@ -41,9 +41,10 @@ def greedy(spec: str, prompt: list[int], max_new: int) -> list[int]:
 
 def build_cluster(workdir: Path, *, drafters: int = 2, verifiers: int = 1, protocol: str = "h2",
                   noise: float = 1.0, contract: dict | None = None, drafter_options: dict | None = None,
-                  router_options: dict | None = None, verifier_options: dict | None = None) -> tuple[Cluster, str]:
+                  router_options: dict | None = None, verifier_options: dict | None = None,
+                  commit_log: str | None = None) -> tuple[Cluster, str]:
     target, draft = make_tables(workdir, noise=noise)
-    cluster = Cluster(workdir / "cluster", protocol=protocol, log_level="info")
+    cluster = Cluster(workdir / "cluster", protocol=protocol, log_level="info", commit_log=commit_log)
     for n in range(1, verifiers + 1):
         options = {k: v for k, v in (verifier_options or {}).items() if not k.startswith("v")}
         options.update((verifier_options or {}).get(f"v{n}", {}))   # {"v1": {...}}: for v1 only

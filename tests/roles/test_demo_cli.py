@@ -16,7 +16,7 @@ import pytest
 def test_demo_runs_and_cleans_up(tmp_path, protocol):
     workdir = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--prompts", "2", "--max-new", "24",
+        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--pair", "tiny", "--prompts", "2", "--max-new", "24",
          "--protocol", protocol, "--workdir", str(workdir), "--plot", str(tmp_path / "p.png")],
         capture_output=True, text=True, timeout=110, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -39,7 +39,7 @@ def test_demo_with_two_routers_survives_the_first_one_killed(tmp_path):
     prompt is under way; router-2 takes the sessions over, the streams resume there, and
     the outputs are still the target's greedy decoding."""
     done = subprocess.run(
-        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--prompts", "2", "--max-new", "96",
+        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--pair", "tiny", "--prompts", "2", "--max-new", "96",
          "--routers", "2", "--workdir", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=140, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -406,3 +406,42 @@ def test_a_full_drafter_answers_capacity(tmp_path):
             await asyncio.sleep(0.05)    # the loop ends after the final verdict
             assert (await b.assign(b.assignment(second, contract))).status == 204
     run(main())
+
+
+class SlowVerifyClient(LocalClient):
+    """A verifier whose pass costs `cost(M)` seconds more for a proposal of M tokens."""
+
+    def __init__(self, handlers, caller, cost):
+        super().__init__(handlers, caller)
+        self.cost = cost
+
+    async def request(self, method, url, body=None, *args, **kwargs):
+        if urlsplit(url).path == "/proposals":
+            await asyncio.sleep(self.cost(Proposal.from_cbor(body).m))
+        return await super().request(method, url, body, *args, **kwargs)
+
+
+@pytest.mark.parametrize("steep", [False, True])
+def test_a_verify_pass_that_grows_with_m_gives_a_shorter_m(tmp_path, steep):
+    # an always-right draft: with a flat verify cost M climbs to m_max; with one that grows
+    # with M faster than a round's fixed part (learned from verdict timing), M = 1 pays best.
+    # 100 ms a proposed token outweighs the fixed part of an in-process round even on a
+    # loaded machine (tens of ms), where 20 ms did not.
+    cost = (lambda m: 0.1 * m) if steep else (lambda m: 0.05)
+
+    async def main():
+        async with Bench(tmp_path, perfect=True) as b:
+            b.drafter.client = SlowVerifyClient({VERIFIER: b.verifier}, DRAFTER, cost)
+            contract = b.contract(m_max=6, max_new=40)
+            sid = await b.open(contract)
+            assert (await b.assign(b.assignment(sid, contract, m_init=6))).status == 204
+            assert await b.finished(sid) == greedy(b.target_spec, [1, 2, 3], 40)
+            await asyncio.wait_for(asyncio.shield(b.draft_session(sid).task), 30)
+            import json
+            records = [json.loads(x) for x in (b.tmp / "rounds.jsonl").read_text().splitlines()]
+            later = [r["m"] for r in records[3:-1]]          # after the first verdicts' timing
+            if steep:
+                assert max(later) <= 2, [r["m"] for r in records]
+            else:
+                assert min(later) == 6, [r["m"] for r in records]
+    run(main())

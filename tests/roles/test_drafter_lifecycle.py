@@ -186,3 +186,29 @@ def test_q_rows_republished_a_bounded_number_of_times(tmp_path):
             with pytest.raises(NotFound):                    # and its rows are released
                 await d.store.get(object_uri(f"q/{sid.hex()}/1/1/1"))
     run(main())
+
+
+def test_two_assignments_arriving_together_both_drop_the_stopped_sessions(tmp_path):
+    """Issue 21: both new sessions' handlers forget the stopped ones. The first used to delete
+    one, await the model lock to release its KV, and meanwhile the second deleted the next;
+    the first then found that one gone (KeyError) and answered 500. Both answer 204 now,
+    the stopped sessions are gone and each one's KV is released once."""
+    async def main():
+        async with Drafter(tmp_path, lambda: problem_answer(Kind.NOT_ASSIGNED)) as d:
+            contract, stopped = d.contract(), [os.urandom(16), os.urandom(16)]
+            answers = await asyncio.gather(*(d.assign(d.assignment(sid, contract)) for sid in stopped))
+            assert [a.status for a in answers] == [204, 204]
+            for sid in stopped:
+                await asyncio.wait_for(d.service.sessions[sid].task, 10)
+            released = []
+            release = d.backend.release
+            d.backend.release = lambda sid: (released.append(sid), release(sid))[1]
+            async with d.service.batcher.model_lock:     # the first handler waits here
+                pending = [asyncio.ensure_future(d.assign(d.assignment(os.urandom(16), contract)))
+                           for _ in range(2)]
+                await asyncio.sleep(0.05)
+            answers = await asyncio.gather(*pending)
+            assert [a.status for a in answers] == [204, 204], [a.body for a in answers]
+            assert not set(stopped) & set(d.service.sessions)
+            assert sorted(released) == sorted(stopped)
+    run(main())
