@@ -8,6 +8,8 @@
   publishes for failover, the draft KV a drafter publishes for its successor, and the q rows
   of one proposal. The commit log of a session is named by `commit_log_name`.
 - Prompts and committed tokens behind a cache reference are a CBOR array of token ids.
+- A contract in a text record (the router's session table) is the hex of its
+  deterministic CBOR (`contract_text`, `contract_from_text`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 
 from .cache import NotFound, object_uri
 from .core import cbor
+from .core.messages import Contract
 from .core.problems import Kind, problem
 
 MAX_TOKEN_LIST_BYTES = 64 << 20
@@ -117,3 +120,15 @@ async def read_token_list(store, ref_or_tokens: str | tuple[int, ...], what: str
     except NotFound:
         raise problem(Kind.CONFLICT, f"{what} {ref_or_tokens!r} is not in the cache") from None
     return token_list_from_bytes(data, what)
+
+
+# ---------------------------------------------------------------------- contracts in text
+
+def contract_text(contract: Contract) -> str:
+    """The contract as a text record holds it: the hex of its deterministic CBOR."""
+    return contract.cbor.hex()
+
+
+def contract_from_text(text: str) -> Contract:
+    """The contract of `contract_text` (validated as any received contract)."""
+    return Contract.from_cbor(bytes.fromhex(text))

@@ -48,3 +48,9 @@ def chain(d0: bytes, output: Sequence[int]) -> list[bytes]:
     for token in output:
         digests.append(extend_digest(digests[-1], (token,)))
     return digests
+
+
+def message_fingerprint(message) -> str:
+    """A short name for one message (the first 16 hex digits of SHA-256 over its
+    deterministic CBOR): the drafter's round log names each verdict by it."""
+    return hashlib.sha256(message.to_cbor()).hexdigest()[:16]

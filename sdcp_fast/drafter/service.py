@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..aio import KeyedLock, TaskSet
-from ..core.digest import chain, prefix_digest
+from ..core.digest import chain, message_fingerprint, prefix_digest
 from ..core.messages import ROLE_DRAFTER, Assignment, Status, Verdict
 from ..core.problems import Kind, problem
 from ..models.base import ModelError
@@ -35,7 +35,7 @@ from ..reports import RouterLink, router_targets
 from ..transport import Authorizer, Call, Routed, Router
 from .drafting import DraftBatcher
 from .metrics import Metrics
-from .session import Built, DraftSession, round_record, verdict_fingerprint
+from .session import Built, DraftSession, round_record
 
 log = logging.getLogger("sdcp_fast.drafter")
 SESSION_STATE_BYTES = 16 << 10   # a round loop's own state beyond the draft model's (q rows are leased in the cache)
@@ -231,7 +231,7 @@ class DrafterService(Routed):
             return False
         self._drops_left -= 1
         self._write_line(f'{{"dropped":true,"session":"{session.id.hex()}","epoch":{verdict.epoch},'
-                         f'"round":{verdict.round},"verdict":"{verdict_fingerprint(verdict.to_cbor())}"}}')
+                         f'"round":{verdict.round},"verdict":"{message_fingerprint(verdict)}"}}')
         log.warning("test hook: verdict of round %d dropped", verdict.round)
         return True
 
@@ -239,7 +239,7 @@ class DrafterService(Routed):
         m = built.proposal.m
         self.accept += 0.1 * (verdict.accepted / m - self.accept)
         self._write_line(round_record(session, built, verdict, built.retries,
-                                      verdict_fingerprint(verdict.to_cbor())))
+                                      message_fingerprint(verdict)))
 
     def _write_line(self, line: str) -> None:
         if self._rounds_file is not None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -437,10 +436,6 @@ class DraftSession:
             ref = refs.pop()
             with contextlib.suppress(NotFound, Exception):
                 await self.service.store.release(ref)
-
-
-def verdict_fingerprint(body: bytes) -> str:
-    return hashlib.sha256(body).hexdigest()[:16]
 
 
 def round_record(session: DraftSession, built: Built, verdict: Verdict, retries: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from ..cache import effective_commits
+from ..commits import read_records
 from ..core.messages import CommitRecord
 from ..core.problems import Kind, problem
 from ..refs import committed_tokens_ref, token_list_bytes
@@ -21,8 +21,7 @@ class CommittedLog:
 
     async def read(self, s: RouterSession) -> tuple[list[int], list[CommitRecord]]:
         """(committed tokens, effective commit records) of the session."""
-        entries = await self.commit_log.read(s.commit_log)
-        records = [CommitRecord.from_cbor(e.record) for e in effective_commits(entries)]
+        records = await read_records(self.commit_log, s.commit_log)
         return [t for r in records for t in r.emitted], records
 
     async def tokens_at(self, s: RouterSession, committed: int, tokens: list[int],

@@ -18,7 +18,8 @@ import logging
 import time
 
 from ..cache import CacheError
-from ..core.messages import Action, CommitRecord
+from ..commits import record_of
+from ..core.messages import Action
 from ..core.problems import ProblemError
 from . import stored
 from .sessions import RouterSession
@@ -44,7 +45,7 @@ class LogTail:
             if entry.kind == "fence":
                 self.fence_epoch = max(self.fence_epoch, entry.epoch)
             elif entry.epoch >= self.fence_epoch:
-                self.tokens.extend(CommitRecord.from_cbor(entry.record).emitted)
+                self.tokens.extend(record_of(entry).emitted)
         return self.tokens
 
 

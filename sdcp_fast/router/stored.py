@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import time
 
-from ..core.messages import Action, Contract, Sampling
-from ..refs import commit_log_name
+from ..core.messages import Action, Sampling
+from ..refs import commit_log_name, contract_from_text, contract_text
 from .sessions import RouterSession
 
 VERSION = 1
@@ -38,7 +38,7 @@ def key_of(session: bytes) -> str:
 
 def encode(s: RouterSession) -> bytes:
     return json.dumps({
-        "v": VERSION, "id": s.id.hex(), "contract": s.contract.cbor.hex(), "prompt": list(s.prompt),
+        "v": VERSION, "id": s.id.hex(), "contract": contract_text(s.contract), "prompt": list(s.prompt),
         "created": s.created_wall, "epoch": s.epoch, "allocated": max(s.allocated, s.epoch),
         "verifier": s.verifier, "drafter": s.drafter, "resume_pending": s.resume_pending,
         "sampling": None if s.sampling is None else s.sampling.to_obj(),
@@ -60,7 +60,7 @@ def restore(obj: dict, into: RouterSession | None = None) -> RouterSession:
     """A RouterSession from a record (or `into`, a session streamed here already, brought up
     to date: its tokens are never shortened, streams hold indices into them)."""
     sid = bytes.fromhex(obj["id"])
-    s = into or RouterSession(sid, Contract.from_cbor(bytes.fromhex(obj["contract"])),
+    s = into or RouterSession(sid, contract_from_text(obj["contract"]),
                               tuple(obj["prompt"]), commit_log_name(sid))
     s.epoch = obj["epoch"]
     s.allocated = obj["allocated"]

@@ -45,8 +45,9 @@ import torch
 
 from .. import kernels
 from ..aio import cancel_and_wait
-from ..cache import Append, Fenced, append_batch, append_each
+from ..cache import Fenced
 from ..cache.qrows import QFetch, QRowStager
+from ..commits import RecordAppend, append_records, landed
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem
 from ..core.session import Job
@@ -312,7 +313,7 @@ class Engine:
     async def _commit(self, batch: list[_Queued], outcomes: list[JobOutcome]) -> None:
         """Complete every job, append the batch's records together (group commit: one
         durable write on the file log, one round trip on Redis), then settle each job."""
-        ready: list[tuple[_Queued, object, int, bytes, int]] = []   # (item, record, accepted, data, position)
+        ready: list[tuple[_Queued, object, int, RecordAppend]] = []   # (item, record, accepted, append)
         for item, outcome in zip(batch, outcomes, strict=True):
             if outcome.problem is not None:
                 self._refuse(item, outcome.problem)
@@ -322,13 +323,14 @@ class Engine:
             except Exception as exc:   # a bug: that job alone is answered 503
                 self._broken(item, exc)
                 continue
-            ready.append((item, record, outcome.accepted, record.to_cbor(), item.served.log_position))
+            ready.append((item, record, outcome.accepted, RecordAppend(item.session.commit_log, record,
+                                                                    item.session.epoch, item.served.log_position)))
         if not ready:
             return
-        answers = await self._append_all([(item.session, data, position) for item, _, _, data, position in ready])
-        results = await asyncio.gather(*(self._settle(item, record, accepted, position, answer)
-                                         for (item, record, accepted, _, position), answer in zip(ready, answers,
-                                                                                                  strict=True)),
+        answers = await self._append_all([(item.session, append) for item, _, _, append in ready])
+        results = await asyncio.gather(*(self._settle(item, record, accepted, append.expected, answer)
+                                         for (item, record, accepted, append), answer in zip(ready, answers,
+                                                                                             strict=True)),
                                        return_exceptions=True)
         for (item, *_), result in zip(ready, results, strict=True):
             if isinstance(result, Exception):
@@ -366,7 +368,7 @@ class Engine:
             item.future.set_result(RoundResult(verdict=verdict, settled=True))
 
     async def _append_all(self, records: list[tuple]) -> list[str]:
-        """Append each (session, record bytes, position) of a batch in one `append_batch`:
+        """Append each (session, RecordAppend) of a batch in one `append_records`:
         per record _APPENDED, _SUPERSEDED (fenced, or another record holds the position) or
         _NOT_APPENDED (store unreachable: nothing landed).
 
@@ -374,16 +376,16 @@ class Engine:
         write after we stopped waiting), so the answer comes from reading the log back,
         which is also the read-after-append check of section 6.8."""
         timeout = self.config.append_timeout_s
-        appends = [Append(session.commit_log, data, session.epoch, position) for session, data, position in records]
+        appends = [append for _, append in records]
         started = time.perf_counter()
         try:
-            batched = append_batch if self.config.group_commit else append_each
-            answers = await asyncio.wait_for(batched(self.commit_log, appends), timeout)
+            answers = await asyncio.wait_for(append_records(self.commit_log, appends, group=self.config.group_commit),
+                                             timeout)
         except Exception as exc:   # the batch as a whole timed out or failed: read each back
             answers = [exc] * len(appends)
         elapsed = time.perf_counter() - started
         outcomes = []
-        for (session, _data, position), answer in zip(records, answers, strict=True):
+        for (session, append), answer in zip(records, answers, strict=True):
             if not isinstance(answer, Exception):
                 self.metrics.append_seconds.observe(elapsed)
                 outcomes.append(_APPENDED)
@@ -391,7 +393,7 @@ class Engine:
                 outcomes.append(_SUPERSEDED)
             else:   # Conflict, timeout, connection trouble: look at the log
                 log.warning("session %s: append at %d failed (%s: %s); reading the log back",
-                            session.id.hex(), position, type(answer).__name__, answer)
+                            session.id.hex(), append.expected, type(answer).__name__, answer)
                 outcomes.append(None)
         missing = [n for n, o in enumerate(outcomes) if o is None]
         read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
@@ -399,9 +401,9 @@ class Engine:
             outcomes[n] = outcome
         return outcomes
 
-    async def _read_back(self, session, data: bytes, position: int) -> str:
+    async def _read_back(self, session, append: RecordAppend) -> str:
         try:
-            entries = await asyncio.wait_for(self.commit_log.read(session.commit_log, position),
+            entries = await asyncio.wait_for(self.commit_log.read(append.log, append.expected),
                                              self.config.append_timeout_s)
         except Exception as exc:
             log.error("session %s: commit log unreadable: %s", session.id.hex(), exc)
@@ -410,8 +412,7 @@ class Engine:
             return _SUPERSEDED
         if not entries:
             return _NOT_APPENDED
-        first = entries[0]
-        if first.kind == "commit" and first.epoch == session.epoch and first.record == data:
+        if landed(entries[0], append):
             return _APPENDED
         return _SUPERSEDED
 

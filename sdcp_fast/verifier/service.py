@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from ..aio import TaskSet
 from ..cache import CacheError, effective_commits
+from ..commits import record_of
 from ..core.messages import (
     ROLE_VERIFIER,
     Action,
     Assignment,
-    CommitRecord,
     Output,
     Policy,
     Proposal,
@@ -403,7 +403,7 @@ class VerifierService(Routed):
                 raise problem(Kind.CONFLICT, "resume names a round the commit log does not hold")
             return
         try:
-            last = CommitRecord.from_cbor(commits[-1].record)
+            last = record_of(commits[-1])
         except ProblemError:
             raise problem(Kind.UNAVAILABLE, "the commit log's last record is unreadable") from None
         if (last.round, last.committed, last.digest) != (msg.resume.round, msg.resume.committed, msg.resume.digest):

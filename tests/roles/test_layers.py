@@ -67,8 +67,8 @@ def test_no_role_imports_another_role(role):
 
 def test_shared_pieces_and_transport_import_no_role():
     for name, deps in GRAPH.items():
-        if top(name) in ("core", "transport", "cache", "models", "kernels", "aio", "refs", "reports", "config",
-                        "metrics", "logs"):
+        if top(name) in ("core", "transport", "cache", "models", "kernels", "aio", "refs", "commits", "reports",
+                        "config", "metrics", "logs"):
             assert not {d for d in deps if top(d) in ROLES}, (name, deps)
 
 
@@ -94,10 +94,42 @@ def test_transport_imports_run_one_way():
             assert "TYPE_CHECKING" not in path.read_text(), f"{n} needs TYPE_CHECKING to import"
 
 
+CBOR_ATTRIBUTES = {"to_cbor", "from_cbor", "cbor"}
+
+
+def cbor_uses(path: Path) -> list[str]:
+    """Every place the code of `path` encodes or decodes CBOR itself: a message's
+    `to_cbor`/`from_cbor`, a contract's `.cbor`, the `cbor` module or cbor2 (docstrings and
+    comments do not count). No allow-list: commit records go through `commits.py`, a
+    contract in text through `refs.contract_text`, a verdict's name through
+    `core.digest.message_fingerprint`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in CBOR_ATTRIBUTES:
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Name) and node.id in ("cbor", "cbor2"):
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "cbor2" for a in node.names):
+            found.append((node.lineno, "import cbor2"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "cbor2":
+            found.append((node.lineno, "from cbor2"))
+    return [f"line {line}: {what}" for line, what in sorted(found)]
+
+
+def test_the_cbor_check_sees_encoding_and_decoding(tmp_path):
+    path = tmp_path / "role.py"
+    path.write_text('"""to_cbor() in a docstring is fine."""\n'
+                    "data = record.to_cbor()\nr = CommitRecord.from_cbor(data)\nh = contract.cbor.hex()\n"
+                    "cbor.loads(data)\nimport cbor2\n")
+    assert cbor_uses(path) == ["line 2: .to_cbor", "line 3: .from_cbor", "line 4: .cbor", "line 5: cbor",
+                               "line 6: import cbor2"]
+
+
 def test_roles_never_parse_cbor_or_touch_sockets():
     for name, path in modules().items():
         if top(name) in ROLES:
             source = path.read_text()
             assert "sdcp_fast.core.cbor" not in GRAPH[name], name
+            assert not cbor_uses(path), f"{name} handles CBOR itself: {cbor_uses(path)}"
             for word in ("import socket", "import h11", "import h2", "start_server", "asyncio.open_connection"):
                 assert word not in source, f"{name}: {word}"
