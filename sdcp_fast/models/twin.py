@@ -27,13 +27,13 @@ quantised to int8 once and kept in `$SDCP_CACHE/twin/<GGUF SHA-256>-<scheme>-v<F
 later loads read that file (a few seconds). Building it parses the GGUF in Python (half a
 minute on a busy 2-core machine for SmolLM2).
 
-Session bookkeeping is the `tiny` backend's (this class extends TinyBackend): the committed
-sequence, the cached tokens (a prefix of C extended by the last proposal), the kept logits
-rows. The K/V buffers are Python's: one fp32 tensor [n_layer, 2, n_kv_head, capacity,
-head_dim] per session, grown by doubling, capped by max_kv_bytes; the op writes each new
-token's K and V at its position, so truncation after rejected tokens is only bookkeeping (the
-next forward overwrites those positions). `export_kv` carries that K/V (kvblob), so an import
-continues without a prefill.
+Session bookkeeping is prefix_cache.py's (CachingBackend, through TinyBackend, whose K/V
+storage hooks this class reuses): the committed sequence, the cached tokens (a prefix of C
+extended by the last proposal), the kept logits rows. The K/V buffers are Python's: one
+fp32 tensor [n_layer, 2, n_kv_head, capacity, head_dim] per session, grown by doubling,
+capped by max_kv_bytes; the op writes each new token's K and V at its position, so truncation
+after rejected tokens is only bookkeeping (the next forward overwrites those positions).
+`export_kv` carries that K/V (kvblob), so an import continues without a prefill.
 
 Digest: the canonical weights digest (weights.py) of kind "twin" over {the GGUF's SHA-256, the
 quantisation scheme, FORMAT}: the int8 weights are a deterministic function of those.
@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from .base import BackendSpecError
+from .prefix_cache import Plan
 from .real_tokenizer import (
     HFTokenizer,
     cache_dir,
@@ -61,7 +62,7 @@ from .real_tokenizer import (
     resolve_gguf,
 )
 from .spec_options import split_options
-from .tiny import DEFAULT_MAX_KV_BYTES, TinyBackend, _Plan
+from .tiny import DEFAULT_MAX_KV_BYTES, TinyBackend
 from .weights import canonical_digest
 
 OPTIONS = {"threads": int, "group": int, "tokenizer": str, "max_seq_len": int}
@@ -289,9 +290,13 @@ class TwinBackend(TinyBackend):
         self.tokenizer_digest = tokenizer.digest
         self.digest = digest
         self.max_kv_bytes = max_kv_bytes
+        self.max_seq_len = seq_cap  # CachingBackend's per-session cap
+        # TinyBackend's K/V buffers, fp32 on the CPU (what the op reads and writes); rows too
+        self.device, self.dtype, self._itemsize = torch.device("cpu"), torch.float32, 4
+        self.rows_device, self.rows_dtype = None, torch.float32
         self._sessions = {}
         self._kv_bytes = 0
-        self._bytes_per_position = 4 * c.n_layer * 2 * c.n_kv_head * c.head_dim
+        self._bytes_per_position = self._itemsize * c.n_layer * 2 * c.n_kv_head * c.head_dim
 
     @classmethod
     def from_gguf(cls, path: str | Path, *, group: int = DEFAULT_GROUP, tokenizer=None,
@@ -327,7 +332,7 @@ class TwinBackend(TinyBackend):
         """The loops the decoder runs now: 'avx512', 'avx2' or 'scalar'."""
         return self._model.isa()
 
-    def _forward(self, plans: list[_Plan]) -> list[torch.Tensor]:
+    def _forward(self, plans: list[Plan]) -> list[torch.Tensor]:
         """One native forward over every plan's tokens from p.start on; per plan, the logits
         rows of positions max(p.start, p.first_row) onwards."""
         tokens, counts, pasts, caches, rows, row_counts = [], [], [], [], [], []
@@ -345,5 +350,5 @@ class TwinBackend(TinyBackend):
             torch.tensor(pasts, dtype=torch.long), caches, torch.tensor(rows, dtype=torch.long),
             self.threads,
         )
-        # copies: a session's kept rows must not pin the whole batch's logits in memory
-        return [r.clone() for r in torch.split(logits, row_counts)] if len(plans) > 1 else [logits]
+        # views: collect_rows copies what a session keeps
+        return list(torch.split(logits, row_counts))
