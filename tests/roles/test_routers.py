@@ -312,7 +312,7 @@ def test_owner_stopped_past_its_lease_does_not_act_again(deployment, seed):
 # ---------------------------------------------------------------------- handover and restart
 
 
-@pytest.mark.parametrize("deployment", ["embedded"], indirect=True)
+@pytest.mark.parametrize("deployment", ["embedded", "etcd"], indirect=True)
 def test_handover_on_stop_and_a_restarted_router_recovers_its_own_sessions(deployment, seed):
     """SIGTERM: the owner revokes its lease on the way out, so the other router takes its
     session at once (well under the TTL). Then that router, alone, is killed mid-generation
