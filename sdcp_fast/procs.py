@@ -9,15 +9,12 @@
     ... r.frontdoor_url ...
     cluster.stop()           # SIGTERM, then SIGKILL after a grace period
 
-Every instance gets a fresh port (TCP and UDP free), a certificate whose URI SAN is
+Every instance gets a fresh port (ports.free_port), a certificate whose URI SAN is
 `https://127.0.0.1:PORT/`, the shared embedded store and file commit log of the workdir,
 a config written from the schema of config.py (`<name>.toml`, by tomli-w), and a log file
 `<name>.log`. Options of `verifier`, `drafter` and `router` are members of the role's table
 (config.VerifierSection, DrafterSection, RouterSection); `contract` those of ContractSection. Children are started in their own process group and ask the
 kernel to SIGTERM them if this process dies, so nothing outlives the demo or a test.
-
-`free_port` here checks UDP as well as TCP (an instance serves HTTP/3 on the same number),
-which `sdcp_fast.cache.testing.free_port` (TCP only) does not.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import config as schema
+from .ports import free_port
 from .config import (
     ContractSection,
     DrafterEntry,
@@ -50,21 +47,6 @@ from .config import (
 )
 
 PR_SET_PDEATHSIG = 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free for both TCP and UDP (HTTP/2 and HTTP/3 share the number)."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
-            tcp.bind((host, 0))
-            port = tcp.getsockname()[1]
-            try:
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-                    udp.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise OSError("no free port")
 
 
 @dataclass

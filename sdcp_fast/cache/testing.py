@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from ..ports import free_port
+
 READY_TIMEOUT_S = 20.0
 
 
@@ -33,12 +35,6 @@ class Server:
     url: str  # the spec to hand to open_store / open_log, e.g. "redis://127.0.0.1:6390/0"
     port: int
     process: subprocess.Popen
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _require_binary(name: str, package: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ..cache import Fenced
 from ..core.messages import ROLE_VERIFIER, Policy, Resume
@@ -58,6 +59,14 @@ class Failover:
         session, or an earlier failover fenced the log but could not open it anywhere yet."""
         return s.resume_pending or s.verifier_lost or self.registry.silent(s.verifier)
 
+    def _why(self, s: RouterSession) -> str:
+        if s.verifier_lost:
+            return s.replace_why or "it no longer holds the session"
+        inst = self.registry.get(s.verifier)
+        if inst is None or inst.status is None:
+            return "it never reported its status"
+        return f"its status expired {time.monotonic() - inst.expires:.2f} s ago"
+
     async def run(self, s: RouterSession) -> None:
         async with s.lock:
             old = s.verifier
@@ -66,6 +75,7 @@ class Failover:
             if not self.registry.live(ROLE_VERIFIER):
                 return     # nowhere to go yet; the monitor tries again
             if not s.resume_pending:
+                log.warning("session %s: failing over from %s: %s", s.id.hex(), old, self._why(s))
                 epoch = max(s.epoch, s.allocated) + 1
                 s.allocated = epoch
                 await self.own.act(s)    # the epoch is this owner's before anything is fenced with it

@@ -9,7 +9,7 @@ import pytest
 
 from sdcp_fast.cache import CacheError, StoreTimeout, open_log
 from sdcp_fast.cache.redis_store import RedisStore
-from sdcp_fast.cache.testing import free_port
+from sdcp_fast.ports import free_port
 
 
 @pytest.fixture

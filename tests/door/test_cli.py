@@ -22,7 +22,7 @@ import pytest
 from sdcp_fast import config as schema
 from sdcp_fast import logs
 from sdcp_fast.models import load_backend
-from sdcp_fast.procs import free_port
+from sdcp_fast.ports import free_port
 from sdcp_fast.transport import make_certs
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from roles_support import FrontDoorClient, build_cluster, greedy
 
-from sdcp_fast.procs import free_port
+from sdcp_fast.ports import free_port
 from sdcp_fast.transport import TLSConfig
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "transport"))

@@ -41,7 +41,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from roles_support import FrontDoorClient, build_cluster, greedy
 
 from sdcp_fast.cache import effective_commits, open_log
@@ -317,14 +319,21 @@ def test_verifier_stopped_shorter_than_its_ttl(request, deploy, seed):
     def fault(d, victim, rng):
         v1 = d.instance("v1")
         v1.pause()
-        # shorter than the TTL by a margin: the last status report may be an interval old
-        # (0.25 s) when the pause starts, and the first after it must still reach the router
-        time.sleep(rng.uniform(0.1, 0.4) * VERIFIER_TTL_S)
+        # well inside the TTL: the last status report may be an interval (0.25 s) old when
+        # the pause starts, and the first one after it, sent by a process catching up on
+        # a loaded 2-core machine, must still reach the router in time
+        time.sleep(rng.uniform(0.05, 0.25) * VERIFIER_TTL_S)
         v1.resume()
 
     repeat(request, d, seed, fault)
-    epochs = {g["epoch"] for g in d.fd.generations()}
-    assert epochs == {1}, f"a pause within the TTL caused a failover (seed {seed})"
+    # A rule-2 session of this pair may run out of its ladder and be placed again
+    # (why="unasked_fail", a new epoch too); only a failover is a fault's doing.
+    page = httpx.get(f"{d.router.frontdoor_url}/metrics", timeout=10).text
+    moved = {s.labels["why"]: s.value for family in text_string_to_metric_families(page)
+             for s in family.samples if s.name == "sdcp_replacements_total"}
+    why = [line for line in d.router.log_tail(400).splitlines() if "failing over" in line]
+    assert "failover" in moved, "the router's page has no sdcp_replacements_total{why=failover}"
+    assert moved["failover"] == 0, f"a pause within the TTL caused a failover (seed {seed}): {why}"
 
 
 def test_verifier_stopped_past_its_ttl_is_fenced(request, deploy, seed):
