@@ -36,7 +36,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from . import config as schema
-from .ports import free_port
 from .config import (
     ContractSection,
     DrafterEntry,
@@ -45,6 +44,7 @@ from .config import (
     RouterSection,
     VerifierSection,
 )
+from .ports import free_port
 
 PR_SET_PDEATHSIG = 1
 
