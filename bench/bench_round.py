@@ -105,8 +105,16 @@ class Window:
             self.start_at, self.stop_at = self.times[0], self.times[1]
 
 
-async def _session(verifier: str, router: Client, client: Client, drafter: str, contract: Contract,
-                   next_token: list[int], window: Window, latencies: list[float], stages: Stages) -> None:
+def bench_contract(target: bytes, tokenizer: bytes) -> Contract:
+    return Contract(target=target, tokenizer=tokenizer, rule=1, m_max=8, max_new=1 << 30, stop=(), low_rounds=4,
+                    fallback=(Action.REDUCE,))
+
+
+async def open_session(verifier: str, router: Client, drafter: str, target: bytes = b"", tokenizer: bytes = b"",
+                       *, contract: Contract | None = None) -> tuple[bytes, int, int, bytes, int]:
+    """Open a session on the verifier as the router would and assign it to `drafter`:
+    (session id, round, committed, digest, last token)."""
+    contract = contract or bench_contract(target, tokenizer)
     sid = os.urandom(16)
     prompt = (1, 2, 3)
     opened = SessionOpen(sid, 1, contract, prompt, commit_log_name(sid))
@@ -116,7 +124,12 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
     reply = await call(router, "PUT", f"{verifier}sessions/{encode_session_id(sid)}/drafter", assignment,
                        SessionState)
     assert reply.ok, reply.detail
-    round_, committed, digest, last = state.round, 0, d0, prompt[-1]
+    return sid, state.round, 0, d0, prompt[-1]
+
+
+async def _session(verifier: str, router: Client, client: Client, drafter: str, contract: Contract,
+                   next_token: list[int], window: Window, latencies: list[float], stages: Stages) -> None:
+    sid, round_, committed, digest, last = await open_session(verifier, router, drafter, contract=contract)
     status = Status(drafter, 1, 10, 0, 2000)
     url = f"{verifier}proposals"
     first = True
@@ -154,8 +167,7 @@ async def _drafter(index: int, verifier: str, certs: str, router_uri: str, proto
     backend = load_backend(spec)
     table = torch.load(Path(spec.removeprefix("table:")).with_suffix(".pt"))
     next_token = table.argmax(dim=1).tolist()
-    contract = Contract(target=backend.digest, tokenizer=backend.tokenizer_digest, rule=1, m_max=8,
-                        max_new=1 << 30, stop=(), low_rounds=4, fallback=(Action.REDUCE,))
+    contract = bench_contract(backend.digest, backend.tokenizer_digest)
     router = Client(TLSConfig.for_instance(certs, router_uri), protocol, timeout=60.0)
     client = Client(TLSConfig.for_instance(certs, DRAFTERS[index]), protocol, timeout=60.0)
     latencies: list[float] = []

@@ -120,7 +120,8 @@ class FileCommitLog:
         """Run `fn(deadline, *args)` in a worker thread, bounded by `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, deadline, *args), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):   # not wait_for: no extra task per call
+                return await asyncio.to_thread(fn, deadline, *args)
         except TimeoutError as exc:
             raise StoreTimeout(f"commit log operation exceeded {self.timeout_s}s") from exc
 

@@ -228,11 +228,15 @@ class _Reader:
         self.items_left -= 1
         if self.items_left < 0:
             raise TooManyItems("more data items than allowed")
-        initial = self.take(1)[0]
+        data, pos = self.data, self.pos
+        if pos >= len(data):
+            raise Truncated(f"needs 1 bytes at offset {pos}, input has {len(data)}")
+        initial = data[pos]
+        self.pos = pos + 1
         major, info = initial >> 5, initial & 0x1F
         if major == 7:
             return self.simple(info)
-        value = self.argument(info)
+        value = info if info < 24 else self.argument(info)
         if major == 0:
             return value
         if major == 1:
@@ -249,16 +253,43 @@ class _Reader:
             return self.array(value, depth + 1)
         if major == 5:
             self.check_count(value, 2)
-            result: dict[Any, Any] = {}
-            for _ in range(value):
-                key = self.item(depth + 1)
+            return self.map(value, depth + 1)
+        raise Unsupported(f"tag {value} at offset {self.pos}")
+
+    def map(self, count: int, depth: int) -> dict[Any, Any]:
+        """`count` entries. A key that is a short text string (every SDCP member name) and a
+        value that is a small unsigned integer are read inline, with the same checks `item`
+        makes (depth, items left, bounds, UTF-8); anything else goes through `item`."""
+        data, end = self.data, len(self.data)
+        inline_ok = depth <= self.max_depth
+        result: dict[Any, Any] = {}
+        for _ in range(count):
+            pos = self.pos
+            head = data[pos] if pos < end else 0xFF
+            key: Any = None
+            if 0x60 <= head < 0x78 and inline_ok and self.items_left > 0 and pos + 1 + (head - 0x60) <= end:
+                stop = pos + 1 + (head - 0x60)
+                try:
+                    key = data[pos + 1:stop].decode("utf-8")
+                except UnicodeDecodeError:
+                    key = None   # `item` raises the decoder's error for it
+                else:
+                    self.items_left -= 1
+                    self.pos = stop
+            if key is None:
+                key = self.item(depth)
                 if not isinstance(key, int | str | bytes):
                     raise Unsupported(f"map key of type {type(key).__name__}")
-                if key in result:
-                    raise DuplicateKey(f"duplicate map key {_short(key)}")
-                result[key] = self.item(depth + 1)
-            return result
-        raise Unsupported(f"tag {value} at offset {self.pos}")
+            if key in result:
+                raise DuplicateKey(f"duplicate map key {_short(key)}")
+            pos = self.pos
+            if pos < end and data[pos] < 24 and inline_ok and self.items_left > 0:
+                self.items_left -= 1
+                self.pos = pos + 1
+                result[key] = data[pos]
+            else:
+                result[key] = self.item(depth)
+        return result
 
     def array(self, count: int, depth: int) -> list[Any]:
         """`count` items; unsigned integers below 2**32 (token lists, the bulk of every large

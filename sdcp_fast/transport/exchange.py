@@ -147,9 +147,11 @@ class IncomingRequest:
 
 
 async def respond_to(handler: Handler, request: Request, timeout: float | None) -> Response:
-    """Run the handler with the server's time limit; log one line per request."""
+    """Run the handler with the server's time limit; log one line per request. The handler
+    runs in the stream's own task (asyncio.timeout, not wait_for: no second task per request)."""
     try:
-        response = await asyncio.wait_for(dispatch(handler, request), timeout)
+        async with asyncio.timeout(timeout):
+            response = await dispatch(handler, request)
     except TimeoutError:
         log.warning("handler timed out after %ss on %s %s", timeout, request.method, request.path)
         response = problem_response(Problem(Kind.UNAVAILABLE, "handler timed out"))

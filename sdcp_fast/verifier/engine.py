@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..aio import cancel_and_wait
+from ..aio import Offload, cancel_and_wait
 from ..cache import Fenced
 from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
@@ -148,6 +148,10 @@ class Engine:
         self._path_reason = f"{KERNELS_PATH_VAR} set" if os.environ.get(KERNELS_PATH_VAR) else "chosen by the device"
         self._path_logged = False   # logged with the first batch: a start that fails says nothing more
         self._dev = Device(self.device)
+        # on the CPU a small batch's launch takes less than the hop to a worker thread and
+        # back: measured, and run on the loop when it does (Offload); a CUDA launch waits on
+        # the device, so it always leaves the loop
+        self._launching = Offload() if not self._dev.is_cuda else Offload(inline_below_s=0.0)
         prefetch = config.prefetch_q
         self._prefetch = self._dev.is_cuda if prefetch is None else prefetch
         # q rows land in buffers reused across batches (batches run one at a time)
@@ -215,9 +219,12 @@ class Engine:
                         break
                     if self._queue.empty() and len(batch) - 1 >= could_come:
                         break
-                    try:
-                        batch.append(self._queue.get_nowait() if self._queue.qsize()
-                                     else await asyncio.wait_for(self._queue.get(), max(remaining, 0)))
+                    if self._queue.qsize():
+                        batch.append(self._queue.get_nowait())
+                        continue
+                    try:   # asyncio.timeout, not wait_for: no task per wait
+                        async with asyncio.timeout(max(remaining, 0)):
+                            batch.append(await self._queue.get())
                     except TimeoutError:
                         break
             self._busy = len(batch)
@@ -267,7 +274,7 @@ class Engine:
             jobs = [item.job for item in items]
             logits = logits.to(self.device)   # a no-op when the model runs on the engine's device
 
-            def verify():   # in a worker thread: the event loop keeps taking requests
+            def verify():   # in a worker thread unless measured cheaper than the hop (Offload)
                 with dev.use():
                     dev.wait(landed.ready if landed is not None else None)
                     kernel_began = dev.event()
@@ -275,7 +282,7 @@ class Engine:
                     kernel_done = dev.event()
                     return verify_step.collect(launched), kernel_began, kernel_done
 
-            outcomes, kernel_began, kernel_done = await asyncio.to_thread(verify)
+            outcomes, kernel_began, kernel_done = await self._launching.run(verify, units=len(jobs))
         finally:
             # slots and the q tensor are free once the launch that read them (else the
             # copies into them) has finished
@@ -379,8 +386,8 @@ class Engine:
         appends = [append for _, append in records]
         started = time.perf_counter()
         try:
-            answers = await asyncio.wait_for(append_records(self.commit_log, appends, group=self.config.group_commit),
-                                             timeout)
+            async with asyncio.timeout(timeout):
+                answers = await append_records(self.commit_log, appends, group=self.config.group_commit)
         except Exception as exc:   # the batch as a whole timed out or failed: read each back
             answers = [exc] * len(appends)
         elapsed = time.perf_counter() - started
