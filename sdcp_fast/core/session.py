@@ -168,6 +168,7 @@ class PendingCommit:
     event: Ev
     counters: Counters          # escalation state once the round takes effect
     m_cap: int
+    digests: list[bytes]        # d[committed+1..] of the emitted tokens (computed once)
 
 
 @dataclass(frozen=True)
@@ -367,7 +368,8 @@ class VerifierSession:
             raise ProtocolError(f"accepted {accepted} outside 0..{job.m}")
         emitted, finished = self._truncate((*job.tokens[:accepted], extra))
         committed = self.committed + len(emitted)
-        digest = chain(self.digest, emitted)[-1]
+        digests = chain(self.digest, emitted)[1:]
+        digest = digests[-1] if digests else self.digest
         record = CommitRecord(self.epoch, job.round, tuple(emitted), committed, digest)
         verdict: Verdict | None = None
         counters, m_cap = self.counters, self.m_cap
@@ -386,7 +388,7 @@ class VerifierSession:
                 Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
                 Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
             }[action]
-        self.pending = PendingCommit(record, verdict, event, counters, m_cap)
+        self.pending = PendingCommit(record, verdict, event, counters, m_cap, digests)
         self._move(Ev.RESULT)
         return record
 
@@ -404,7 +406,7 @@ class VerifierSession:
             self.finish = None
             return None
         self.output_tokens.extend(record.emitted)
-        self.digests.extend(chain(self.digest, record.emitted)[1:])
+        self.digests.extend(pending.digests)
         self.round = record.round
         if verdict is not None:
             self.counters = pending.counters

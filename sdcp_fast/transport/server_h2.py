@@ -263,9 +263,13 @@ class H2ServerProtocol(asyncio.Protocol):
         self.caller: str | None = None
         self._transport: asyncio.Transport | None = None
         self._admitted = False
+        # inbound fields are validated by exchange.malformed; outbound ones are built by
+        # exchange.response_headers (lowercase names, our own values): h2 checking and
+        # normalising them again costs a pass over every field of every answer
         self._conn = ServerConnection(h2.config.H2Configuration(
             client_side=False, header_encoding=None,
-            validate_inbound_headers=False, normalize_inbound_headers=False))
+            validate_inbound_headers=False, normalize_inbound_headers=False,
+            validate_outbound_headers=False, normalize_outbound_headers=False))
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered

@@ -196,12 +196,17 @@ class Engine:
 
     async def submit(self, served: ServedSession, job: Job) -> RoundResult:
         """Queue a job; resolves with what became of it."""
+        return await self.enqueue(served, job)
+
+    def enqueue(self, served: ServedSession, job: Job) -> asyncio.Future[RoundResult]:
+        """Queue a job; the future resolves with what became of it (it is never cancelled by
+        the engine: a job that cannot run gets a problem)."""
         future: asyncio.Future[RoundResult] = asyncio.get_running_loop().create_future()
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
         self._queue.put_nowait(_Queued(served, job, future, fetch=fetch))
-        return await future
+        return future
 
     # ------------------------------------------------------------------ the loop
 

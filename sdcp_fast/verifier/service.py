@@ -21,6 +21,7 @@ may have gone away.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -200,8 +201,14 @@ class VerifierService(Routed):
         bad = [t for t in step.tokens if t >= self.target.vocab_size]
         if bad:
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
-        # the round runs to its end in a task of the service even if this request goes away
-        return await asyncio.shield(self.tasks.spawn(self._verify(served, step)))
+        # the round runs to its end in the engine even if this request goes away, and what
+        # follows its commit runs from the engine's future (no task per round)
+        future = self.engine.enqueue(served, step)
+        future.add_done_callback(functools.partial(self._round_done, served))
+        result = await asyncio.shield(future)
+        if result.problem is not None:
+            raise ProblemError(result.problem)
+        return result.verdict
 
     async def output(self, call: Call, sid: str) -> Output:
         served = self._served(sid)
@@ -240,6 +247,10 @@ class VerifierService(Routed):
         if result.problem is not None:
             raise ProblemError(result.problem)
         return result.verdict
+
+    def _round_done(self, served: ServedSession, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.result().settled:
+            self._after_commit(served)
 
     def _after_commit(self, served: ServedSession) -> None:
         """Tell the router, start self-decoding, publish KV, and let go of sessions that can
