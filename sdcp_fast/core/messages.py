@@ -251,6 +251,11 @@ class Message:
 
 
 def _plain(value: Any) -> Any:
+    kind = type(value)
+    if kind is int or kind is bytes or kind is str:   # most members: nothing to convert
+        return value
+    if kind is tuple:   # token lists: plain ints pass as they are
+        return [v if type(v) is int else _plain(v) for v in value]
     if isinstance(value, Message):
         return value.to_obj()
     if isinstance(value, tuple):

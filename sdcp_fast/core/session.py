@@ -561,5 +561,7 @@ class VerifierSession:
 
     def _forget_old_policies(self) -> None:
         # keep only the newest policy already in force, and those still to come
+        if not self.policies:
+            return
         active = [x for x in self.policies if x[0] <= self.round + 1]
         self.policies = active[-1:] + [x for x in self.policies if x[0] > self.round + 1]

@@ -105,6 +105,8 @@ def media_type(header_value: str | None) -> str | None:
 
 
 def parse_query(raw: str) -> dict[str, str]:
+    if not raw:   # most requests (every proposal) have none
+        return {}
     from urllib.parse import parse_qsl
 
     return dict(parse_qsl(raw, keep_blank_values=True, max_num_fields=32))

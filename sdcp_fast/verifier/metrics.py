@@ -41,6 +41,7 @@ ESCALATIONS = ("reduce", "switch", "self_decode", "fail")
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry if registry is not None else new_registry()
+        self._children: dict[int, dict] = {}   # metric id -> label value -> child (see _child)
         self.proposals = counter(r, "proposals", "Proposals received (retries included)")
         self.drafts = counter(r, "spec_decode_num_drafts", "Rounds with a proposal, committed")
         self.draft_tokens = counter(r, "spec_decode_num_draft_tokens", "Draft tokens verified (sum of M)")
@@ -92,12 +93,21 @@ class Metrics:
         self.draft_tokens.inc(m)
         self.accepted_tokens.inc(accepted)
         for position in range(min(accepted, MAX_POSITIONS)):
-            self.accepted_per_pos.labels(position=str(position)).inc()
+            self._child(self.accepted_per_pos, position).inc()
         self.accepted_per_round.observe(accepted)
-        name = action.name.lower()
-        self.verdicts.labels(action=name).inc()
-        if name in ESCALATIONS:
-            self.escalations.labels(action=name).inc()
+        self._child(self.verdicts, action).inc()
+        if action.name.lower() in ESCALATIONS:
+            self._child(self.escalations, action).inc()
+
+    def _child(self, metric, value):
+        """`metric.labels(...)` for its one label, looked up once per value (labels() takes a
+        lock and builds the key on every call; several run per round)."""
+        children = self._children.setdefault(id(metric), {})
+        child = children.get(value)
+        if child is None:
+            label = value.name.lower() if isinstance(value, Action) else str(value)
+            child = children[value] = metric.labels(label)
+        return child
 
     # ------------------------------------------------------------------ reading (tests, benchmarks)
 
