@@ -8,10 +8,11 @@ to `max_batch` jobs), then per batch:
 
 1. lands the batch's q rows in one tensor on the device, on a side stream,
 2. scores every job in one ragged forward pass of the backend (in a worker thread, so the
-   event loop keeps taking requests), concurrently with 1; the logits stay where the model
-   put them (on a GPU: device memory),
+   event loop keeps taking requests, unless measured cheaper than the hop: `aio.Offload`),
+   concurrently with 1; the logits stay where the model put them (on a GPU: device memory),
 3. makes one `kernels.verify` launch that waits on the q rows' event (the device waits,
-   not the host) and brings back only the small results (`verify_step`),
+   not the host) and brings back only the small results (`verify_step`); on the CPU a
+   launch measured cheaper than a thread hop runs on the loop (`Offload`),
 4. for each job: `session.complete` -> commit-log append -> `session.commit_result`, all
    appends of the batch concurrently; only then are verdicts released and output woken.
 
