@@ -77,7 +77,8 @@ class MeasuredCluster(Cluster):
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out_file}",
                        sys.executable, "-m", "sdcp_fast.cli", *serve]
         else:
-            command = [sys.executable, __file__, "--serve-profiled", *serve]
+            # `-c`, not this file: its sys.path entry would put this tree ahead of PYTHONPATH
+            command = [sys.executable, "-c", PROFILED_SERVE, *serve]
         log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
         instance.popen = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           env=env, cwd=self.workdir, start_new_session=True,
@@ -98,23 +99,19 @@ class MeasuredCluster(Cluster):
             time.sleep(0.5)
 
 
-def _serve_profiled(argv: list[str]) -> None:
-    """In the verifier process: the CLI under cProfile, on at SIGUSR1, off and dumped at SIGUSR2
-    (the event loop's thread only: worker threads are not profiled)."""
-    import cProfile
-    import runpy
-
-    profile = cProfile.Profile()
-    out = os.environ["SDCP_BENCH_PROFILE"]
-
-    def stop(*_):
-        profile.disable()
-        profile.dump_stats(out)
-
-    signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
-    signal.signal(signal.SIGUSR2, stop)
-    sys.argv = ["sdcp-fast", *argv]
-    runpy.run_module("sdcp_fast.cli", run_name="__main__")
+PROFILED_SERVE = """
+import cProfile, os, runpy, signal, sys
+# the CLI under cProfile, on at SIGUSR1, off and dumped at SIGUSR2 (the event loop's thread
+# only: worker threads are not profiled)
+profile = cProfile.Profile()
+def stop(*_):
+    profile.disable()
+    profile.dump_stats(os.environ["SDCP_BENCH_PROFILE"])
+signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+signal.signal(signal.SIGUSR2, stop)
+sys.argv = ["sdcp-fast", *sys.argv[1:]]
+runpy.run_module("sdcp_fast.cli", run_name="__main__")
+"""
 
 
 def _control(pid: int, *args: str) -> None:
@@ -227,9 +224,6 @@ def _extract(rev: str, into: Path) -> Path:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-profiled":
-        _serve_profiled(sys.argv[2:])
-        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--proposals", type=int, default=200, help="measured proposals per row")
     parser.add_argument("--sessions", default="1,8")
