@@ -133,6 +133,7 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
     status = Status(drafter, 1, 10, 0, 2000)
     url = f"{verifier}proposals"
     first = True
+    m = M   # the verdict's m_cap bounds the next proposal (a loaded verifier lowers it)
     while True:
         window.poll()
         now = time.monotonic()
@@ -140,7 +141,7 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
             break
         t0 = time.perf_counter()
         tokens, t = [], last
-        for _ in range(M):
+        for _ in range(m):
             t = next_token[t]
             tokens.append(t)
         body = Proposal(sid, 1, round_ + 1, drafter, committed, digest, tuple(tokens), status).to_cbor()
@@ -152,6 +153,7 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
         verdict = Verdict.from_cbor(response.body)
         t3 = time.perf_counter()
         round_, committed, digest, last = verdict.round, verdict.committed, verdict.digest, verdict.emitted[-1]
+        m = min(M, verdict.m_cap)
         if first:
             first = False
             window.warmed()

@@ -145,9 +145,10 @@ async def _drive(url: str, certs: Path, router_uri: str, protocol: str, sessions
 
         async def rounds(state: list, count: int) -> None:
             sid, round_, committed, digest, last = state
+            m = M   # the verdict's m_cap bounds the next proposal
             for _ in range(count):
                 tokens, t = [], last
-                for _ in range(M):
+                for _ in range(m):
                     t = next_token[t]
                     tokens.append(t)
                 body = Proposal(sid, 1, round_ + 1, DRAFTERS[0], committed, digest, tuple(tokens), status).to_cbor()
@@ -156,6 +157,7 @@ async def _drive(url: str, certs: Path, router_uri: str, protocol: str, sessions
                     raise RuntimeError(f"round refused: {response.status} {response.body[:200]!r}")
                 verdict = Verdict.from_cbor(response.body)
                 round_, committed, digest, last = verdict.round, verdict.committed, verdict.digest, verdict.emitted[-1]
+                m = min(M, verdict.m_cap)
             state[:] = [sid, round_, committed, digest, last]
 
         states = [list(s) for s in opened]
