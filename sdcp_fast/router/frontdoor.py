@@ -27,8 +27,8 @@ Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detai
 problems the router raises). Tokens are streamed exactly once each, in order: the stream
 reads the router's session output (which takes every committed token once, section 6.7)
 from an index, so a client that reconnects with from=n resumes without a gap or a repeat, here or at another router (router/follow.py).
-Text is decoded on the whole sequence and sent as the difference, holding back a trailing
-incomplete character.
+Text comes from router/textstream.py (the OpenAI routes' too): decoded on the whole
+sequence and sent as the difference, holding back a trailing incomplete character.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
 from .bodies import is_int, json_object, resume_index
 from .service import RouterService
 from .sessions import RouterSession
+from .textstream import TextStream
 
 log = logging.getLogger("sdcp_fast.router.frontdoor")
 RECHECK_S = 15.0      # a stream looks again at least this often, changed or not
@@ -145,18 +146,15 @@ class FrontDoor:
             yield _event("start", {"id": s.id.hex(), "epoch": s.epoch, "verifier": s.verifier,
                                    "drafter": s.drafter, "prompt_tokens": len(s.prompt)})
         index = min(from_index, len(s.tokens)) if s.done else from_index
-        sent_text = decode(s.tokens[:index])
+        text = TextStream(decode)
+        text.feed(s.tokens[:index])        # the text of the tokens before `from` counts as sent
         while True:
             changed = s.changed_event()
             if len(s.tokens) > index:
                 new = s.tokens[index:]
-                text = decode(s.tokens)
-                settled = text[:-1] if text.endswith("\ufffd") else text
-                delta = settled[len(sent_text):] if settled.startswith(sent_text) else ""
+                delta = text.feed(s.tokens)
                 index += len(new)
                 yield _event("tokens", {"index": index - len(new), "tokens": new, "text": delta}, index)
-                if settled.startswith(sent_text):
-                    sent_text = settled
             if s.done and index >= len(s.tokens):
                 yield _event("end", self._end(s, decode(s.tokens)), index)
                 return
