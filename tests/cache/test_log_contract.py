@@ -251,3 +251,22 @@ def test_append_batch_of_a_wrapper_goes_through_its_own_append(tmp_path):
 
     assert run(body()) == [1, 1]
     assert sorted(calls) == ["x", "y"]
+
+
+def test_read_spans_pages(log_spec, monkeypatch):
+    """A log longer than one read page reads whole and in order, from any start (etcd pages)."""
+    import sdcp_fast.cache.etcd_log as etcd_log
+    monkeypatch.setattr(etcd_log, "_RANGE_PAGE", 2)
+
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            for i in range(7):
+                await log.append(LOG, b"r%d" % i, epoch=1, expected=i)
+            entries = await log.read(LOG)
+            assert entries == [LogEntry(i, "commit", 1, b"r%d" % i) for i in range(7)]
+            assert await log.read(LOG, 3) == entries[3:]
+        finally:
+            await log.close()
+
+    run(body())
