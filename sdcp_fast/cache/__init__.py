@@ -34,6 +34,7 @@ default 5 s, `timeout_s=` in any spec's query):
     LogEntry(position: int, kind: "commit" | "fence", epoch: int, record: bytes)
 
     effective_commits(entries) -> list[LogEntry]  # skips commits refused by a later-epoch fence
+    EffectiveCommits().of(entries)          # the same over a log read piece by piece
     await check_after_append(log_store, log, position, epoch) -> None  # section 6.8's check
     object_uri(name: str, scope: bytes | None = None) -> str  # "mlc:/scope/<hex>/name"
     await load_q_rows(store, refs: Sequence[tuple[str, int]], vocab: int,
@@ -54,6 +55,7 @@ Test servers: `testing.redis_server()`, `testing.etcd_server()` (context manager
 from .api import (
     Append,
     CommitLog,
+    EffectiveCommits,
     LogEntry,
     ObjectStore,
     append_batch,
@@ -78,7 +80,7 @@ from .records import Exists, Lease, LeaseExpired, NotOwner, Owned, Record, Recor
 from .specs import open_log, open_store, open_table, table_beside_log
 
 __all__ = [
-    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Exists", "Fenced", "Lease",
+    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "EffectiveCommits", "Exists", "Fenced", "Lease",
     "LeaseExpired", "LogEntry", "NotFound", "NotOwner", "ObjectStore", "Owned", "Record",
     "RecordTable", "SizeMismatch", "StoreFull", "StoreTimeout", "UnsafeDirectory",
     "append_batch", "append_each", "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",

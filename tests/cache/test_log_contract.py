@@ -270,3 +270,20 @@ def test_read_spans_pages(log_spec, monkeypatch):
             await log.close()
 
     run(body())
+
+
+def test_effective_commits_read_in_pieces_match_the_whole():
+    """A follower's incremental filter (EffectiveCommits) keeps what effective_commits keeps,
+    however the log is cut: a fence seen in one piece still refuses older commits after it."""
+    from sdcp_fast.cache import EffectiveCommits
+
+    log = [LogEntry(0, "commit", 1, b"a"), LogEntry(1, "fence", 2, b""), LogEntry(2, "commit", 1, b"late"),
+           LogEntry(3, "commit", 2, b"b"), LogEntry(4, "fence", 3, b""), LogEntry(5, "commit", 2, b"late2"),
+           LogEntry(6, "commit", 3, b"c")]
+    whole = effective_commits(log)
+    assert [e.record for e in whole] == [b"a", b"b", b"c"]
+    for cut in range(len(log) + 1):
+        for second in range(cut, len(log) + 1):
+            filt = EffectiveCommits()
+            pieces = filt.of(log[:cut]) + filt.of(log[cut:second]) + filt.of(log[second:])
+            assert pieces == whole
