@@ -49,7 +49,8 @@ Errors (errors.py): CacheError > NotFound, StoreFull, StoreTimeout, BadSpec, Con
 Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not private), Exists,
 NotOwner > LeaseExpired (records.py);
 qrows.QRowsUnavailable.
-Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
+Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers);
+`testing.EtcdProcess` (an etcd that can be killed and started again on its data).
 """
 
 from .api import (

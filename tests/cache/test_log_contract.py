@@ -287,3 +287,33 @@ def test_effective_commits_read_in_pieces_match_the_whole():
             filt = EffectiveCommits()
             pieces = filt.of(log[:cut]) + filt.of(log[cut:second]) + filt.of(log[second:])
             assert pieces == whole
+
+
+def test_etcd_killed_and_started_again_keeps_the_log(tmp_path):
+    """cache.testing.EtcdProcess (the fault tests' etcd): SIGKILL, then a start on the same
+    ports and data; an acknowledged append is still there."""
+    from sdcp_fast.cache.testing import EtcdProcess
+
+    etcd = EtcdProcess(tmp_path)
+    etcd.start()
+    try:
+        async def append():
+            log = await open_log(etcd.url)
+            try:
+                await log.append(LOG, b"kept", epoch=1, expected=0)
+            finally:
+                await log.close()
+
+        async def read():
+            log = await open_log(etcd.url)
+            try:
+                return await log.read(LOG)
+            finally:
+                await log.close()
+
+        run(append())
+        etcd.kill()
+        etcd.start()
+        assert run(read()) == [LogEntry(0, "commit", 1, b"kept")]
+    finally:
+        etcd.stop()
