@@ -457,6 +457,9 @@ class RouterService(Routed):
                 await coro
             except NotOwner as exc:
                 self._lost(s, exc)
+            except CacheError as exc:   # the session table is down (a store restarting): no bug
+                log.warning("session %s: control step not done, the session table did not answer "
+                            "(%s); the monitor tries again", s.id.hex(), exc)
             except Exception:
                 log.exception("session %s: control step failed", s.id.hex())
             finally:
