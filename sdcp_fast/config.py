@@ -144,6 +144,7 @@ class RouterSection:
     stall_s: float = 5.0
     monitor_interval_s: float = 0.1
     request_timeout_s: float = 5.0
+    open_timeout_s: float = 30.0            # bound of one session-open (a prefill, behind the batches)
     target_kv: bool = True                  # offer the verifier's published target KV on resume
     session_load: int = 5
     session_table: str = ""                 # where sessions are recorded (file:DIR, redis://..., etcd://...);

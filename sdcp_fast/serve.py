@@ -246,7 +246,7 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
     config = RouterConfig(
         uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
         monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
-        target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
+        open_timeout_s=r.open_timeout_s, target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
         status_grace_s=r.status_grace_s, contract=contract_defaults(r.contract))
     metrics = Metrics()
     built = Built(None, count_refusal=refusal_counter(metrics.registry))
