@@ -41,6 +41,7 @@ from .http import Request, Response, body_timeout_response, problem_response
 from .quic_mtls import rejection, require_client_certificate, verified_identity
 from .refusals import Kind, log
 from .serving import Serving
+from .strikes import ConnectionStrikes
 
 assert "h3" in H3_ALPN
 MAX_REFUSED_TRACKED = 4096   # refused streams whose late data is dropped, per connection
@@ -126,7 +127,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self.caller: str | None = None
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._resets: tuple[float, int] = (0.0, 0)  # (window start, early resets in it)
+        self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._awaiting_headers: dict[int, asyncio.TimerHandle] = {}  # streams begun, no headers yet
         self._highest_stream = -1
         self._closing = False
@@ -310,21 +311,27 @@ class H3ServerProtocol(QuicConnectionProtocol):
             self._count_early_reset(stream_id, "reset by the client before its answer")
 
     def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        now = asyncio.get_running_loop().time()
-        start, count = self._resets
-        if now - start > self._limits.early_reset_window_s:
-            start, count = now, 0
-        count += 1
-        self._resets = (start, count)
-        if count > self._limits.max_early_resets and not self._closing:
-            detail = (f"{count} streams reset or refused before their answer within "
-                      f"{self._limits.early_reset_window_s:g}s (last: stream {stream_id}, {detail})")
-            self._serving.refusals.refuse(Kind.RAPID_RESET, self._client, f"h3: {detail}")
-            self._serving.calm_down(self.caller)
-            self._closing = True
-            for task in self._tasks.values():
-                task.cancel()
-            self._close(ErrorCode.H3_EXCESSIVE_LOAD, "too many early resets")
+        over = self._strikes.early_reset(asyncio.get_running_loop().time(), stream_id, detail)
+        if over is not None:
+            self._calm_down(*over)
+
+    def _count_refused(self, stream_id: int, status: int) -> None:
+        """A request answered 400/413/415/431 (strikes.py). Called from the stream's own
+        task too, which ending the connection cancels: so that runs as a callback."""
+        over = self._strikes.refused(asyncio.get_running_loop().time(), stream_id, status)
+        if over is not None:
+            asyncio.get_running_loop().call_soon(self._calm_down, *over)
+
+    def _calm_down(self, kind: str, detail: str) -> None:
+        """End the connection with H3_EXCESSIVE_LOAD and refuse the client for a while."""
+        if self._closing:
+            return
+        self._serving.refusals.refuse(kind, self._client, f"h3: {detail}")
+        self._serving.calm_down(self.caller)
+        self._closing = True
+        for task in self._tasks.values():
+            task.cancel()
+        self._close(ErrorCode.H3_EXCESSIVE_LOAD, kind)
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: STOP_SENDING, 408."""
@@ -348,6 +355,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         if not request_complete:
             self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
         self._write(stream_id, problem_response(problem), head=False)
+        self._count_refused(stream_id, problem.status)
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
@@ -358,6 +366,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
             response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
             if stream_id in self._tasks:  # not reset meanwhile
                 self._write(stream_id, response, head)
+                self._count_refused(stream_id, response.status)
         finally:
             if self._tasks.get(stream_id) is asyncio.current_task():
                 del self._tasks[stream_id]
