@@ -21,7 +21,8 @@ counts as an error. The last line reads
 
 (G: the largest growth of any process since the first minute).
 
-    .venv/bin/python bench/bench_soak.py [--clients 256] [--minutes 10] [--window 10] [--stock-limits]
+    .venv/bin/python bench/bench_soak.py [--clients 256] [--minutes 10] [--window 10] [--protocol h2|h3]
+                                         [--stock-limits]
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ PROBLEMS = re.compile(r"Traceback|\b(?:HTTP|status) 5\d\d\b|\s5\d\d (?:Internal|
 # ----------------------------------------------------------------------------- deployment
 
 
-def deploy(workdir: Path, max_new: int, clients: int, sized: bool) -> tuple[Cluster, str]:
+def deploy(workdir: Path, max_new: int, clients: int, sized: bool, protocol: str) -> tuple[Cluster, str]:
     """`sized`: the deployment made for `clients` sessions at once (the stock limits are
     for 128 or fewer): each drafter takes half of them (DrafterSection.max_sessions, 64),
     and the verifier allows that many streams on one HTTP/2 connection: the router keeps an
@@ -73,7 +74,7 @@ def deploy(workdir: Path, max_new: int, clients: int, sized: bool) -> tuple[Clus
     write_table(workdir / "target.safetensors", target)
     write_table(workdir / "draft.safetensors", target + torch.randn(V, V, generator=g) * 3)
     target_spec, draft_spec = (f"table:{workdir / n}.safetensors" for n in ("target", "draft"))
-    cluster = Cluster(workdir / "cluster", log_level="info")
+    cluster = Cluster(workdir / "cluster", log_level="info", protocol=protocol)
     v1 = cluster.verifier("v1", model=target_spec)
     drafter_options = {}
     if sized:
@@ -261,12 +262,15 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds per line")
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="keep the workdir (logs) and print it")
+    parser.add_argument("--protocol", choices=("h2", "h3"), default="h2",
+                        help="how router, verifier and drafters call each other")
     parser.add_argument("--stock-limits", action="store_true",
                         help="the stock drafter max_sessions and verifier stream limit, not sized for the clients")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="sdcp-soak-"))
-    cluster, target = deploy(workdir, args.max_new, args.clients, sized=not args.stock_limits)
-    print(f"soak: {args.clients} clients, {args.minutes} min, max_new {args.max_new}, "
+    cluster, target = deploy(workdir, args.max_new, args.clients, sized=not args.stock_limits,
+                             protocol=args.protocol)
+    print(f"soak: {args.clients} clients, {args.minutes} min, max_new {args.max_new}, {args.protocol}, "
           f"{'stock limits' if args.stock_limits else 'limits sized for the clients'}, "
           f"load average {os.getloadavg()[0]:.1f}, workdir {workdir}", flush=True)
     try:
