@@ -47,7 +47,7 @@ from .http import Request, Response, body_timeout_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
-from .strikes import ConnectionStrikes
+from .strikes import ConnectionStrikes, CountsStrikes
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
@@ -256,7 +256,7 @@ def _partial_frame(conn: h2.connection.H2Connection) -> bool:
 # stage 2 and 3: one authenticated HTTP/2 connection
 
 
-class H2ServerProtocol(asyncio.Protocol):
+class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def __init__(self, serving: Serving, peer: object):
         self._serving = serving
         self._limits = serving.limits
@@ -453,18 +453,6 @@ class H2ServerProtocol(asyncio.Protocol):
     def _stream_refused(self, stream_id: int, kind: str, detail: str) -> None:
         self._serving.refusals.refuse(kind, self._client, f"h2: stream {stream_id}: {detail}")
         self._count_early_reset(stream_id, detail)
-
-    def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        over = self._strikes.early_reset(asyncio.get_running_loop().time(), stream_id, detail)
-        if over is not None:
-            self._calm_down(*over)
-
-    def _count_refused(self, stream_id: int, status: int) -> None:
-        """A request answered 400/413/415/431 (strikes.py). Called from the stream's own
-        task too, which ending the connection cancels: so that runs as a callback."""
-        over = self._strikes.refused(asyncio.get_running_loop().time(), stream_id, status)
-        if over is not None:
-            asyncio.get_running_loop().call_soon(self._calm_down, *over)
 
     def _calm_down(self, kind: str, detail: str) -> None:
         """End the connection with ENHANCE_YOUR_CALM and refuse the client for a while."""

@@ -41,7 +41,7 @@ from .http import Request, Response, body_timeout_response, problem_response
 from .quic_mtls import rejection, require_client_certificate, verified_identity
 from .refusals import Kind, log
 from .serving import Serving
-from .strikes import ConnectionStrikes
+from .strikes import ConnectionStrikes, CountsStrikes
 
 assert "h3" in H3_ALPN
 MAX_REFUSED_TRACKED = 4096   # refused streams whose late data is dropped, per connection
@@ -110,7 +110,7 @@ class ServerH3Connection(H3Connection):
         return StreamRefused(stream.stream_id, kind, reason, problem)
 
 
-class H3ServerProtocol(QuicConnectionProtocol):
+class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, serving: Serving, **kwargs):
         require_client_certificate(quic, serving.certificates)
         # aioquic fixes MAX_STREAMS at 128; it is announced in the transport parameters, so
@@ -309,18 +309,6 @@ class H3ServerProtocol(QuicConnectionProtocol):
             except Exception as exc:  # already reset or ended
                 log.debug("h3: could not reset stream %d: %s", stream_id, exc)
             self._count_early_reset(stream_id, "reset by the client before its answer")
-
-    def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        over = self._strikes.early_reset(asyncio.get_running_loop().time(), stream_id, detail)
-        if over is not None:
-            self._calm_down(*over)
-
-    def _count_refused(self, stream_id: int, status: int) -> None:
-        """A request answered 400/413/415/431 (strikes.py). Called from the stream's own
-        task too, which ending the connection cancels: so that runs as a callback."""
-        over = self._strikes.refused(asyncio.get_running_loop().time(), stream_id, status)
-        if over is not None:
-            asyncio.get_running_loop().call_soon(self._calm_down, *over)
 
     def _calm_down(self, kind: str, detail: str) -> None:
         """End the connection with H3_EXCESSIVE_LOAD and refuse the client for a while."""

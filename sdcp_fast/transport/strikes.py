@@ -11,6 +11,7 @@ H3_EXCESSIVE_LOAD and the client's identity is refused for `calm_penalty_s`
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from .limits import Limits
@@ -57,3 +58,26 @@ class ConnectionStrikes:
             return None
         return Kind.REFUSED_REQUESTS, (f"{self._refused.count} requests refused as malformed or over a limit "
                                        f"within {self._window:g}s (last: stream {stream_id}, {status})")
+
+
+class CountsStrikes:
+    """The counting steps of both servers' connection protocols, which provide `_strikes`
+    (a ConnectionStrikes) and `_calm_down(kind, detail)` (end the connection, penalise the
+    identity)."""
+
+    _strikes: ConnectionStrikes
+
+    def _calm_down(self, kind: str, detail: str) -> None:
+        raise NotImplementedError
+
+    def _count_early_reset(self, stream_id: int, detail: str) -> None:
+        over = self._strikes.early_reset(asyncio.get_running_loop().time(), stream_id, detail)
+        if over is not None:
+            self._calm_down(*over)
+
+    def _count_refused(self, stream_id: int, status: int) -> None:
+        """A request answered 400/413/415/431. Called from the stream's own task too, which
+        ending the connection cancels: so that runs as a callback."""
+        over = self._strikes.refused(asyncio.get_running_loop().time(), stream_id, status)
+        if over is not None:
+            asyncio.get_running_loop().call_soon(self._calm_down, *over)

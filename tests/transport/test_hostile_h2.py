@@ -26,6 +26,14 @@ def _serve(handler, pki, **limits):
     return serve(handler, host="127.0.0.1", port=0, tls=pki.server, http3=False, **limits)
 
 
+async def _refused_for_a_while(server, identity) -> None:
+    """A client told to calm down comes straight back: refused, with ENHANCE_YOUR_CALM."""
+    again = await RawH2.open(server.port, identity)
+    await again.run_until_closed()
+    assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
+    assert server.refusals.counts["calm_penalty"] == 1
+
+
 MALFORMED = {
     "uppercase-name": dict(headers=[(b"X-Upper", b"1")]),
     "connection-header": dict(headers=[(b"connection", b"close")]),
@@ -111,10 +119,7 @@ def test_oversized_header_list_is_refused_431_and_the_connection_goes_on(pki):
             assert client.goaway is not None and client.goaway.error_code == E.ENHANCE_YOUR_CALM
             assert server.refusals.counts["headers_too_large"] == 2
             # ... and the client may not come straight back for another decode of that size
-            again = await RawH2.open(server.port, pki.drafter)
-            await again.run_until_closed()
-            assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
-            assert server.refusals.counts["calm_penalty"] == 1
+            await _refused_for_a_while(server, pki.drafter)
 
     run(main())
 
@@ -182,10 +187,7 @@ def test_rapid_reset_ends_the_connection_with_enhance_your_calm(pki):
             await bystander.until(lambda c: c.done(good))
             assert bystander.streams[good].status == 200
             # the same identity is refused for a while, with a reason
-            again = await RawH2.open(server.port, pki.drafter)
-            await again.run_until_closed()
-            assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
-            assert server.refusals.counts["calm_penalty"] == 1
+            await _refused_for_a_while(server, pki.drafter)
             await bystander.close()
 
     run(main())
@@ -221,10 +223,7 @@ def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
             good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
             await bystander.until(lambda c: c.done(good))
             assert bystander.streams[good].status == 200
-            again = await RawH2.open(server.port, pki.drafter)
-            await again.run_until_closed()
-            assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
-            assert server.refusals.counts["calm_penalty"] == 1
+            await _refused_for_a_while(server, pki.drafter)
             await bystander.close()
 
     run(main())
