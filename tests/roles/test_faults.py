@@ -48,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from roles_support import FrontDoorClient, build_cluster, greedy
 
 from sdcp_fast.cache import effective_commits, open_log
-from sdcp_fast.cache.testing import _etcd_ready, _redis_ready, _require_binary
+from sdcp_fast.cache.testing import EtcdProcess, RedisProcess
 from sdcp_fast.core.messages import CommitRecord
 from sdcp_fast.procs import Instance, die_with_parent, free_port
 from sdcp_fast.refs import commit_log_name
@@ -107,86 +107,6 @@ class LoopbackProxy:
         self.heal()
         self.popen.kill()
         self.popen.wait(5)
-
-
-class RestartableServer:
-    """A store server whose process can be killed (-9) and started again on the same ports
-    and data directory (sdcp_fast.cache.testing's are throw-away)."""
-
-    name = "server"
-
-    def __init__(self, workdir: Path):
-        self.workdir = workdir
-        self.popen: subprocess.Popen | None = None
-
-    def args(self) -> list[str]:
-        raise NotImplementedError
-
-    def ready(self) -> bool:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        with open(self.workdir / f"{self.name}.log", "ab") as out:
-            self.popen = subprocess.Popen(self.args(), stdout=out, stderr=subprocess.STDOUT,
-                                          preexec_fn=die_with_parent())
-        wait_until(self.ready, 30, f"{self.name} not ready")
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait(5)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(10)
-
-
-class Etcd(RestartableServer):
-    """A single-member etcd; every acknowledged write is in its raft log on disk."""
-
-    name = "etcd"
-
-    def __init__(self, workdir: Path):
-        super().__init__(workdir)
-        self.binary = _require_binary("etcd", "etcd-server")
-        self.client_url = f"http://127.0.0.1:{free_port()}"
-        self.peer_url = f"http://127.0.0.1:{free_port()}"
-        self.url = self.client_url.replace("http://", "etcd://")
-        self.start()
-
-    def args(self) -> list[str]:
-        return [self.binary, "--name", "faults", "--data-dir", str(self.workdir / "etcd-data"),
-                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
-                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-                "--initial-cluster", f"faults={self.peer_url}", "--log-level", "error"]
-
-    def ready(self) -> bool:
-        return _etcd_ready(self.client_url)
-
-
-class Redis(RestartableServer):
-    """A redis-server whose commit log survives kill -9: the append-only file with
-    `appendfsync always` (Redis fsyncs a write before it answers, so an acknowledged append
-    is on disk; `everysec`, Redis's default, may lose the last second of acknowledged
-    appends, RDB snapshots more). No RDB snapshots."""
-
-    name = "redis"
-
-    def __init__(self, workdir: Path):
-        super().__init__(workdir)
-        self.binary = _require_binary("redis-server", "redis-server")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        (workdir / "redis-data").mkdir()
-        self.start()
-
-    def args(self) -> list[str]:
-        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.workdir / "redis-data"), "--save", "",
-                "--appendonly", "yes", "--appendfsync", "always"]
-
-    def ready(self) -> bool:
-        return _redis_ready(self.port)
 
 
 class Deployment:
@@ -426,10 +346,12 @@ def test_verdicts_dropped_on_the_way_back(request, deploy, seed):
     repeat(request, d, seed, lambda d, victim, rng: None)
 
 
-def restart_store_mid_generation(request, deploy, seed, store: RestartableServer, spec: str) -> None:
-    """The commit-log store killed (-9) mid-generation and started again on the same data
-    0.5-2 s later: appends and reads in that gap fail, the verifier reads back what landed,
-    the rounds are retried; every acknowledged commit is still in the log after the restart."""
+def restart_store_mid_generation(request, deploy, seed, store, spec: str) -> None:
+    """The commit-log store (`cache.testing.EtcdProcess` / `RedisProcess`; the router's
+    session table is on it too) killed (-9) mid-generation and started again on the same
+    data 0.5-2 s later: appends and reads in that gap fail, the verifier reads back what
+    landed, the rounds are retried; every acknowledged commit is still in the log."""
+    store.start()
     try:
         d = deploy(commit_log=spec)
 
@@ -445,14 +367,13 @@ def restart_store_mid_generation(request, deploy, seed, store: RestartableServer
 
 def test_commit_log_store_restarted(request, deploy, seed, tmp_path):
     """etcd holds the commit log."""
-    etcd = Etcd(tmp_path)
+    etcd = EtcdProcess(tmp_path, name="faults")
     restart_store_mid_generation(request, deploy, seed, etcd, f"{etcd.url}?prefix=/{uuid.uuid4().hex}/log/")
 
 
 def test_redis_commit_log_restarted(request, deploy, seed, tmp_path):
-    """Redis holds the commit log, with the append-only file fsynced on every write (Redis
-    above)."""
-    redis = Redis(tmp_path)
+    """Redis holds the commit log, its append-only file fsynced before every answer."""
+    redis = RedisProcess(tmp_path)
     restart_store_mid_generation(request, deploy, seed, redis, redis.url)
 
 
