@@ -1,7 +1,7 @@
 """Where the time goes when the real pair serves several prompts at once between processes.
 
     .venv/bin/python bench/timeline_real.py [--prompts 4] [--new-tokens 128] [--m 5]
-                                            [--max-wait-ms 1.0] [--company-share 0.5]
+                                            [--max-wait-ms 1.0] [--company-share 0,0.5]
                                             [--repeats 1] [--keep DIR]
 
 bench_real.py's cluster (router, verifier with the SmolLM2 target, one drafter with the
@@ -17,8 +17,11 @@ It prints the timeline's summary: sessions per verify pass and what a pass costs
 width, how much of the wall time the verifier's model was busy, and a round split into
 building (drafting not hidden behind the verifier), the trip to the verifier and back
 (queue wait, pass, commit, transport), and the step from the verdict to the next proposal.
-Last line: `4 prompts: processes X.X tok/s, one process Y.Y tok/s (Z.ZZx), sessions per
-pass A.AA, verifier busy B%`.
+`--company-share 0,0.5` starts a cluster for each value and alternates the runs between
+them and the one-process loop (`--repeats` rounds), so that a shared machine's drifting
+load weighs on each alike. Last line: `4 prompts, medians: one process Y.Y tok/s; company_share
+S: X.X tok/s (Z.ZZx), A.AA sessions a pass, verifier busy B%; ...` (Z: over the one-process
+loop).
 """
 
 from __future__ import annotations
@@ -103,9 +106,10 @@ def main() -> int:
     ap.add_argument("--m", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-wait-ms", type=float, default=None, help="the verifier's (default: bench_real's)")
-    ap.add_argument("--company-share", type=float, default=None,
-                    help="the verifier's (default: its config's; 0: no wait for late sessions)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of the prompts at once (the first is timed too)")
+    ap.add_argument("--company-share", default="",
+                    help="the verifier's wait for late sessions; several, comma-separated (e.g. 0,0.5), "
+                    "start one cluster each and alternate between them (default: the config's)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs of the prompts at once, per variant")
     ap.add_argument("--keep", help="keep the work directory (logs) here")
     args = ap.parse_args()
 
@@ -122,45 +126,60 @@ def main() -> int:
     draft = load_backend(draft_spec)
     workdir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="sdcp-timeline-", dir=fast_tmp()))
     workdir.mkdir(parents=True, exist_ok=True)
-    options = {"batch_log": str(workdir / "cluster" / "verifier.batches.jsonl")}
-    if args.max_wait_ms is not None:
-        options["max_wait_ms"] = args.max_wait_ms
-    if args.company_share is not None:
-        options["company_share"] = args.company_share
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; draft {draft_spec}; "
-          f"verifier {options}", flush=True)
-    rates, summaries = [], []
+    shares = [float(x) for x in args.company_share.split(",") if x.strip()] or [None]
+    variants = []    # (name, options, workdir)
+    for n, share in enumerate(shares):
+        where = workdir / f"variant-{n}"
+        options = {"batch_log": str(where / "cluster" / "verifier.batches.jsonl")}
+        if args.max_wait_ms is not None:
+            options["max_wait_ms"] = args.max_wait_ms
+        if share is not None:
+            options["company_share"] = share
+        variants.append((f"company_share {share if share is not None else 'default'}", options, where))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; draft {draft_spec}", flush=True)
+    rates = {name: [] for name, _, _ in variants}
+    summaries = {name: [] for name, _, _ in variants}
+    loops = []
+    clusters = []
     try:
-        cluster, front = start_sdcp(workdir, f"hf:{gguf}", draft_spec, draft.digest.hex(), args.m,
-                                    args.new_tokens, eos, args.threads, **options)
-        try:
+        for name, options, where in variants:
+            cluster, front = start_sdcp(where, f"hf:{gguf}", draft_spec, draft.digest.hex(), args.m,
+                                        args.new_tokens, eos, args.threads, **options)
+            clusters.append((name, cluster, front, Path(options["batch_log"])))
             sdcp_at_once(front, [p[:] for p in prompts], 4, eos)   # warm-up, untimed
-            for _ in range(args.repeats):
-                batches_path = workdir / "cluster" / "verifier.batches.jsonl"
+        for rep in range(args.repeats):   # alternate, so that a drifting load weighs on each alike
+            for name, cluster, front, batches_path in clusters:
                 rounds_path = cluster.workdir / "drafter.rounds.jsonl"
                 seen_b, seen_r = len(read_lines(batches_path)), len(read_lines(rounds_path))
                 time.sleep(0.3)
                 outputs, wall = sdcp_at_once(front, prompts, args.new_tokens, eos)
                 time.sleep(0.3)   # the last lines land
                 tokens = sum(map(len, outputs))
-                rates.append(tokens / wall)
+                rates[name].append(tokens / wall)
                 summary = summarise(read_lines(batches_path)[seen_b:], read_lines(rounds_path)[seen_r:], wall)
-                summaries.append(summary)
-                print(f"\n{len(prompts)} prompts at once through the processes: {tokens} tokens in "
-                      f"{wall:.2f} s, {tokens / wall:.1f} tokens/s\n{report(summary)}", flush=True)
-        finally:
-            cluster.stop()
+                summaries[name].append(summary)
+                print(f"\n[{name}, run {rep + 1}] {len(prompts)} prompts at once through the processes: "
+                      f"{tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tokens/s; load average "
+                      f"{os.getloadavg()[0]:.2f}\n{report(summary)}", flush=True)
+            loop = in_process(target, draft, prompts, args.new_tokens, eos, args.m)
+            loops.append(loop.rate)
+            print(f"\n[run {rep + 1}] the speculative loop in this process: {loop.tokens} tokens, "
+                  f"{loop.rate:.1f} tokens/s", flush=True)
     finally:
+        for _, cluster, _, _ in clusters:
+            cluster.stop()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
-    loop = in_process(target, draft, prompts, args.new_tokens, eos, args.m)
-    print(f"\nthe speculative loop in this process: {loop.tokens} tokens, {loop.rate:.1f} tokens/s; "
-          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    rate = statistics.median(rates)
-    per_pass = statistics.median(s["per_pass"] for s in summaries)
-    busy = statistics.median(s["busy_share"] for s in summaries)
-    print(f"{len(prompts)} prompts: processes {rate:.1f} tok/s, one process {loop.rate:.1f} tok/s "
-          f"({rate / loop.rate:.2f}x), sessions per pass {per_pass:.2f}, verifier busy {100 * busy:.0f}%")
+    loop_rate = statistics.median(loops)
+    parts = []
+    for name, _, _ in variants:
+        rate = statistics.median(rates[name])
+        per_pass = statistics.median(s["per_pass"] for s in summaries[name])
+        busy = statistics.median(s["busy_share"] for s in summaries[name])
+        parts.append(f"{name}: {rate:.1f} tok/s ({rate / loop_rate:.2f}x), {per_pass:.2f} sessions a pass, "
+                     f"verifier busy {100 * busy:.0f}%")
+    print(f"\nload average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{len(prompts)} prompts, medians: one process {loop_rate:.1f} tok/s; " + "; ".join(parts))
     return 0
 
 
