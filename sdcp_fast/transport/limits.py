@@ -36,6 +36,7 @@ class Limits:
     max_concurrent_streams: int = 128        # advertised (HTTP/2 SETTINGS, QUIC MAX_STREAMS)
     max_early_resets: int = 200              # streams reset before their answer (or refused) ...
     early_reset_window_s: float = 10.0       # ... within this window: ENHANCE_YOUR_CALM
+    max_refused_requests: int = 32           # requests answered 400/413/415/431 within the window: the same
 
     # ---- connections
     max_connections: int = 1024              # authenticated connections, all clients together

