@@ -4,7 +4,7 @@
 return what kernels/cpu.py does; they call the torch custom ops `torch.ops.sdcp.verify` and
 `torch.ops.sdcp.target_probs` (csrc/sdcp_ops.cpp, CPU implementation in
 csrc/cpu/verify_cpu.cpp): one streaming pass per logits row (max, argmax, online sum of exp in
-float, AVX2 or portable loops chosen at run time), threads over rows, top-k / top-p without a
+float, AVX-512, AVX2 or portable loops chosen at run time: csrc/cpu/isa.cpp), threads over rows, top-k / top-p without a
 sort over V, decisions rechecked in double near their boundaries (csrc/cpu/rows.cpp).
 
 verify tensors (all on the CPU; B proposals, N = sum M_b draft tokens, R logits rows):
@@ -26,7 +26,8 @@ target_probs tensors:
 
 Without the built library (no compiler when the package was installed, or an isolated build)
 `available()` is False, the dispatcher uses kernels/cpu.py, and a warning says so once.
-SDCP_NATIVE_ISA=scalar makes the op use its portable loops (the tests run both).
+SDCP_NATIVE_ISA=scalar makes the op use its portable loops, =avx2 its AVX2 ones on an
+AVX-512 machine (the tests run every one the CPU has).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def available() -> bool:
 
 
 def capability() -> str:
-    """The row loops the op runs now: 'avx2' or 'scalar' (the op must be available)."""
+    """The row loops the op runs now: 'avx512', 'avx2' or 'scalar' (the op must be available)."""
     return str(torch.ops.sdcp.cpu_capability())
 
 

@@ -34,6 +34,7 @@ default 5 s, `timeout_s=` in any spec's query):
     LogEntry(position: int, kind: "commit" | "fence", epoch: int, record: bytes)
 
     effective_commits(entries) -> list[LogEntry]  # skips commits refused by a later-epoch fence
+    EffectiveCommits().of(entries)          # the same over a log read piece by piece
     await check_after_append(log_store, log, position, epoch) -> None  # section 6.8's check
     object_uri(name: str, scope: bytes | None = None) -> str  # "mlc:/scope/<hex>/name"
     await load_q_rows(store, refs: Sequence[tuple[str, int]], vocab: int,
@@ -48,12 +49,14 @@ Errors (errors.py): CacheError > NotFound, StoreFull, StoreTimeout, BadSpec, Con
 Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not private), Exists,
 NotOwner > LeaseExpired (records.py);
 qrows.QRowsUnavailable.
-Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers).
+Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers);
+`testing.EtcdProcess` (an etcd that can be killed and started again on its data).
 """
 
 from .api import (
     Append,
     CommitLog,
+    EffectiveCommits,
     LogEntry,
     ObjectStore,
     append_batch,
@@ -78,7 +81,7 @@ from .records import Exists, Lease, LeaseExpired, NotOwner, Owned, Record, Recor
 from .specs import open_log, open_store, open_table, table_beside_log
 
 __all__ = [
-    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "Exists", "Fenced", "Lease",
+    "Append", "BadSpec", "CacheError", "CommitLog", "Conflict", "CorruptLog", "EffectiveCommits", "Exists", "Fenced", "Lease",
     "LeaseExpired", "LogEntry", "NotFound", "NotOwner", "ObjectStore", "Owned", "Record",
     "RecordTable", "SizeMismatch", "StoreFull", "StoreTimeout", "UnsafeDirectory",
     "append_batch", "append_each", "check_after_append", "effective_commits", "load_q_rows", "object_uri", "open_log",

@@ -119,14 +119,24 @@ def effective_commits(entries: Sequence[LogEntry]) -> list[LogEntry]:
     sit in the log, and its writer treated it as failed; readers (the router recovering a
     session, section 6.9) must skip it too.
     """
-    fence_epoch = 0
-    commits = []
-    for entry in entries:
-        if entry.kind == "fence":
-            fence_epoch = max(fence_epoch, entry.epoch)
-        elif entry.epoch >= fence_epoch:
-            commits.append(entry)
-    return commits
+    return EffectiveCommits().of(entries)
+
+
+class EffectiveCommits:
+    """`effective_commits` over a log read a piece at a time (a reader following a log):
+    `of(entries)` takes the entries after those of the previous call, in order."""
+
+    def __init__(self) -> None:
+        self.fence_epoch = 0      # the highest fence epoch seen so far
+
+    def of(self, entries: Sequence[LogEntry]) -> list[LogEntry]:
+        commits = []
+        for entry in entries:
+            if entry.kind == "fence":
+                self.fence_epoch = max(self.fence_epoch, entry.epoch)
+            elif entry.epoch >= self.fence_epoch:
+                commits.append(entry)
+        return commits
 
 
 SCOPE_BYTES = 16

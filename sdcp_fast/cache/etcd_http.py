@@ -1,8 +1,10 @@
-"""One call to etcd's v3 JSON gateway, as the commit log (etcd_log.py) and the record table
-(records_etcd.py) make them: timeouts and transport errors as the cache's errors."""
+"""Calls to etcd's v3 JSON gateway, as the commit log (etcd_log.py) and the record table
+(records_etcd.py) make them: timeouts and transport errors as the cache's errors, keys and
+values in base64, and a range read page by page."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
@@ -24,3 +26,34 @@ async def post(http: httpx.AsyncClient, path: str, body: dict, *, missing_ok: bo
     if response.status_code != 200:
         raise CacheError(f"etcd {path}: HTTP {response.status_code} {response.text[:200]}")
     return json.loads(response.content.split(b"\n", 1)[0])   # lease keepalive streams: one object a line
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def unb64(text: str | None) -> bytes:
+    return base64.b64decode(text or "")
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The range_end that makes a range read every key starting with `prefix`."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+async def read_range(http: httpx.AsyncClient, key: bytes, range_end: bytes, *, page: int,
+                     revision: str | None = None, keys_only: bool = False) -> tuple[list[tuple[bytes, bytes]], str]:
+    """Every (key, value) in [key, range_end) in key order, read `page` keys a call, all at one
+    revision (the first call's unless given), and that revision (values b"" with `keys_only`)."""
+    out: list[tuple[bytes, bytes]] = []
+    while True:
+        body = {"key": b64(key), "range_end": b64(range_end), "limit": str(page), "keys_only": keys_only}
+        if revision is not None:
+            body["revision"] = revision
+        reply = await post(http, "/v3/kv/range", body)
+        revision = revision or reply["header"]["revision"]
+        kvs = reply.get("kvs", [])
+        out += [(unb64(kv["key"]), unb64(kv.get("value"))) for kv in kvs]
+        if not reply.get("more") or not kvs:
+            return out, revision
+        key = out[-1][0] + b"\x00"

@@ -27,7 +27,6 @@ applied by etcd, so a timed-out append may have landed: read position `expected`
 
 from __future__ import annotations
 
-import base64
 import hashlib
 
 import httpx
@@ -36,15 +35,12 @@ from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import CacheError, Conflict, Fenced, StoreTimeout
+from .etcd_http import b64, unb64
 from .lru import DEFAULT_MAX_LOGS, LruCache
 
 DEFAULT_PREFIX = "/sdcp/log/"
 _RANGE_PAGE = 512
 _RETRIES = 50
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def _pad(number: int) -> bytes:
@@ -70,17 +66,17 @@ class EtcdCommitLog:
     def _compare_number(self, key: bytes, known: int, op: str, bound: int) -> dict:
         """`key` absent when `known` is 0, else `value op pad(bound)`."""
         if known == 0:
-            return {"key": _b64(key), "target": "VERSION", "result": "EQUAL", "version": "0"}
-        return {"key": _b64(key), "target": "VALUE", "result": op, "value": _b64(_pad(bound))}
+            return {"key": b64(key), "target": "VERSION", "result": "EQUAL", "version": "0"}
+        return {"key": b64(key), "target": "VALUE", "result": op, "value": b64(_pad(bound))}
 
     async def _txn(self, log: str, compares: list[dict], puts: list[tuple[bytes, bytes]]):
         """Run a transaction; returns (succeeded, length now, fence now)."""
         len_key, fence_key = self._key(log, b"/len"), self._key(log, b"/fence")
         reply = await self._post("/v3/kv/txn", {
             "compare": compares,
-            "success": [{"request_put": {"key": _b64(k), "value": _b64(v)}} for k, v in puts],
-            "failure": [{"request_range": {"key": _b64(len_key)}},
-                        {"request_range": {"key": _b64(fence_key)}}],
+            "success": [{"request_put": {"key": b64(k), "value": b64(v)}} for k, v in puts],
+            "failure": [{"request_range": {"key": b64(len_key)}},
+                        {"request_range": {"key": b64(fence_key)}}],
         })
         if reply.get("succeeded"):
             return True, None, None
@@ -133,20 +129,15 @@ class EtcdCommitLog:
     async def read(self, log: str, start: int = 0) -> list[LogEntry]:
         check_position(start)
         entries_prefix = self._key(log, b"/e/")
-        range_end = _b64(entries_prefix[:-1] + bytes([entries_prefix[-1] + 1]))
-        key, entries = entries_prefix + _pad(start), []
-        while True:
-            reply = await self._post("/v3/kv/range", {
-                "key": _b64(key), "range_end": range_end, "limit": str(_RANGE_PAGE)})
-            kvs = reply.get("kvs", [])
-            for kv in kvs:
-                position = int(base64.b64decode(kv["key"])[len(entries_prefix):])
-                if position != start + len(entries):
-                    raise CacheError(f"etcd log {log}: entry {position} out of sequence")
-                entries.append(unpack_entry(position, base64.b64decode(kv.get("value", ""))))
-            if not reply.get("more"):
-                return entries
-            key = entries_prefix + _pad(start + len(entries))
+        kvs, _ = await etcd_http.read_range(self._http, entries_prefix + _pad(start),
+                                            etcd_http.prefix_end(entries_prefix), page=_RANGE_PAGE)
+        entries = []
+        for key, value in kvs:
+            position = int(key[len(entries_prefix):])
+            if position != start + len(entries):
+                raise CacheError(f"etcd log {log}: entry {position} out of sequence")
+            entries.append(unpack_entry(position, value))
+        return entries
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -154,4 +145,4 @@ class EtcdCommitLog:
 
 def _number(range_response: dict) -> int:
     kvs = range_response.get("kvs", [])
-    return int(base64.b64decode(kvs[0]["value"])) if kvs else 0
+    return int(unb64(kvs[0]["value"])) if kvs else 0

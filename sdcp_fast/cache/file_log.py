@@ -35,7 +35,6 @@ Frame of one entry on disk:
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import fcntl
 import hashlib
@@ -50,6 +49,7 @@ from pathlib import Path
 from .api import DEFAULT_TIMEOUT_S, Append, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
+from .local_files import fsync_dir, in_thread
 from .lru import DEFAULT_MAX_LOGS, LruCache
 
 _FRAME = struct.Struct(">II")
@@ -124,10 +124,7 @@ class FileCommitLog:
     async def _run(self, fn, *args):
         """Run `fn(deadline, *args)` in a worker thread, bounded by `timeout_s`."""
         deadline = time.monotonic() + self.timeout_s
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, deadline, *args), self.timeout_s)
-        except TimeoutError as exc:
-            raise StoreTimeout(f"commit log operation exceeded {self.timeout_s}s") from exc
+        return await in_thread(fn, deadline, *args, timeout_s=self.timeout_s, what="commit log operation")
 
     # -- blocking parts (worker thread) ---------------------------------------------------
 
@@ -207,7 +204,7 @@ class FileCommitLog:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         if created:
             try:
-                _fsync_dir(self.directory)  # the new file's name must survive a crash too
+                fsync_dir(self.directory)  # the new file's name must survive a crash too
             except BaseException:
                 os.close(fd)
                 raise
@@ -274,11 +271,3 @@ class FileCommitLog:
                     scan.fence_epoch = max(scan.fence_epoch, entry.epoch)
         self._scans.put(log, scan)
         return scan
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,6 @@ its minimum TTL (2 s with the default election timeout); `Lease.ttl_s` is what i
 
 from __future__ import annotations
 
-import base64
 import math
 import time
 
@@ -31,6 +30,7 @@ import httpx
 from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S
 from .errors import CacheError
+from .etcd_http import b64, unb64
 from .records import (
     Exists,
     Lease,
@@ -45,18 +45,6 @@ from .records import (
 
 DEFAULT_PREFIX = "/sdcp/table/"
 _PAGE = 512
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def _unb64(text: str | None) -> bytes:
-    return base64.b64decode(text or "")
-
-
-def _range_end(prefix: bytes) -> bytes:
-    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 class EtcdRecordTable:
@@ -74,13 +62,13 @@ class EtcdRecordTable:
         return await self._post("/v3/kv/txn", {"compare": compares, "success": success, "failure": failure})
 
     def _mine(self, lease: Lease) -> dict:
-        return {"key": _b64(self._k(b"l", lease.id)), "target": "LEASE", "result": "EQUAL", "lease": lease.id}
+        return {"key": b64(self._k(b"l", lease.id)), "target": "LEASE", "result": "EQUAL", "lease": lease.id}
 
     def _range(self, key: bytes) -> dict:
-        return {"request_range": {"key": _b64(key)}}
+        return {"request_range": {"key": b64(key)}}
 
     def _put(self, key: bytes, value: bytes, lease: str | None = None) -> dict:
-        body = {"key": _b64(key), "value": _b64(value)}
+        body = {"key": b64(key), "value": b64(value)}
         if lease is not None:
             body["lease"] = lease
         return {"request_put": body}
@@ -92,7 +80,7 @@ class EtcdRecordTable:
         reply = await self._post("/v3/lease/grant", {"TTL": str(max(1, math.ceil(ttl_s)))})
         lease = Lease(reply["ID"], holder, float(reply["TTL"]), sent + float(reply["TTL"]))
         try:
-            await self._post("/v3/kv/put", {"key": _b64(self._k(b"l", lease.id)), "value": _b64(holder.encode()),
+            await self._post("/v3/kv/put", {"key": b64(self._k(b"l", lease.id)), "value": b64(holder.encode()),
                                             "lease": lease.id})
         except CacheError:
             await self.revoke(lease)
@@ -114,7 +102,7 @@ class EtcdRecordTable:
         check_key(key)
         owner = self._k(b"o", key)
         reply = await self._txn(
-            [{"key": _b64(owner), "target": "VERSION", "result": "EQUAL", "version": "0"}, self._mine(lease)],
+            [{"key": b64(owner), "target": "VERSION", "result": "EQUAL", "version": "0"}, self._mine(lease)],
             [self._put(owner, stamp(1, lease.id, lease.holder)), self._put(self._k(b"v", key), bytes(value))],
             [self._range(owner)])
         if not reply.get("succeeded"):
@@ -127,13 +115,13 @@ class EtcdRecordTable:
         await self._change(owned, [self._put(self._k(b"v", owned.key), bytes(value))])
 
     async def delete(self, owned: Owned) -> None:
-        await self._change(owned, [{"request_delete_range": {"key": _b64(self._k(b"o", owned.key))}},
-                                   {"request_delete_range": {"key": _b64(self._k(b"v", owned.key))}}])
+        await self._change(owned, [{"request_delete_range": {"key": b64(self._k(b"o", owned.key))}},
+                                   {"request_delete_range": {"key": b64(self._k(b"v", owned.key))}}])
 
     async def _change(self, owned: Owned, success: list[dict]) -> None:
         mine = stamp(owned.token, owned.lease.id, owned.lease.holder)
         reply = await self._txn(
-            [{"key": _b64(self._k(b"o", owned.key)), "target": "VALUE", "result": "EQUAL", "value": _b64(mine)},
+            [{"key": b64(self._k(b"o", owned.key)), "target": "VALUE", "result": "EQUAL", "value": b64(mine)},
              self._mine(owned.lease)],
             success, [self._range(self._k(b"l", owned.lease.id))])
         if not reply.get("succeeded"):
@@ -144,9 +132,9 @@ class EtcdRecordTable:
     async def take(self, lease: Lease, record: Record) -> Owned:
         owner = self._k(b"o", record.key)
         reply = await self._txn(
-            [{"key": _b64(owner), "target": "VALUE", "result": "EQUAL",
-              "value": _b64(stamp(record.token, record.lease, record.holder))},
-             {"key": _b64(self._k(b"l", record.lease)), "target": "VERSION", "result": "EQUAL", "version": "0"},
+            [{"key": b64(owner), "target": "VALUE", "result": "EQUAL",
+              "value": b64(stamp(record.token, record.lease, record.holder))},
+             {"key": b64(self._k(b"l", record.lease)), "target": "VERSION", "result": "EQUAL", "version": "0"},
              self._mine(lease)],
             [self._put(owner, stamp(record.token + 1, lease.id, lease.holder))],
             [self._range(self._k(b"l", lease.id))])
@@ -162,9 +150,9 @@ class EtcdRecordTable:
         owner, value = (_kvs(r) for r in reply["responses"])
         if not owner or not value:
             return None
-        token, lease, holder = parse_stamp(_unb64(owner[0]["value"]))
-        alive = await self._post("/v3/kv/range", {"key": _b64(self._k(b"l", lease)), "count_only": True})
-        return Record(key, _unb64(value[0].get("value")), token, lease, holder,
+        token, lease, holder = parse_stamp(unb64(owner[0]["value"]))
+        alive = await self._post("/v3/kv/range", {"key": b64(self._k(b"l", lease)), "count_only": True})
+        return Record(key, unb64(value[0].get("value")), token, lease, holder,
                       int(alive.get("count", 0)) == 0)
 
     async def scan(self, *, values: bool = True) -> list[Record]:
@@ -184,20 +172,9 @@ class EtcdRecordTable:
         """{name: value} of every key under prefix + kind, read at one revision (values b""
         with `keys_only`)."""
         base = self.prefix + kind
-        key, out = base, {}
-        while True:
-            body = {"key": _b64(key), "range_end": _b64(_range_end(base)), "limit": str(_PAGE),
-                    "keys_only": keys_only}
-            if revision is not None:
-                body["revision"] = revision
-            reply = await self._post("/v3/kv/range", body)
-            revision = revision or reply["header"]["revision"]
-            kvs = reply.get("kvs", [])
-            for kv in kvs:
-                out[_unb64(kv["key"])[len(base):].decode()] = _unb64(kv.get("value"))
-            if not reply.get("more") or not kvs:
-                return out, revision
-            key = _unb64(kvs[-1]["key"]) + b"\x00"
+        kvs, revision = await etcd_http.read_range(self._http, base, etcd_http.prefix_end(base), page=_PAGE,
+                                                   revision=revision, keys_only=keys_only)
+        return {key[len(base):].decode(): value for key, value in kvs}, revision
 
     async def close(self) -> None:
         await self._http.aclose()

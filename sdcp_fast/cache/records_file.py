@@ -21,9 +21,7 @@ blocks nobody:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import errno
 import json
 import os
 import secrets
@@ -33,6 +31,7 @@ from pathlib import Path
 
 from .api import DEFAULT_TIMEOUT_S
 from .errors import StoreTimeout
+from .local_files import fsync_dir, in_thread
 from .records import Exists, Lease, LeaseExpired, NotOwner, Owned, Record, check_key
 
 _VERSION_DIGITS = 20
@@ -56,10 +55,7 @@ class FileRecordTable:
         self.boot = _boot_id()
 
     async def _run(self, fn, *args):
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout_s)
-        except TimeoutError as exc:
-            raise StoreTimeout(f"record table operation exceeded {self.timeout_s}s") from exc
+        return await in_thread(fn, *args, timeout_s=self.timeout_s, what="record table operation")
 
     # ------------------------------------------------------------------ leases
 
@@ -135,7 +131,7 @@ class FileRecordTable:
             raise Exists(key) from None
         if not self._link_version(directory, 1, 1, lease, value, deleted=False):
             raise Exists(key)
-        _fsync_dir(self.records)
+        fsync_dir(self.records, missing_ok=True)
         return Owned(key, lease, 1)
 
     def _change(self, owned: Owned, value: bytes, deleted: bool) -> None:
@@ -230,7 +226,7 @@ class FileRecordTable:
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink()
-        _fsync_dir(directory)
+        fsync_dir(directory, missing_ok=True)
         with contextlib.suppress(OSError):
             (directory / f"{version - 2:0{_VERSION_DIGITS}d}").unlink()
         return True
@@ -238,16 +234,3 @@ class FileRecordTable:
 
 def _gone(directory: Path):
     raise NotOwner(f"record {directory.name} was deleted")
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError as exc:
-        if exc.errno == errno.ENOENT:
-            return
-        raise
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from ..ports import free_port
+from ..procs import die_with_parent
 
 READY_TIMEOUT_S = 20.0
 
@@ -109,23 +110,47 @@ def redis_server(extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
             _stop(process)
 
 
+class EtcdProcess:
+    """A single-member etcd (3.4) on 127.0.0.1 with its data and log in `workdir`, on ports
+    of its own: `start()`, `kill()` (SIGKILL: a crash), `start()` again on the same ports
+    and data, `stop()`. The process dies with this one (procs.die_with_parent)."""
+
+    def __init__(self, workdir: Path, *, name: str = "sdcp-test"):
+        self.binary = _require_binary("etcd", "etcd-server")
+        self.workdir, self.name = Path(workdir), name
+        self.port = free_port()
+        self.client_url = f"http://127.0.0.1:{self.port}"
+        self.peer_url = f"http://127.0.0.1:{free_port()}"
+        self.url = f"etcd://127.0.0.1:{self.port}"   # the spec for open_log / open_table
+        self.log = self.workdir / "etcd.log"
+        self.process: subprocess.Popen | None = None
+        self._preexec = die_with_parent()
+
+    def start(self) -> None:
+        args = [self.binary, "--name", self.name, "--data-dir", str(self.workdir / "data"),
+                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
+                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+                "--initial-cluster", f"{self.name}={self.peer_url}", "--log-level", "error"]
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=self._preexec)
+        _wait_until(lambda: _etcd_ready(self.client_url), self.process, "etcd", self.log)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+
+
 @contextlib.contextmanager
 def etcd_server() -> Iterator[Server]:
     """A throw-away single-member etcd (3.4) on 127.0.0.1 with its data in a temp dir."""
-    binary = _require_binary("etcd", "etcd-server")
-    client_port, peer_port = free_port(), free_port()
-    client_url = f"http://127.0.0.1:{client_port}"
-    peer_url = f"http://127.0.0.1:{peer_port}"
     with tempfile.TemporaryDirectory(prefix="sdcp-etcd-") as workdir:
-        log = Path(workdir) / "etcd.log"
-        args = [binary, "--name", "sdcp-test", "--data-dir", f"{workdir}/data",
-                "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
-                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
-                "--initial-cluster", f"sdcp-test={peer_url}", "--log-level", "error"]
-        with open(log, "wb") as out:
-            process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        etcd = EtcdProcess(Path(workdir))
         try:
-            _wait_until(lambda: _etcd_ready(client_url), process, "etcd", log)
-            yield Server("etcd", f"etcd://127.0.0.1:{client_port}", client_port, process)
+            etcd.start()
+            yield Server("etcd", etcd.url, etcd.port, etcd.process)
         finally:
-            _stop(process)
+            etcd.stop()

@@ -40,11 +40,10 @@ import torch
 
 from . import kvblob
 from .base import (
-    InvalidTokens,
-    KVCapacityError,
-    SessionExists,
     UnknownSession,
     check_distinct_sessions,
+    check_length,
+    check_new_session,
     check_tokens,
     token_list_bytes,
 )
@@ -125,12 +124,7 @@ class NgramBackend:
 
     # -- sessions ---------------------------------------------------------------------------
     def open(self, session: bytes, prompt: Sequence[int]) -> None:
-        if session in self._sessions:
-            raise SessionExists(f"session {session!r} is already open")
-        prompt = check_tokens(prompt, self.vocab_size, "prompt")
-        if not prompt:
-            raise InvalidTokens("empty prompt: there is no text to look up")
-        self._check_length(len(prompt))
+        prompt = check_new_session(self, session, prompt)
         s = _Session(self.n, self.min_n)
         s.extend(prompt)
         self._sessions[session] = s
@@ -187,8 +181,7 @@ class NgramBackend:
         return s.propose(s.tokens + check_tokens(proposal, self.vocab_size, "proposal"))[1]
 
     def _check_length(self, n: int) -> None:
-        if n > self.max_seq_len:
-            raise KVCapacityError(f"sequence of {n} tokens exceeds max_seq_len {self.max_seq_len}")
+        check_length(n, self.max_seq_len)
 
     def _get(self, session: bytes) -> _Session:
         try:

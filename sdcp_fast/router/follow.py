@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 
-from ..cache import CacheError
+from ..cache import CacheError, EffectiveCommits
 from ..commits import record_of
 from ..core.messages import Action
 from ..core.problems import ProblemError
@@ -28,24 +28,23 @@ log = logging.getLogger("sdcp_fast.router.follow")
 
 
 class LogTail:
-    """The effective commits of one log, read incrementally (api.effective_commits, one
-    entry at a time: a commit counts unless a fence of a higher epoch precedes it)."""
+    """The committed tokens of one log, read incrementally (only the entries appended since
+    the last read; `cache.EffectiveCommits` skips what a later-epoch fence refused)."""
 
     def __init__(self, commit_log, name: str):
         self.commit_log = commit_log
         self.name = name
         self.position = 0
-        self.fence_epoch = 0
+        self.commits = EffectiveCommits()
         self.tokens: list[int] = []
 
     async def read(self) -> list[int]:
         """Every committed token so far."""
-        for entry in await self.commit_log.read(self.name, self.position):
-            self.position = entry.position + 1
-            if entry.kind == "fence":
-                self.fence_epoch = max(self.fence_epoch, entry.epoch)
-            elif entry.epoch >= self.fence_epoch:
-                self.tokens.extend(record_of(entry).emitted)
+        entries = await self.commit_log.read(self.name, self.position)
+        if entries:
+            self.position = entries[-1].position + 1
+        for entry in self.commits.of(entries):
+            self.tokens.extend(record_of(entry).emitted)
         return self.tokens
 
 

@@ -27,8 +27,8 @@ Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detai
 problems the router raises). Tokens are streamed exactly once each, in order: the stream
 reads the router's session output (which takes every committed token once, section 6.7)
 from an index, so a client that reconnects with from=n resumes without a gap or a repeat, here or at another router (router/follow.py).
-Text is decoded on the whole sequence and sent as the difference, holding back a trailing
-incomplete character.
+Text comes from router/textstream.py (the OpenAI routes' too): decoded on the whole
+sequence and sent as the difference, holding back a trailing incomplete character.
 """
 
 from __future__ import annotations
@@ -43,11 +43,12 @@ from typing import Any
 from ..core.messages import Sampling
 from ..core.problems import ProblemError
 from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
+from .bodies import is_int, json_object, resume_index
 from .service import RouterService
-from .sessions import RouterSession
+from .sessions import RECHECK_S, RouterSession
+from .textstream import TextStream
 
 log = logging.getLogger("sdcp_fast.router.frontdoor")
-RECHECK_S = 15.0      # a stream looks again at least this often, changed or not
 
 
 class HTTPError(Exception):
@@ -81,7 +82,7 @@ class FrontDoor:
         method, path, body = request.method, request.path, request.body
         parts = [p for p in path.split("/") if p]
         if method == "POST" and parts == ["v1", "generate"]:
-            return await self._generate(_json(body))
+            return await self._generate(json_object(body, HTTPError))
         if method == "GET" and parts == ["v1", "generations"]:
             sessions = [*self.router.sessions.values(), *self.router.followed.values()]
             summaries = [{k: v for k, v in s.info().items() if k not in ("tokens", "history")}
@@ -94,10 +95,9 @@ class FrontDoor:
             if method == "GET" and len(parts) == 3:
                 return WebResponse.json(200, s.info())
             if method == "GET" and parts[3:] == ["stream"]:
-                start = request.query.get("from", request.headers.get("last-event-id", "0"))
-                return self._stream(s, _query_int(start, "from"))
+                return self._stream(s, resume_index(request, HTTPError))
             if method == "POST" and parts[3:] == ["policy"]:
-                sampling = _sampling(_json(body).get("sampling"))
+                sampling = _sampling(json_object(body, HTTPError).get("sampling"))
                 from_round = await self.router.update_policy(s, sampling)
                 return WebResponse.json(200, {"from_round": from_round})
         raise HTTPError(404, f"no resource {method} {path}")
@@ -108,7 +108,7 @@ class FrontDoor:
         backend = self.router.backend
         if "tokens" in req:
             tokens = req["tokens"]
-            if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < backend.vocab_size
+            if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < backend.vocab_size
                                                        for t in tokens):
                 raise HTTPError(400, "tokens must be a list of token ids in the vocabulary")
         elif isinstance(req.get("prompt"), str):
@@ -145,18 +145,15 @@ class FrontDoor:
             yield _event("start", {"id": s.id.hex(), "epoch": s.epoch, "verifier": s.verifier,
                                    "drafter": s.drafter, "prompt_tokens": len(s.prompt)})
         index = min(from_index, len(s.tokens)) if s.done else from_index
-        sent_text = decode(s.tokens[:index])
+        text = TextStream(decode)
+        text.feed(s.tokens[:index])        # the text of the tokens before `from` counts as sent
         while True:
             changed = s.changed_event()
             if len(s.tokens) > index:
                 new = s.tokens[index:]
-                text = decode(s.tokens)
-                settled = text[:-1] if text.endswith("\ufffd") else text
-                delta = settled[len(sent_text):] if settled.startswith(sent_text) else ""
+                delta = text.feed(s.tokens)
                 index += len(new)
                 yield _event("tokens", {"index": index - len(new), "tokens": new, "text": delta}, index)
-                if settled.startswith(sent_text):
-                    sent_text = settled
             if s.done and index >= len(s.tokens):
                 yield _event("end", self._end(s, decode(s.tokens)), index)
                 return
@@ -187,34 +184,13 @@ def _event(name: str, data: dict, event_id: int | None = None) -> bytes:
     return f"{head}event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def _json(body: bytes) -> dict:
-    try:
-        obj = json.loads(body or b"{}")
-    except ValueError:
-        raise HTTPError(400, "body is not JSON") from None
-    if not isinstance(obj, dict):
-        raise HTTPError(400, "body must be a JSON object")
-    return obj
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)   # JSON true is not 1
-
-
 def _int(value, what: str) -> int:
     """A JSON member that must be a non-negative integer: 1.5, "1" and true are refused."""
-    if not _is_int(value):
+    if not is_int(value):
         raise HTTPError(400, f"{what} must be an integer")
     if value < 0:
         raise HTTPError(400, f"{what} must not be negative")
     return value
-
-
-def _query_int(text: str, what: str) -> int:
-    """A non-negative decimal integer in the query string."""
-    if not text.isascii() or not text.isdecimal():
-        raise HTTPError(400, f"{what} must be a non-negative integer")
-    return int(text)
 
 
 def _sampling(obj) -> Sampling:

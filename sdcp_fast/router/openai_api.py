@@ -56,11 +56,11 @@ from ..core.messages import Sampling
 from ..core.problems import ProblemError
 from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
 from . import chat
+from .bodies import is_int, json_object, resume_index
 from .service import RouterService
-from .sessions import RouterSession
+from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
 
-RECHECK_S = 15.0
 RESUME = re.compile(r"^/v1/(?P<chat>chat/)?completions/(?P<id>[^/]+)/stream$")
 MAX_STOP_STRINGS = 16
 RULE_GREEDY, RULE_SAMPLING = 1, 2
@@ -125,7 +125,7 @@ class OpenAIRoutes:
                 raise APIError(405, f"{request.method} is not allowed on {path}")
             if path == "/v1/models":
                 return WebResponse.json(200, {"object": "list", "data": [self.model_card()]})
-            return await self.complete(self.parse(_json(request.body), chat=path.endswith("chat/completions")))
+            return await self.complete(self.parse(json_object(request.body, APIError), chat=path.endswith("chat/completions")))
         except APIError as exc:
             return exc.response()
         except ProblemError as exc:
@@ -173,7 +173,7 @@ class OpenAIRoutes:
                 return list(self.router.backend.encode(prompt))
             except Exception as exc:
                 raise APIError(400, f"the prompt cannot be encoded: {exc}", param="prompt") from None
-        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, list) and all(is_int(t) for t in prompt):
             vocab = self.router.backend.vocab_size
             if not all(0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -216,7 +216,7 @@ class OpenAIRoutes:
         if value is None:
             default = self.router.config.contract.max_new
             return default if room is None else min(default, room)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise APIError(400, f"{name} must be a positive integer", param=name)
         if room is not None and value > room:
             raise APIError(400, f"this model's maximum context length is {self.context} tokens; the prompt "
@@ -251,14 +251,14 @@ class OpenAIRoutes:
                 profile["top_p_milli"] = max(1, round(top_p * 1000))
         top_k = body.get("top_k")
         if top_k is not None:
-            if not _is_int(top_k) or top_k < -1:
+            if not is_int(top_k) or top_k < -1:
                 raise APIError(400, "top_k must be an integer >= -1 (-1 or 0: all tokens)", param="top_k")
             profile.pop("top_k", None)
             if top_k > 0:
                 profile["top_k"] = top_k
         seed = body.get("seed")
         if seed is not None:
-            if not _is_int(seed) or not 0 <= seed < 1 << 64:
+            if not is_int(seed) or not 0 <= seed < 1 << 64:
                 raise APIError(400, "seed must be an integer in [0, 2^64)", param="seed")
             profile["seed"] = seed
         return rule, Sampling.from_obj(profile) if profile else None
@@ -298,10 +298,8 @@ class OpenAIRoutes:
         if s is None or s.door.get("kind") != kind:
             raise APIError(404, f"no streamed {kind} completion {cid!r}", param="id", code="not_found",
                            type="NotFoundError")
-        start = request.query.get("from", request.headers.get("last-event-id", "0"))
-        if not start.isascii() or not start.isdecimal():
-            raise APIError(400, "from (or Last-Event-ID) must be a non-negative integer", param="from")
-        return StreamingResponse(200, self.stream(s, Reply.of(s), int(start)))
+        start = resume_index(request, lambda status, message: APIError(status, message, param="from"))
+        return StreamingResponse(200, self.stream(s, Reply.of(s), start))
 
     async def stream(self, s: RouterSession, reply: Reply, start: int) -> AsyncIterator[bytes]:
         door = s.door
@@ -407,20 +405,6 @@ def _usage(prompt: int, completion: int) -> dict:
 def _sse(obj: dict, event_id: int) -> bytes:
     """One server-sent event; its id is the number of completion tokens it covers."""
     return b"id: %d\ndata: " % event_id + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-def _json(body: bytes) -> dict:
-    try:
-        obj = json.loads(body or b"{}")
-    except ValueError:
-        raise APIError(400, "the body is not JSON") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, "the body must be a JSON object")
-    return obj
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bool(value, name: str, default: bool) -> bool:

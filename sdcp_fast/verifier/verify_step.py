@@ -5,7 +5,8 @@ results: `launch` makes one `kernels.verify` launch for the proposals over the l
 rows where they lie (on a GPU: device memory, no host copy) and returns at once; `collect`
 brings back what the launch decided (B accepted counts, B tokens, B flags each) and draws
 the self-decoded tokens (M = 0) from p with the same transform and the same inverse-CDF
-rule (`kernels.sample`), on their single row. `verify_jobs` does both.
+rule (`kernels.sample`), on their single row (the batch's M = 0 rows checked, and argmaxed
+under rule 1, together). `verify_jobs` does both.
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def collect(launched: Launched) -> list[JobOutcome]:
                 outcomes[n] = JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN"))
             else:
                 outcomes[n] = JobOutcome(accepted, extra)
-    for n, job in enumerate(jobs):
-        if outcomes[n] is None:   # M = 0: a self-decoded token
-            outcomes[n] = self_decode(job, launched.logits[launched.rows[n]], path=launched.path)
+    own = [n for n in range(len(jobs)) if outcomes[n] is None]   # M = 0: self-decoded tokens
+    if own:
+        rows = launched.logits[torch.tensor([launched.rows[n] for n in own], device=launched.logits.device)]
+        for n, outcome in zip(own, self_decode([jobs[n] for n in own], rows, path=launched.path), strict=True):
+            outcomes[n] = outcome
     return outcomes  # type: ignore[return-value]
 
 
@@ -102,17 +105,27 @@ def verify_jobs(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | Non
     return collect(launch(jobs, logits, q, q_starts, q_problems, path=path))
 
 
-def self_decode(job: Job, row: torch.Tensor, *, path: str | None = None) -> JobOutcome:
-    """One token from p: argmax of the logits under rule 1 (ties to the smallest id, as the
-    kernels decide rule 1), the inverse-CDF draw with the job's uniform (round, i = 1,
-    purpose 1) under rule 2. A row the kernels would flag (NaN, +inf, nothing finite)
-    commits nothing. The Triton path takes the row as it is (bf16, fp16 or fp32); the
-    others in float64."""
-    if bool(kernels.bad_rows(row)):
-        return JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf"))
-    if job.rule == RULE_GREEDY:
-        return JobOutcome(0, int(kernels.greedy(row)))
-    chosen = kernels.choose_path(row.device, path)
-    rows = row.unsqueeze(0) if chosen == "triton" else row.unsqueeze(0).double()
-    p = kernels.target_probs(rows, **transform_of(job.sampling), path=chosen)[0]
-    return JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0], path=chosen)))
+def self_decode(jobs: Sequence[Job], rows: torch.Tensor, *, path: str | None = None) -> list[JobOutcome]:
+    """One token from p per job (`rows`: [len(jobs), V], job n's row n): argmax of the logits
+    under rule 1 (ties to the smallest id, as the kernels decide rule 1), the inverse-CDF draw
+    with the job's uniform (round, i = 1, purpose 1) under rule 2. A row the kernels would
+    flag (NaN, +inf, nothing finite) commits nothing. The checks and rule 1's argmax run once
+    over all the rows (one host sync each, not one per job); rule 2 draws row by row, each
+    under its own transform. The Triton path takes the rows as they are (bf16, fp16 or fp32);
+    the others in float64."""
+    bad = kernels.bad_rows(rows).tolist()
+    greedy_at = [n for n, job in enumerate(jobs) if job.rule == RULE_GREEDY and not bad[n]]
+    argmax = kernels.greedy(rows[greedy_at]).tolist() if greedy_at else []
+    tokens = dict(zip(greedy_at, argmax, strict=True))
+    chosen = kernels.choose_path(rows.device, path)
+    outcomes = []
+    for n, job in enumerate(jobs):
+        if bad[n]:
+            outcomes.append(JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf")))
+        elif n in tokens:
+            outcomes.append(JobOutcome(0, tokens[n]))
+        else:
+            row = rows[n:n + 1] if chosen == "triton" else rows[n:n + 1].double()
+            p = kernels.target_probs(row, **transform_of(job.sampling), path=chosen)[0]
+            outcomes.append(JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0], path=chosen))))
+    return outcomes

@@ -251,3 +251,69 @@ def test_append_batch_of_a_wrapper_goes_through_its_own_append(tmp_path):
 
     assert run(body()) == [1, 1]
     assert sorted(calls) == ["x", "y"]
+
+
+def test_read_spans_pages(log_spec, monkeypatch):
+    """A log longer than one read page reads whole and in order, from any start (etcd pages)."""
+    import sdcp_fast.cache.etcd_log as etcd_log
+    monkeypatch.setattr(etcd_log, "_RANGE_PAGE", 2)
+
+    async def body():
+        log = await open_log(log_spec)
+        try:
+            for i in range(7):
+                await log.append(LOG, b"r%d" % i, epoch=1, expected=i)
+            entries = await log.read(LOG)
+            assert entries == [LogEntry(i, "commit", 1, b"r%d" % i) for i in range(7)]
+            assert await log.read(LOG, 3) == entries[3:]
+        finally:
+            await log.close()
+
+    run(body())
+
+
+def test_effective_commits_read_in_pieces_match_the_whole():
+    """A follower's incremental filter (EffectiveCommits) keeps what effective_commits keeps,
+    however the log is cut: a fence seen in one piece still refuses older commits after it."""
+    from sdcp_fast.cache import EffectiveCommits
+
+    log = [LogEntry(0, "commit", 1, b"a"), LogEntry(1, "fence", 2, b""), LogEntry(2, "commit", 1, b"late"),
+           LogEntry(3, "commit", 2, b"b"), LogEntry(4, "fence", 3, b""), LogEntry(5, "commit", 2, b"late2"),
+           LogEntry(6, "commit", 3, b"c")]
+    whole = effective_commits(log)
+    assert [e.record for e in whole] == [b"a", b"b", b"c"]
+    for cut in range(len(log) + 1):
+        for second in range(cut, len(log) + 1):
+            filt = EffectiveCommits()
+            pieces = filt.of(log[:cut]) + filt.of(log[cut:second]) + filt.of(log[second:])
+            assert pieces == whole
+
+
+def test_etcd_killed_and_started_again_keeps_the_log(tmp_path):
+    """cache.testing.EtcdProcess (the fault tests' etcd): SIGKILL, then a start on the same
+    ports and data; an acknowledged append is still there."""
+    from sdcp_fast.cache.testing import EtcdProcess
+
+    etcd = EtcdProcess(tmp_path)
+    etcd.start()
+    try:
+        async def append():
+            log = await open_log(etcd.url)
+            try:
+                await log.append(LOG, b"kept", epoch=1, expected=0)
+            finally:
+                await log.close()
+
+        async def read():
+            log = await open_log(etcd.url)
+            try:
+                return await log.read(LOG)
+            finally:
+                await log.close()
+
+        run(append())
+        etcd.kill()
+        etcd.start()
+        assert run(read()) == [LogEntry(0, "commit", 1, b"kept")]
+    finally:
+        etcd.stop()

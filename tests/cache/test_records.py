@@ -210,3 +210,25 @@ def test_file_takes_across_processes_one_winner(tmp_path):
         p.join(30)
     results = [out.get(timeout=5) for _ in procs]
     assert sorted(results)[:-1] == [-1, -1, -1] and results.count(-1) == 3
+
+
+def test_scan_reads_every_page(table_spec, monkeypatch):
+    """A table larger than one read page scans whole (etcd pages by key, Redis by chunk)."""
+    import sdcp_fast.cache.records_etcd as records_etcd
+    import sdcp_fast.cache.records_redis as records_redis
+    monkeypatch.setattr(records_etcd, "_PAGE", 2)
+    monkeypatch.setattr(records_redis, "_CHUNK", 2)
+
+    async def body():
+        table = await open_table(table_spec)
+        try:
+            lease = await table.grant("https://r1/", 30)
+            keys = [f"s{n}" for n in range(7)]
+            for n, key in enumerate(keys):
+                await table.create(lease, key, b"v%d" % n)
+            assert [(r.key, r.value) for r in await table.scan()] == [(k, b"v%d" % n) for n, k in enumerate(keys)]
+            assert [(r.key, r.value, r.token) for r in await table.scan(values=False)] == [(k, b"", 1) for k in keys]
+        finally:
+            await table.close()
+
+    run(body())

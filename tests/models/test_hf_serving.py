@@ -19,18 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_real  # noqa: E402
 
 from sdcp_fast.demo.hf_baseline import generate_each  # noqa: E402
-from sdcp_fast.models import BackendSpecError, load_backend  # noqa: E402
+from sdcp_fast.models import load_backend  # noqa: E402
 from sdcp_fast.models.hf import HFBackend  # noqa: E402
-from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf  # noqa: E402
+from sdcp_fast.models.real_tokenizer import smollm2_installed  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def smollm2_installed() -> bool:
-    try:
-        return resolve_gguf(SMOLLM2).is_file()
-    except BackendSpecError:
-        return False
 
 
 def greedy(backend, prompt, n, stop):

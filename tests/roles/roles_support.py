@@ -17,6 +17,19 @@ from sdcp_fast.procs import Cluster
 V = 32
 
 
+def wait_until(predicate, timeout: float, what: str, *, interval: float = 0.05):
+    """The first truthy value of `predicate()`, polled every `interval` s; TimeoutError(what)
+    after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(interval)
+
+
 def make_tables(workdir: Path, *, noise: float = 1.0, seed: int = 0) -> tuple[str, str]:
     """(target spec, draft spec): the draft table is the target's plus Gaussian noise, so
     drafts agree with the target often but not always."""
@@ -92,11 +105,8 @@ class FrontDoorClient:
         return self.http.get(f"{self.base}/v1/instances").json()["instances"]
 
     def wait_live(self, count: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while sum(1 for i in self.instances() if i["live"]) < count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"instances not live: {self.instances()}")
-            time.sleep(0.1)
+        wait_until(lambda: sum(1 for i in self.instances() if i["live"]) >= count, timeout,
+                   f"fewer than {count} instances live", interval=0.1)
 
     def close(self) -> None:
         self.http.close()

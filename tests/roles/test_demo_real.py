@@ -20,17 +20,9 @@ import sys
 import pytest
 
 pytest.importorskip("transformers")
-from sdcp_fast.models import BackendSpecError  # noqa: E402
-from sdcp_fast.models.real_tokenizer import SMOLLM2, resolve_gguf  # noqa: E402
+from sdcp_fast.models.real_tokenizer import smollm2_installed  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def smollm2_installed() -> bool:
-    try:
-        return resolve_gguf(SMOLLM2).is_file()
-    except BackendSpecError:
-        return False
 
 
 @pytest.mark.timeout(1800)

@@ -10,11 +10,10 @@ test_sessions_spread_over_both_drafters_by_load). Every test is bounded by a tim
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from roles_support import FrontDoorClient, build_cluster, greedy, parse_sse, rounds
+from roles_support import FrontDoorClient, build_cluster, greedy, parse_sse, rounds, wait_until
 
 from sdcp_fast.cache import effective_commits, open_log
 from sdcp_fast.core.messages import CommitRecord, Proposal, Status
@@ -29,17 +28,6 @@ pytestmark = pytest.mark.timeout(120)
 def run_all(fd: FrontDoorClient, prompts, **fields) -> list[dict]:
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: fd.generate(p, **fields), prompts))
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.05)
 
 
 def drafters_of(info: dict) -> list[str]:
@@ -194,10 +182,8 @@ def test_dropped_verdicts_are_retried_and_identical(started):
     assert result["tokens"] == greedy(target, PROMPTS[0], 80)
     # the output is final once the last round is appended, a moment before its verdict
     # reaches the drafter's rounds log: wait for the finishing round there
-    deadline = time.monotonic() + 20
-    while not any(x.get("action") == "finish" for x in rounds(cluster.workdir / "d1.rounds.jsonl")):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: any(x.get("action") == "finish" for x in rounds(cluster.workdir / "d1.rounds.jsonl")),
+               20, "the finishing round in d1's rounds log")
     log = rounds(cluster.workdir / "d1.rounds.jsonl")
     dropped = [x for x in log if x.get("dropped")]
     kept = {(x["session"], x["epoch"], x["round"]): x for x in log if not x.get("dropped")}

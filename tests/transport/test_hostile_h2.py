@@ -14,11 +14,17 @@ import h2.settings
 import httpx
 import pytest
 from transport_rawh2 import RawH2
-from transport_support import PROPOSAL, RecordingRouter, run, ssl_client_context
+from transport_support import (
+    CBOR,
+    PROPOSAL,
+    RecordingRouter,
+    assert_serves,
+    run,
+    ssl_client_context,
+)
 
 from sdcp_fast.transport import SDCP_MEDIA_TYPE, serve
 
-CBOR = [(b"content-type", SDCP_MEDIA_TYPE.encode())]
 E = h2.errors.ErrorCodes
 
 
@@ -60,9 +66,7 @@ def test_malformed_request_resets_only_its_stream(pki, case):
             assert client.streams[bad].status is None
             assert client.streams[long_poll].status == 204 and client.streams[long_poll].reset is None
             assert client.goaway is None
-            good = client.request("POST", "/proposals", CBOR, PROPOSAL)   # the same connection
-            await client.until(lambda c: c.done(good))
-            assert client.streams[good].status == 200
+            await assert_serves(client)   # the same connection
             assert server.refusals.counts["malformed"] == 1
             await client.close()
 
@@ -110,9 +114,7 @@ def test_oversized_header_list_is_refused_431_and_the_connection_goes_on(pki):
             log = client.streams[big]
             assert log.status == 431
             assert json.loads(log.body)["type"].endswith("headers-too-large")
-            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
-            await client.until(lambda c: c.done(good))
-            assert client.streams[good].status == 200
+            await assert_serves(client)
             # far beyond it HPACK stops decoding: a connection error, ENHANCE_YOUR_CALM
             client.request("POST", "/proposals", [*CBOR, (b"x-pad", b"p" * 300_000)], PROPOSAL)
             await client.run_until_closed()
@@ -183,9 +185,7 @@ def test_rapid_reset_ends_the_connection_with_enhance_your_calm(pki):
             await attacker.run_until_closed()
             assert attacker.goaway is not None and attacker.goaway.error_code == E.ENHANCE_YOUR_CALM
             assert server.refusals.counts["rapid_reset"] == 1
-            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
-            await bystander.until(lambda c: c.done(good))
-            assert bystander.streams[good].status == 200
+            await assert_serves(bystander)
             # the same identity is refused for a while, with a reason
             await _refused_for_a_while(server, pki.drafter)
             await bystander.close()
@@ -220,9 +220,7 @@ def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
             assert attacker.goaway is not None and attacker.goaway.error_code == E.ENHANCE_YOUR_CALM
             assert attacker.goaway.additional_data == b"refused_requests"
             assert server.refusals.counts["refused_requests"] == 1
-            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
-            await bystander.until(lambda c: c.done(good))
-            assert bystander.streams[good].status == 200
+            await assert_serves(bystander)
             await _refused_for_a_while(server, pki.drafter)
             await bystander.close()
 
@@ -244,9 +242,7 @@ def test_connections_over_the_caps_are_refused_and_existing_ones_keep_working(pk
             assert other.goaway.error_code == E.NO_ERROR and other.goaway.last_stream_id == 0
             assert b"max_connections" in other.goaway.additional_data
             for client in [*first, router]:
-                sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
-                await client.until(lambda c, sid=sid: c.done(sid))
-                assert client.streams[sid].status == 200
+                await assert_serves(client)
                 await client.close()
             assert server.refusals.counts["client_connections"] == 1
             assert server.refusals.counts["connections"] == 1
@@ -269,9 +265,7 @@ def test_idle_tcp_connections_cannot_lock_out_clients(pki):
             await asyncio.sleep(0.2)
             assert len(server.serving.handshakes) <= 8
             client = await RawH2.open(server.port, pki.drafter)   # a real handshake: gets in
-            sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
-            await client.until(lambda c: c.done(sid))
-            assert client.streams[sid].status == 200
+            await assert_serves(client)
             assert server.refusals.counts["handshake_dropped"] >= 32
             await asyncio.sleep(1.3)   # the rest time out
             assert not server.serving.handshakes
@@ -315,9 +309,7 @@ def test_a_host_reconnecting_in_a_loop_is_refused_before_tls(pki):
             with pytest.raises((ConnectionError, ssl.SSLError, OSError)):
                 await RawH2.open(server.port, pki.drafter)
             assert server.refusals.counts["connection_rate"] == 1
-            sid = kept.request("POST", "/proposals", CBOR, PROPOSAL)   # open connections go on
-            await kept.until(lambda c: c.done(sid))
-            assert kept.streams[sid].status == 200
+            await assert_serves(kept)   # open connections go on
             for client in [kept, *opened]:
                 await client.close()
 

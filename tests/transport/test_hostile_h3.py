@@ -10,11 +10,9 @@ import pytest
 from aioquic.h3.connection import ErrorCode, Setting
 from aioquic.quic.packet import QuicErrorCode
 from transport_rawh3 import RawH3
-from transport_support import PROPOSAL, RecordingRouter, run
+from transport_support import CBOR, PROPOSAL, RecordingRouter, assert_serves, run
 
-from sdcp_fast.transport import SDCP_MEDIA_TYPE, serve
-
-CBOR = [(b"content-type", SDCP_MEDIA_TYPE.encode())]
+from sdcp_fast.transport import serve
 
 
 def _serve(handler, pki, **limits):
@@ -39,9 +37,7 @@ def test_malformed_request_resets_only_its_stream(pki, headers):
             await client.until(lambda c: c.done(bad) and c.done(long_poll))
             assert client.streams[bad].reset == ErrorCode.H3_MESSAGE_ERROR
             assert client.streams[long_poll].status == 204
-            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
-            await client.until(lambda c: c.done(good))
-            assert client.streams[good].status == 200
+            await assert_serves(client)
             assert client.terminated is None
             assert server.refusals.counts["malformed"] == 1
             await client.aclose()
@@ -72,9 +68,7 @@ def test_oversized_headers_are_refused_431_and_advertised(pki):
             assert client.streams[big].status == 431
             assert json.loads(client.streams[big].body)["type"].endswith("headers-too-large")
             assert client.h3._received_settings[Setting.MAX_FIELD_SECTION_SIZE] == 16384
-            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
-            await client.until(lambda c: c.done(good))
-            assert client.streams[good].status == 200
+            await assert_serves(client)
             assert server.refusals.counts["headers_too_large"] == 1
             await client.aclose()
 
@@ -112,9 +106,7 @@ def test_rapid_reset_closes_the_connection_with_excessive_load(pki):
             closed = await attacker.until_closed()
             assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
             assert server.refusals.counts["rapid_reset"] == 1
-            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
-            await bystander.until(lambda c: c.done(good))
-            assert bystander.streams[good].status == 200
+            await assert_serves(bystander)
             await bystander.aclose()
 
     run(main())
@@ -141,9 +133,7 @@ def test_a_client_that_keeps_sending_bad_requests_is_told_to_calm_down(pki):
             closed = await attacker.until_closed()
             assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
             assert server.refusals.counts["refused_requests"] == 1
-            good = bystander.request("POST", "/proposals", CBOR, PROPOSAL)
-            await bystander.until(lambda c: c.done(good))
-            assert bystander.streams[good].status == 200
+            await assert_serves(bystander)
             await bystander.aclose()
 
     run(main())
@@ -158,9 +148,7 @@ def test_connections_over_the_per_client_cap_are_refused(pki):
             assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
             assert "max_connections_per_client" in closed.reason_phrase
             for client in first:
-                sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
-                await client.until(lambda c, sid=sid: c.done(sid))
-                assert client.streams[sid].status == 200
+                await assert_serves(client)
                 await client.aclose()
             assert server.refusals.counts["client_connections"] == 1
 
@@ -177,9 +165,7 @@ def test_a_stalled_header_block_is_reset_after_the_header_timeout(pki):
             client.transmit()
             await client.until(lambda c: c.done(stalled), timeout=3.0)
             assert client.streams[stalled].reset == ErrorCode.H3_REQUEST_INCOMPLETE
-            good = client.request("POST", "/proposals", CBOR, PROPOSAL)
-            await client.until(lambda c: c.done(good))
-            assert client.streams[good].status == 200
+            await assert_serves(client)
             assert server.refusals.counts["header_timeout"] == 1
             await client.aclose()
 
@@ -262,9 +248,7 @@ def test_streams_over_the_concurrency_limit_wait_or_end_the_connection(pki):
                 rude.request("GET", "/slow?s=0.3")
             closed = await rude.until_closed()
             assert closed.error_code == QuicErrorCode.STREAM_LIMIT_ERROR
-            good = polite.request("POST", "/proposals", CBOR, PROPOSAL)
-            await polite.until(lambda c: c.done(good))
-            assert polite.streams[good].status == 200
+            await assert_serves(polite)
             async with asyncio.timeout(5.0):   # the server's side ends after its closing period
                 while server.refusals.counts["stream_limit"] == 0:
                     await asyncio.sleep(0.05)
@@ -285,9 +269,7 @@ def test_connections_over_the_total_cap_are_refused(pki):
             assert closed.error_code == ErrorCode.H3_EXCESSIVE_LOAD
             assert "max_connections=3" in closed.reason_phrase
             for client in [*first, router]:
-                sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
-                await client.until(lambda c, sid=sid: c.done(sid))
-                assert client.streams[sid].status == 200
+                await assert_serves(client)
                 await client.aclose()
             assert server.refusals.counts["connections"] == 1
             assert server.refusals.counts["client_connections"] == 0
@@ -295,9 +277,7 @@ def test_connections_over_the_total_cap_are_refused(pki):
                 while server.connections:
                     await asyncio.sleep(0.05)
             again = await RawH3.open(server.port, pki.router)
-            sid = again.request("POST", "/proposals", CBOR, PROPOSAL)
-            await again.until(lambda c: c.done(sid))
-            assert again.streams[sid].status == 200
+            await assert_serves(again)
             await again.aclose()
 
     run(main())

@@ -9,24 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from dataclasses import dataclass, field
 
 import h2.config
 import h2.connection
 import h2.events
 import h2.settings
+from transport_support import StreamLog
 
 from sdcp_fast.transport import TLSConfig
-
-
-@dataclass
-class StreamLog:
-    status: int | None = None
-    headers: dict[bytes, bytes] = field(default_factory=dict)
-    body: bytes = b""
-    data_frames: int = 0
-    ended: bool = False
-    reset: int | None = None  # the error code of the server's RST_STREAM
 
 
 class RawH2:

@@ -4,26 +4,15 @@ what a hostile client would and recording what the server answers, per stream.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import ErrorCode, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, StreamReset
-from transport_support import quic_client_configuration
+from transport_support import StreamLog, quic_client_configuration
 
 from sdcp_fast.transport import TLSConfig
-
-
-@dataclass
-class StreamLog:
-    status: int | None = None
-    headers: dict | None = None
-    body: bytes = b""
-    data_frames: int = 0
-    ended: bool = False
-    reset: int | None = None
 
 
 class RawH3(QuicConnectionProtocol):
@@ -105,7 +94,7 @@ class RawH3(QuicConnectionProtocol):
                 self.changed.clear()
                 await self.changed.wait()
 
-    async def until_closed(self, timeout: float = 5.0) -> ConnectionTerminated:
+    async def until_closed(self, timeout: float = 30.0) -> ConnectionTerminated:   # a loaded CI machine
         async with asyncio.timeout(timeout):
             while self.terminated is None:
                 self.changed.clear()

@@ -7,7 +7,7 @@ import datetime as dt
 import logging
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cbor2
@@ -136,6 +136,26 @@ def transport_logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture
 
 
 PROPOSAL = cbor2.dumps({"session": b"\x01" * 16, "epoch": 1, "round": 1, "tokens": [5, 6, 7]})
+CBOR = [(b"content-type", SDCP_MEDIA_TYPE.encode())]
+
+
+@dataclass
+class StreamLog:
+    """What a raw client (transport_rawh2.RawH2, transport_rawh3.RawH3) saw of one stream."""
+
+    status: int | None = None
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    body: bytes = b""
+    data_frames: int = 0
+    ended: bool = False
+    reset: int | None = None  # the error code of the server's stream reset
+
+
+async def assert_serves(client) -> None:
+    """The raw client's connection (RawH2 or RawH3) still answers a proposal with 200."""
+    sid = client.request("POST", "/proposals", CBOR, PROPOSAL)
+    await client.until(lambda c: c.done(sid))
+    assert client.streams[sid].status == 200
 
 
 def ssl_client_context(ca: str, cert=None, key=None, *, tls12: bool = False) -> ssl.SSLContext:

@@ -184,14 +184,27 @@ def test_self_decoding_never_commits_a_token_from_bad_logits():
     def job(rule):
         return Job(b"s" * 16, 1, 2, rule, None, (), (), (0.5,) if rule == 2 else (), None, None, True, None)
 
-    for row in (torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([0.0, float("inf"), 1.0]),
-                torch.full((3,), float("-inf"))):
+    def one(rule, row):
+        return self_decode([job(rule)], row[None])[0]
+
+    bad_rows = [torch.tensor([0.0, float("nan"), 1.0, 0.0]), torch.tensor([0.0, float("inf"), 1.0, 0.0]),
+                torch.full((4,), float("-inf"))]
+    for row in bad_rows:
         for rule in (1, 2):
-            outcome = self_decode(job(rule), row)
+            outcome = one(rule, row)
             assert outcome.problem is not None and outcome.problem.kind == Kind.UNAVAILABLE
     tied = torch.tensor([1.0, 3.0, 3.0, float("-inf")])
-    assert self_decode(job(1), tied).extra == 1               # ties to the smallest id
-    assert self_decode(job(2), tied).extra in (1, 2)
+    assert one(1, tied).extra == 1               # ties to the smallest id
+    assert one(2, tied).extra in (1, 2)
+    # a batch's M = 0 jobs decoded together: each job gets what it gets alone, bad rows
+    # refused beside good ones of either rule
+    good = [tied, torch.tensor([5.0, 0.0, 0.0, 9.0]), torch.tensor([0.0, 2.0, 0.0, 0.0])]
+    rows = [good[0], bad_rows[0], good[1], bad_rows[1], good[2], good[1]]
+    rules = [1, 1, 2, 2, 1, 1]
+    together = self_decode([job(r) for r in rules], torch.stack(rows))
+    assert together == [one(r, row) for r, row in zip(rules, rows, strict=True)]
+    assert [o.extra for o in together] == [1, -1, together[2].extra, -1, 1, 3]
+    assert [o.problem is None for o in together] == [True, False, True, False, True, True]
 
 
 class SlowLog:
