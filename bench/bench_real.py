@@ -62,18 +62,12 @@ from sdcp_fast.demo.hf_baseline import (
     generate_batched,
     generate_each,
 )
+from sdcp_fast.demo.real_pair import LOOKUP_TOKENS
+from sdcp_fast.demo.real_pair import PROMPTS as DEMO_PROMPTS
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain in a few sentences what a hash table is.",
-    "Give three tips for learning a new language.",
-    "Describe how a bicycle works.",
-    "What is the difference between weather and climate?",
-    "Write a haiku about autumn leaves.",
-    "Why is the sky blue? Answer briefly.",
-    "List four fruits that are rich in vitamin C.",
-]
-LOOKUP_TOKENS = 5
+# the demo's prompts (the first four are what both run by default), and two more for --prompts 8
+PROMPTS = [*DEMO_PROMPTS[:5], "Write a haiku about autumn leaves.", *DEMO_PROMPTS[5:],
+           "List four fruits that are rich in vitamin C."]
 
 
 @dataclass
