@@ -172,7 +172,9 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
     health.add("commit_log", log_check(commit_log))
     built.service = VerifierService(config, backend, store, commit_log, client=client, metrics=metrics,
                                     engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms,
-                                                               group_commit=v.group_commit))
+                                                               group_commit=v.group_commit,
+                                                               company_share=v.company_share,
+                                                               batch_log=v.batch_log))
     return built
 
 

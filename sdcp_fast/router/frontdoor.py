@@ -46,11 +46,10 @@ from ..core.problems import ProblemError
 from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
 from .bodies import is_int, json_object, resume_index
 from .service import RouterService
-from .sessions import RouterSession
+from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
 
 log = logging.getLogger("sdcp_fast.router.frontdoor")
-RECHECK_S = 15.0      # a stream looks again at least this often, changed or not
 RETRY_AFTER_S = 1     # what a 503 / 429 tells the client to wait before it asks again
 
 

@@ -59,10 +59,9 @@ from . import chat
 from .bodies import is_int, json_object, resume_index
 from .frontdoor import error_response
 from .service import RouterService
-from .sessions import RouterSession
+from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
 
-RECHECK_S = 15.0
 RESUME = re.compile(r"^/v1/(?P<chat>chat/)?completions/(?P<id>[^/]+)/stream$")
 MAX_STOP_STRINGS = 16
 RULE_GREEDY, RULE_SAMPLING = 1, 2

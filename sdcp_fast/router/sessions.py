@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from ..core.messages import Action, Contract, Sampling
 
+RECHECK_S = 15.0      # a client's stream looks at its session again at least this often, changed or not
+
 
 @dataclass(eq=False)
 class RouterSession:

@@ -46,14 +46,28 @@ def test_decoder_returns_or_raises_decode_error_only(data):
 @given(data=streams)
 def test_items_never_exceed_bytes(data):
     """Every item takes at least one byte, and the decoder knows it: with max_items equal to
-    the input length no input is refused for its item count, and with a smaller budget a
-    refusal comes before any allocation for the items beyond it."""
+    the input length no input is refused for its item count; and a valid input with any
+    smaller budget than its item count is refused for that count (TooManyItems), never for
+    another reason: the count check comes first."""
     try:
         cbor.loads(data, max_items=len(data))
     except cbor.TooManyItems:
         pytest.fail("more items than bytes")
     except cbor.DecodeError:
-        pass
+        return
+    low, high = 0, len(data)        # the smallest budget that decodes it, by bisection
+    while low < high:
+        budget = (low + high) // 2
+        try:
+            cbor.loads(data, max_items=budget)
+            high = budget
+        except cbor.TooManyItems:
+            low = budget + 1
+        except cbor.DecodeError as exc:
+            pytest.fail(f"budget {budget}: refused for {exc!r}, not for its item count")
+    if low > 0:
+        with pytest.raises(cbor.TooManyItems):
+            cbor.loads(data, max_items=low - 1)
 
 
 @FUZZ

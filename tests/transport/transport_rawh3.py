@@ -94,7 +94,7 @@ class RawH3(QuicConnectionProtocol):
                 self.changed.clear()
                 await self.changed.wait()
 
-    async def until_closed(self, timeout: float = 5.0) -> ConnectionTerminated:
+    async def until_closed(self, timeout: float = 30.0) -> ConnectionTerminated:   # a loaded CI machine
         async with asyncio.timeout(timeout):
             while self.terminated is None:
                 self.changed.clear()
