@@ -63,7 +63,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from ..aio import TaskSet, cancel_and_wait
-from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record, StoreTimeout
+from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record
 from ..core.messages import (
     ROLE_DRAFTER,
     ROLE_VERIFIER,
@@ -458,9 +458,7 @@ class RouterService(Routed):
                 await coro
             except NotOwner as exc:
                 self._lost(s, exc)
-            except StoreTimeout as exc:      # the store is slow or a writer holds the log: retried
-                log.warning("session %s: control step waits for the store: %s", s.id.hex(), exc)
-            except CacheError as exc:        # the store is down (restarting): the monitor retries
+            except CacheError as exc:        # the store is down, slow, or a writer holds the log
                 log.warning("session %s: control step not done, the store did not answer (%s); "
                             "the monitor tries again", s.id.hex(), exc)
             except Exception:
