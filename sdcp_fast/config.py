@@ -71,7 +71,9 @@ class VerifierSection:
     publish_kv_every: int = 0               # rounds between target KV publications (0: never)
     max_batch: int = 64                     # jobs per forward pass
     max_wait_ms: float = 2.0                # the first job's wait for company
+    company_share: float = 0.5              # ... and up to this share of a batch's cost for sessions of the last two batches
     group_commit: bool = True               # a batch's commit records in one durable write (false: one each)
+    batch_log: str | None = None            # JSON line per verify batch (timelines, benchmarks)
     metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
     max_sessions: int = 4096
     session_memory_mb: int = 2048           # budget of all sessions' state, model KV included
@@ -144,6 +146,7 @@ class RouterSection:
     stall_s: float = 5.0
     monitor_interval_s: float = 0.1
     request_timeout_s: float = 5.0
+    open_timeout_s: float = 30.0            # bound of one session-open (a prefill, behind the batches)
     target_kv: bool = True                  # offer the verifier's published target KV on resume
     session_load: int = 5
     session_table: str = ""                 # where sessions are recorded (file:DIR, redis://..., etcd://...);

@@ -172,7 +172,9 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
     health.add("commit_log", log_check(commit_log))
     built.service = VerifierService(config, backend, store, commit_log, client=client, metrics=metrics,
                                     engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms,
-                                                               group_commit=v.group_commit))
+                                                               group_commit=v.group_commit,
+                                                               company_share=v.company_share,
+                                                               batch_log=v.batch_log))
     return built
 
 
@@ -246,7 +248,7 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
     config = RouterConfig(
         uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
         monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
-        target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
+        open_timeout_s=r.open_timeout_s, target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
         status_grace_s=r.status_grace_s, contract=contract_defaults(r.contract))
     metrics = Metrics()
     built = Built(None, count_refusal=refusal_counter(metrics.registry))

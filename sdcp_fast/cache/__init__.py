@@ -50,7 +50,8 @@ Fenced, SizeMismatch, CorruptLog, UnsafeDirectory (embedded store directory not 
 NotOwner > LeaseExpired (records.py);
 qrows.QRowsUnavailable.
 Test servers: `testing.redis_server()`, `testing.etcd_server()` (context managers);
-`testing.EtcdProcess` (an etcd that can be killed and started again on its data).
+`testing.EtcdProcess`, `testing.RedisProcess` (servers that can be killed and started again
+on their data; the Redis one durable: appendfsync always).
 """
 
 from .api import (

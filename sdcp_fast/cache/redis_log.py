@@ -14,8 +14,13 @@ even have landed and then been refused by a fence. The caller learns the outcome
 position `expected` (and, in check mode, by `effective_commits`). Per-log check progress is
 an LRU of `max_cached_logs` entries; a forgotten log is checked again from its start.
 
-Redis replication is asynchronous: a failover can lose acknowledged appends. Use etcd for
-the commit log where verifier failover must be exact (section 6.9).
+Durability is the server's configuration: an acknowledged append survives a Redis restart
+(kill -9 included) only with `appendonly yes` and `appendfsync always` (Redis fsyncs the
+append-only file before it answers); Redis's default `everysec` may lose the last second of
+acknowledged appends, RDB snapshots alone (or none) more. tests/roles/test_faults.py
+restarts such a Redis mid-generation. While Redis is down every call raises `CacheError`
+(redis_store.bounded). Redis replication is asynchronous: a failover can lose acknowledged
+appends. Use etcd for the commit log where verifier failover must be exact (section 6.9).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from .api import DEFAULT_TIMEOUT_S, check_lease
-from .errors import BadSpec, NotFound, StoreFull, StoreTimeout
+from .errors import BadSpec, CacheError, NotFound, StoreFull, StoreTimeout
 
 DEFAULT_CACHE_TTL_MS = 600_000
 KEY_PREFIX = "sdcp:obj:"
@@ -35,6 +35,10 @@ async def bounded(awaitable, timeout_s: float):
 
     A `StoreTimeout` means the reply was late, not that the command did not run: Redis may
     have executed it (a put stored, an append landed). Callers that must know re-read.
+    A connection refused, closed mid-call or to a server still loading its data (a Redis
+    restarting) is a `CacheError` like any other store's trouble, so that the roles' retry
+    loops (lease keepalive, session-table scans, appends) go on; a closed connection too
+    may leave the command run.
     """
     try:
         return await asyncio.wait_for(awaitable, timeout_s)
@@ -42,6 +46,8 @@ async def bounded(awaitable, timeout_s: float):
         raise StoreTimeout(f"redis call exceeded {timeout_s}s") from exc
     except redis_errors.OutOfMemoryError as exc:
         raise StoreFull(str(exc)) from exc
+    except redis_errors.ConnectionError as exc:     # BusyLoadingError (LOADING) is one too
+        raise CacheError(f"redis unreachable: {exc}") from exc
 
 
 class RedisStore:

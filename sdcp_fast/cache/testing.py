@@ -110,7 +110,51 @@ def redis_server(extra_args: tuple[str, ...] = ()) -> Iterator[Server]:
             _stop(process)
 
 
-class EtcdProcess:
+class _ServerProcess:
+    """A server process that can be killed (SIGKILL: a crash) and started again on the same
+    ports and data; it dies with this process (procs.die_with_parent)."""
+
+    process: subprocess.Popen | None = None
+    log: Path
+
+    def _launch(self, args: list[str], ready, what: str) -> None:
+        with open(self.log, "ab") as out:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                            preexec_fn=die_with_parent())
+        _wait_until(ready, self.process, what, self.log)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            _stop(self.process)
+
+
+class RedisProcess(_ServerProcess):
+    """A redis-server on 127.0.0.1 with its data and log in `workdir`, on a port of its own:
+    `start()`, `kill()` (SIGKILL: a crash), `start()` again on the same port and data,
+    `stop()`; the process dies with this one. Durable as a commit log needs it: the
+    append-only file fsynced before every answer (`appendfsync always`), so an acknowledged
+    append survives kill -9 (Redis's default `everysec` may lose the last second); no RDB."""
+
+    def __init__(self, workdir: Path):
+        self.binary = _require_binary("redis-server", "redis-server")
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"   # the spec for open_store / open_log / open_table
+        self.log = self.workdir / "redis.log"
+
+    def start(self) -> None:
+        data = self.workdir / "redis-data"
+        data.mkdir(parents=True, exist_ok=True)
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(data),
+                "--save", "", "--appendonly", "yes", "--appendfsync", "always"]
+        self._launch(args, lambda: _redis_ready(self.port), "redis-server")
+
+
+class EtcdProcess(_ServerProcess):
     """A single-member etcd (3.4) on 127.0.0.1 with its data and log in `workdir`, on ports
     of its own: `start()`, `kill()` (SIGKILL: a crash), `start()` again on the same ports
     and data, `stop()`. The process dies with this one (procs.die_with_parent)."""
@@ -123,25 +167,13 @@ class EtcdProcess:
         self.peer_url = f"http://127.0.0.1:{free_port()}"
         self.url = f"etcd://127.0.0.1:{self.port}"   # the spec for open_log / open_table
         self.log = self.workdir / "etcd.log"
-        self.process: subprocess.Popen | None = None
-        self._preexec = die_with_parent()
 
     def start(self) -> None:
         args = [self.binary, "--name", self.name, "--data-dir", str(self.workdir / "data"),
                 "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
                 "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
                 "--initial-cluster", f"{self.name}={self.peer_url}", "--log-level", "error"]
-        with open(self.log, "ab") as out:
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, preexec_fn=self._preexec)
-        _wait_until(lambda: _etcd_ready(self.client_url), self.process, "etcd", self.log)
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=5)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            _stop(self.process)
+        self._launch(args, lambda: _etcd_ready(self.client_url), "etcd")
 
 
 @contextlib.contextmanager

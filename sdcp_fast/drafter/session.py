@@ -87,6 +87,10 @@ class Built:
     leased: list[str]               # cache objects held until the verdict
     draft_seconds: float
     retries: int = 0                # times the same bytes were sent again
+    ahead: int = 0                  # tokens taken from the look-ahead drafted during the last round
+    built_at: float = 0.0           # wall clock (time.time()) when building began,
+    sent_at: float = 0.0            # ... when first sent,
+    answered_at: float = 0.0        # ... when its verdict arrived (the rounds log's timeline)
 
 
 class Backoff:
@@ -231,7 +235,7 @@ class DraftSession:
         """Draft M tokens (reusing `ready`'s tokens, drafted ahead, when given) and publish
         the artifacts the verifier may need."""
         m = self.choose()
-        started = time.perf_counter()
+        started, built_at = time.perf_counter(), time.time()
         tokens, rows = [], []
         if ready is not None:
             tokens, rows = ready.tokens[:m], ready.rows[:m]
@@ -260,7 +264,8 @@ class DraftSession:
         proposal = Proposal(self.id, self.epoch, self.round + 1, self.service.config.uri,
                             self.committed, self.digest, tuple(tokens), self.service.status(),
                             q_rows=q_ref, draft_kv=draft_kv)
-        return Built(proposal, rows_tensor, leased, seconds)
+        return Built(proposal, rows_tensor, leased, seconds, ahead=len(ready.tokens[:m]) if ready else 0,
+                     built_at=built_at)
 
     async def exchange(self, built: Built) -> Verdict | str:
         """Send the proposal until a verdict or a problem that changes what to send.
@@ -274,6 +279,7 @@ class DraftSession:
         failing_since: float | None = None      # first transport error / 5xx in a row
         self.start_lookahead(built)
         sent_at = time.perf_counter()
+        built.sent_at = built.sent_at or time.time()
         while True:
             try:
                 reply = await call(self.service.client, "POST", url, built.proposal, Verdict,
@@ -304,6 +310,7 @@ class DraftSession:
                     built.retries += 1
                     continue   # test hook: as if the response were lost in transit
                 self.timing.observe_verify(time.perf_counter() - sent_at, built.proposal.m)
+                built.answered_at = time.time()
                 self.service.metrics.verdict(built.proposal.m, verdict.accepted)
                 return verdict
             if kind == Kind.Q_UNAVAILABLE and built.rows is not None:
@@ -448,4 +455,6 @@ def round_record(session: DraftSession, built: Built, verdict: Verdict, retries:
         "draft_ms": round(1000 * built.draft_seconds, 3),
         "verify_ms": round(1000 * session.timing.verify, 3),
         "alpha": round(session.alpha.alpha, 4), "retries": retries, "verdict": fingerprint,
+        "ahead": built.ahead, "built_at": round(built.built_at, 4), "sent_at": round(built.sent_at, 4),
+        "answered_at": round(built.answered_at, 4),
     }, separators=(",", ":"))

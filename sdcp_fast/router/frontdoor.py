@@ -24,7 +24,8 @@ option). SDCP leaves client-facing APIs open (section 1.4); this one is
     GET  /health, GET /metrics             readiness and the router's Prometheus series
 
 Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detail for
-problems the router raises). Tokens are streamed exactly once each, in order: the stream
+problems the router raises); a 503 (no verifier could take the session now, the router at
+max_sessions) or 429 carries `Retry-After`. Tokens are streamed exactly once each, in order: the stream
 reads the router's session output (which takes every committed token once, section 6.7)
 from an index, so a client that reconnects with from=n resumes without a gap or a repeat, here or at another router (router/follow.py).
 Text comes from router/textstream.py (the OpenAI routes' too): decoded on the whole
@@ -49,6 +50,13 @@ from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
 
 log = logging.getLogger("sdcp_fast.router.frontdoor")
+RETRY_AFTER_S = 1     # what a 503 / 429 tells the client to wait before it asks again
+
+
+def error_response(status: int, body: dict) -> WebResponse:
+    """A JSON error; one that says "busy now" (429, 503) says when to ask again."""
+    headers = (("retry-after", str(RETRY_AFTER_S)),) if status in (429, 503) else ()
+    return WebResponse(status, json.dumps(body, separators=(",", ":")).encode(), headers=headers)
 
 
 class HTTPError(Exception):
@@ -73,10 +81,10 @@ class FrontDoor:
         try:
             return await self._route(request)
         except HTTPError as exc:
-            return WebResponse.json(exc.status, {"error": exc.detail})
+            return error_response(exc.status, {"error": exc.detail})
         except ProblemError as exc:
-            return WebResponse.json(exc.problem.status, {"error": exc.problem.kind.suffix,
-                                                         "detail": exc.problem.detail})
+            return error_response(exc.problem.status, {"error": exc.problem.kind.suffix,
+                                                       "detail": exc.problem.detail})
 
     async def _route(self, request: WebRequest) -> WebResponse | StreamingResponse:
         method, path, body = request.method, request.path, request.body

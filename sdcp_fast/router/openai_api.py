@@ -57,6 +57,7 @@ from ..core.problems import ProblemError
 from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
 from . import chat
 from .bodies import is_int, json_object, resume_index
+from .frontdoor import error_response
 from .service import RouterService
 from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
@@ -82,7 +83,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> WebResponse:
-        return WebResponse.json(self.status, self.body())
+        return error_response(self.status, self.body())
 
 
 @dataclass

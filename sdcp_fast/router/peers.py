@@ -52,12 +52,17 @@ def url(base: str, path: str) -> str:
 
 
 class Peers:
-    def __init__(self, client, *, timeout_s: float):
+    def __init__(self, client, *, timeout_s: float, open_timeout_s: float | None = None):
         self.client = client
         self.timeout_s = timeout_s
+        # a session-open does work (the prompt's prefill, behind the verifier's batches):
+        # under load it takes longer than a call that only answers, and a router that gave up
+        # on it after `timeout_s` turned a busy verifier into "no verifier could open"
+        self.open_timeout_s = open_timeout_s or timeout_s
 
     async def open_session(self, verifier: str, msg: SessionOpen) -> SessionState | Refused:
-        return await self._call("POST", url(verifier, "sessions"), msg, SessionState)
+        return await self._call("POST", url(verifier, "sessions"), msg, SessionState,
+                                timeout=self.open_timeout_s)
 
     async def put_drafter(self, verifier: str, msg: Assignment) -> SessionState | Refused:
         return await self._call("PUT", url(verifier, f"sessions/{encode_session_id(msg.session)}/drafter"),

@@ -63,7 +63,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
 from ..aio import TaskSet, cancel_and_wait
-from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record, StoreTimeout
+from ..cache import CacheError, Fenced, LeaseExpired, NotOwner, Owned, Record
 from ..core.messages import (
     ROLE_DRAFTER,
     ROLE_VERIFIER,
@@ -117,6 +117,7 @@ class RouterConfig:
     monitor_interval_s: float = 0.1
     stall_s: float = 5.0
     request_timeout_s: float = 5.0
+    open_timeout_s: float = 30.0                  # bound of one session-open: a prefill under load
     output_timeout_s: float = 10.0                # bound of one output long poll
     committed_lease_ms: int = 120_000
     target_kv: bool = True                        # offer the verifier's published target KV on resume
@@ -151,7 +152,7 @@ class RouterService(Routed):
         self.sessions: dict[bytes, RouterSession] = {}     # owned here
         self.followed: dict[bytes, RouterSession] = {}     # owned by another router, streamed here
         self.own = Ownership(table, holder=config.uri, ttl_s=config.lease_ttl_s, on_lost=self._lease_lost)
-        self.peers = Peers(client, timeout_s=config.request_timeout_s)
+        self.peers = Peers(client, timeout_s=config.request_timeout_s, open_timeout_s=config.open_timeout_s)
         self.committed = CommittedLog(commit_log, store, lease_ms=config.committed_lease_ms)
         self.placement = Placement(self.registry, self.peers, self.committed, self.own, m_init=config.m_init,
                                    on_verifier_lost=self._verifier_lost)
@@ -457,8 +458,9 @@ class RouterService(Routed):
                 await coro
             except NotOwner as exc:
                 self._lost(s, exc)
-            except StoreTimeout as exc:      # the store is slow or a writer holds the log: retried
-                log.warning("session %s: control step waits for the store: %s", s.id.hex(), exc)
+            except CacheError as exc:        # the store is down, slow, or a writer holds the log
+                log.warning("session %s: control step not done, the store did not answer (%s); "
+                            "the monitor tries again", s.id.hex(), exc)
             except Exception:
                 log.exception("session %s: control step failed", s.id.hex())
             finally:

@@ -36,6 +36,7 @@ sessions could still add a job) and reaches the model only through `TargetModel`
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -51,7 +52,7 @@ from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem
-from ..core.session import Job
+from ..core.session import Job, State
 from ..kernels.device import Device
 from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
 from . import verify_step
@@ -98,6 +99,10 @@ class EngineConfig:
     max_batch: int = 64           # jobs per forward pass
     max_wait_ms: float = 2.0      # how long the first job of a batch waits for company (it
                                   # stops waiting once no other session could add a job)
+    company_share: float = 0.5    # ... and, while a session of the last two batches has not
+                                  # sent its next job, up to this share of what a batch costs
+                                  # (measured): a late session joins the pass instead of
+                                  # costing a pass of its own (0: max_wait_ms alone)
     batching: bool = True         # False: one job per pass (the benchmark's baseline)
     group_commit: bool = True     # False: each commit record appended alone (the benchmark's baseline)
     append_timeout_s: float = 5.0
@@ -105,6 +110,8 @@ class EngineConfig:
     q_staging_bytes: int = 512 << 20  # host slots for q rows fetched ahead (pinned on CUDA)
     prefetch_q: bool | None = None    # fetch q rows when a job is queued (None: on CUDA only;
                                       # on the CPU it costs a copy and hides little)
+    batch_log: str | None = None      # JSON line per batch: when it formed, whose jobs, its
+                                      # time split (the timeline of bench_real --timeline)
 
 
 @dataclass(frozen=True)
@@ -159,10 +166,13 @@ class Engine:
         self._stager = QRowStager(store, target.vocab_size, self._dev,
                                   host_bytes=config.q_staging_bytes, device_bytes=config.q_buffer_bytes)
         self.batch_times: deque[BatchTimes] = deque(maxlen=1024)
+        self._recent: deque[set[bytes]] = deque(maxlen=2)   # sessions of the last two batches
+        self._batch_s = 0.0                                 # EWMA of a batch's seconds
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._busy = 0                                # jobs in the batch being processed
         self.load_override: int | None = None         # pins the reported load (tests, drills)
         self._task: asyncio.Task | None = None
+        self._batch_file = open(config.batch_log, "a") if config.batch_log else None  # noqa: SIM115
 
     # ------------------------------------------------------------------ load
 
@@ -188,6 +198,9 @@ class Engine:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        if self._batch_file is not None:
+            self._batch_file.close()
+            self._batch_file = None
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if item.fetch is not None:
@@ -215,24 +228,8 @@ class Engine:
         while True:
             batch = [await self._queue.get()]
             if self.config.batching:
-                deadline = time.perf_counter() + self.config.max_wait_ms / 1000
-                # sessions that could still add a job (those with one queued are not counted):
-                # once that many more have arrived, nobody else can come, so go at once
-                could_come = self.sessions.could_propose() + self._queue.qsize()
-                while len(batch) < self.config.max_batch:
-                    remaining = deadline - time.perf_counter()
-                    if remaining <= 0 and self._queue.empty():
-                        break
-                    if self._queue.empty() and len(batch) - 1 >= could_come:
-                        break
-                    if self._queue.qsize():
-                        batch.append(self._queue.get_nowait())
-                        continue
-                    try:   # asyncio.timeout, not wait_for: no task per wait
-                        async with asyncio.timeout(max(remaining, 0)):
-                            batch.append(await self._queue.get())
-                    except TimeoutError:
-                        break
+                await self._gather(batch)
+            self._recent.append({item.session.id for item in batch})
             self._busy = len(batch)
             try:
                 await self._process(batch)
@@ -243,8 +240,45 @@ class Engine:
             finally:
                 self._busy = 0
 
+    async def _gather(self, batch: list[_Queued]) -> None:
+        """Add to `batch` the jobs that arrive while it waits for company: `max_wait_ms`, and
+        while a session of the last two batches is still to send its next job (its drafter
+        is building it: a session whose draft was refused drafts afresh while the others'
+        proposals, drafted ahead, are already here), up to `company_share` of a batch's
+        measured cost. Waiting less than a pass costs beats a pass of its own, and a
+        session that does not come stops counting after two batches."""
+        now = time.perf_counter()
+        deadline = now + self.config.max_wait_ms / 1000
+        company_deadline = now + self.config.company_share * self._batch_s
+        # sessions that could still add a job (those with one queued are not counted):
+        # once that many more have arrived, nobody else can come, so go at once
+        could_come = self.sessions.could_propose() + self._queue.qsize()
+        expected = self._expected()
+        while len(batch) < self.config.max_batch:
+            while self._queue.qsize() and len(batch) < self.config.max_batch:
+                batch.append(self._queue.get_nowait())
+            expected -= {item.session.id for item in batch}
+            if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
+                return   # nobody else can come
+            until = max(deadline, company_deadline) if expected else deadline
+            remaining = until - time.perf_counter()
+            if remaining <= 0:
+                return
+            try:   # asyncio.timeout, not wait_for: no task per wait
+                async with asyncio.timeout(remaining):
+                    batch.append(await self._queue.get())
+            except TimeoutError:
+                return
+
+    def _expected(self) -> set[bytes]:
+        """Sessions of the last two batches that could send a job and have none queued."""
+        recent = set().union(*self._recent) if self._recent else set()
+        serving = (State.SERVING, State.SELF_DECODING)
+        return {sid for sid in recent
+                if (record := self.sessions.get(sid)) is not None and record.machine.state in serving}
+
     async def _process(self, batch: list[_Queued]) -> None:
-        started = time.perf_counter()
+        started, wall = time.perf_counter(), time.time()
         if not self._path_logged:
             self._path_logged = True
             log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device, self._path_reason)
@@ -303,11 +337,22 @@ class Engine:
             q_copy_ms=landed.ready.since(landed.copies_began) if landed else 0.0,
             q_wait_ms=max(0.0, landed.ready.since(batch_began) - forward_done.since(batch_began))
             if landed else 0.0,
-            kernel_ms=kernel_done.since(kernel_began), commit_ms=commit_ms))
+            kernel_ms=kernel_done.since(kernel_began), commit_ms=commit_ms), batch, wall, started)
 
-    def _record(self, times: BatchTimes) -> None:
+    def _record(self, times: BatchTimes, batch: list[_Queued], wall: float, started: float) -> None:
         """Keep the batch's split; the results are back, so every event has completed."""
         self.batch_times.append(times)
+        seconds = (times.forward_ms + times.kernel_ms + times.commit_ms) / 1e3
+        self._batch_s = seconds if self._batch_s == 0 else self._batch_s + 0.2 * (seconds - self._batch_s)
+        if self._batch_file is not None:
+            self._batch_file.write(json.dumps({
+                "t": round(wall, 4), "end": round(wall + time.perf_counter() - started, 4),
+                "sessions": [item.session.id.hex() for item in batch],
+                "rounds": [item.job.round for item in batch], "m": [len(item.job.tokens) for item in batch],
+                "waited_ms": [round(1e3 * (started - item.enqueued), 2) for item in batch],
+                "forward_ms": round(times.forward_ms, 2), "kernel_ms": round(times.kernel_ms, 2),
+                "commit_ms": round(times.commit_ms, 2)}, separators=(",", ":")) + "\n")
+            self._batch_file.flush()
         self.metrics.forward_seconds.observe(times.forward_ms / 1e3)
         self.metrics.kernel_seconds.observe(times.kernel_ms / 1e3)
         if times.q_jobs:

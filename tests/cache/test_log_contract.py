@@ -289,31 +289,37 @@ def test_effective_commits_read_in_pieces_match_the_whole():
             assert pieces == whole
 
 
-def test_etcd_killed_and_started_again_keeps_the_log(tmp_path):
-    """cache.testing.EtcdProcess (the fault tests' etcd): SIGKILL, then a start on the same
-    ports and data; an acknowledged append is still there."""
-    from sdcp_fast.cache.testing import EtcdProcess
+@pytest.mark.parametrize("kind", ["etcd", "redis"])
+def test_store_killed_and_started_again_keeps_the_log(tmp_path, kind):
+    """cache.testing.EtcdProcess and RedisProcess (the fault tests' stores): SIGKILL, then a
+    start on the same ports and data; an acknowledged append is still there (Redis: the
+    append-only file with appendfsync always). While the store is down, a call raises
+    CacheError."""
+    from sdcp_fast.cache import CacheError
+    from sdcp_fast.cache.testing import EtcdProcess, RedisProcess
 
-    etcd = EtcdProcess(tmp_path)
-    etcd.start()
+    server = EtcdProcess(tmp_path) if kind == "etcd" else RedisProcess(tmp_path)
+    server.start()
     try:
         async def append():
-            log = await open_log(etcd.url)
+            log = await open_log(server.url)
             try:
                 await log.append(LOG, b"kept", epoch=1, expected=0)
             finally:
                 await log.close()
 
         async def read():
-            log = await open_log(etcd.url)
+            log = await open_log(f"{server.url}?timeout_s=2")
             try:
                 return await log.read(LOG)
             finally:
                 await log.close()
 
         run(append())
-        etcd.kill()
-        etcd.start()
+        server.kill()
+        with pytest.raises(CacheError):
+            run(read())
+        server.start()
         assert run(read()) == [LogEntry(0, "commit", 1, b"kept")]
     finally:
-        etcd.stop()
+        server.stop()

@@ -32,7 +32,9 @@ PROMPT = (1, 2, 3)
 
 class Network:
     """`transport.Client`'s interface: records every call; `routes[(method, base, path
-    suffix)]` answers it (a function of the body); a call with no route gets no answer."""
+    suffix)]` answers it (a function of the body, or a coroutine function: a slow peer,
+    given up on after the call's timeout as the real client does); a call with no route
+    gets no answer."""
 
     def __init__(self):
         self.calls: list[tuple[str, str, str, bytes | None]] = []
@@ -45,7 +47,13 @@ class Network:
         self.calls.append((method, base, parts.path, body))
         for (m, b, suffix), answer in self.routes.items():
             if (m, b) == (method, base) and parts.path.endswith(suffix):
-                return answer(body)
+                reply = answer(body)
+                if not asyncio.iscoroutine(reply):
+                    return reply
+                try:
+                    return await asyncio.wait_for(reply, timeout)
+                except TimeoutError:
+                    raise TransportError(f"no answer from {url} in {timeout} s", sent=True) from None
         raise TransportError(f"cannot connect to {url}", sent=False)
 
     def sent(self, method: str, base: str, suffix: str) -> list[bytes]:
@@ -64,10 +72,11 @@ def problem_answer(kind: Kind) -> ClientResponse:
 
 
 class Bench:
-    def __init__(self, tmp, uri: str = ROUTER, lease_ttl_s: float = 30):
+    def __init__(self, tmp, uri: str = ROUTER, lease_ttl_s: float = 30, **config):
         self.tmp = tmp
         self.uri = uri
         self.lease_ttl_s = lease_ttl_s
+        self.config = config          # more RouterConfig fields
         self.net = Network()
 
     async def __aenter__(self):
@@ -75,7 +84,7 @@ class Bench:
         self.log = await open_log(f"file:{self.tmp / 'log'}")
         self.table = await open_table(f"file:{self.tmp / 'table'}")
         config = RouterConfig(self.uri, (V1, V2), ((D1, MODEL), (D2, MODEL)), lease_ttl_s=self.lease_ttl_s,
-                              status_grace_s=0)
+                              status_grace_s=0, **self.config)
         self.router = RouterService(config, None, self.store, self.log, client=self.net, table=self.table)
         await self.router.own.start()
         self.contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50,

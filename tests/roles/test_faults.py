@@ -20,7 +20,8 @@ SIGSTOP of the verifier shorter than its status TTL (nothing happens) and longer
 after SIGCONT its late appends are fenced); a partition that leaves the old verifier
 running but cut off from router and drafters (a loopback proxy process, stopped); verdicts
 dropped on the way back (the drafter retries; the round is idempotent); the commit-log
-store (etcd) killed and restarted mid-generation.
+store killed and restarted mid-generation, etcd and Redis (its append-only file fsynced on
+every write; with it, the router's session table is on the same server).
 
 Repetitions per scenario: SDCP_FAULT_REPS, else 10 under `pytest -m faults` (the issue's
 full run, recorded in bench/RESULTS.md) and 1 otherwise (CI). The seed is printed;
@@ -47,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from roles_support import FrontDoorClient, build_cluster, greedy
 
 from sdcp_fast.cache import effective_commits, open_log
-from sdcp_fast.cache.testing import ServerUnavailable, _etcd_ready, _require_binary
+from sdcp_fast.cache.testing import EtcdProcess, RedisProcess
 from sdcp_fast.core.messages import CommitRecord
 from sdcp_fast.procs import Instance, die_with_parent, free_port
 from sdcp_fast.refs import commit_log_name
@@ -106,39 +107,6 @@ class LoopbackProxy:
         self.heal()
         self.popen.kill()
         self.popen.wait(5)
-
-
-class Etcd:
-    """A single-member etcd whose process can be killed and started again on the same ports
-    and data directory (sdcp_fast.cache.testing's is throw-away)."""
-
-    def __init__(self, workdir: Path):
-        self.binary = _require_binary("etcd", "etcd-server")
-        self.workdir = workdir
-        self.client_url = f"http://127.0.0.1:{free_port()}"
-        self.peer_url = f"http://127.0.0.1:{free_port()}"
-        self.url = self.client_url.replace("http://", "etcd://")
-        self.popen: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        args = [self.binary, "--name", "faults", "--data-dir", str(self.workdir / "etcd-data"),
-                "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
-                "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-                "--initial-cluster", f"faults={self.peer_url}", "--log-level", "error"]
-        with open(self.workdir / "etcd.log", "ab") as out:
-            self.popen = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                          preexec_fn=die_with_parent())
-        wait_until(lambda: _etcd_ready(self.client_url), 30, "etcd not ready")
-
-    def kill(self) -> None:
-        self.popen.kill()
-        self.popen.wait(5)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            self.popen.wait(10)
 
 
 class Deployment:
@@ -378,24 +346,35 @@ def test_verdicts_dropped_on_the_way_back(request, deploy, seed):
     repeat(request, d, seed, lambda d, victim, rng: None)
 
 
-def test_commit_log_store_restarted(request, deploy, seed, tmp_path):
-    """etcd holds the commit log; it is killed (-9) mid-generation and started again on the
-    same data 0.5-2 s later."""
+def restart_store_mid_generation(request, deploy, seed, store, spec: str) -> None:
+    """The commit-log store (`cache.testing.EtcdProcess` / `RedisProcess`; the router's
+    session table is on it too) killed (-9) mid-generation and started again on the same
+    data 0.5-2 s later: appends and reads in that gap fail, the verifier reads back what
+    landed, the rounds are retried; every acknowledged commit is still in the log."""
+    store.start()
     try:
-        etcd = Etcd(tmp_path)
-    except ServerUnavailable as exc:
-        pytest.skip(str(exc))
-    try:
-        d = deploy(commit_log=f"{etcd.url}?prefix=/{uuid.uuid4().hex}/log/")
+        d = deploy(commit_log=spec)
 
         def fault(d, victim, rng):
-            etcd.kill()
+            store.kill()
             time.sleep(rng.uniform(0.5, 2.0))
-            etcd.start()
+            store.start()
 
         repeat(request, d, seed, fault)
     finally:
-        etcd.stop()
+        store.stop()
+
+
+def test_commit_log_store_restarted(request, deploy, seed, tmp_path):
+    """etcd holds the commit log."""
+    etcd = EtcdProcess(tmp_path, name="faults")
+    restart_store_mid_generation(request, deploy, seed, etcd, f"{etcd.url}?prefix=/{uuid.uuid4().hex}/log/")
+
+
+def test_redis_commit_log_restarted(request, deploy, seed, tmp_path):
+    """Redis holds the commit log, its append-only file fsynced before every answer."""
+    redis = RedisProcess(tmp_path)
+    restart_store_mid_generation(request, deploy, seed, redis, redis.url)
 
 
 def test_the_proxy_forwards_and_partitions(tmp_path):

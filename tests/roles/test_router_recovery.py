@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from router_bench import D1, D2, V1, V2, Bench, cbor_answer, problem_answer, run
+from router_bench import D1, D2, PROMPT, V1, V2, Bench, cbor_answer, problem_answer, run
 
+from sdcp_fast.core.digest import prefix_digest
 from sdcp_fast.core.messages import (
     ROLE_VERIFIER,
     Action,
@@ -18,9 +19,10 @@ from sdcp_fast.core.messages import (
     Policy,
     Sampling,
     SessionOpen,
+    SessionState,
     Status,
 )
-from sdcp_fast.core.problems import Kind
+from sdcp_fast.core.problems import Kind, ProblemError
 from sdcp_fast.transport import ClientResponse
 
 pytestmark = pytest.mark.timeout(30)
@@ -194,4 +196,38 @@ def test_capacity_refusal_places_the_session_on_another_verifier(tmp_path):
             assert await b.router.placement.open(s, exclude=set())
             assert s.verifier == V2
             assert [base for m, base, p, _ in b.net.calls if m == "POST"] == [V1, V2]
+    run(main())
+
+
+def test_a_slow_session_open_is_waited_for_not_refused(tmp_path):
+    """A verifier busy enough that its session-open (the prompt's prefill, behind its
+    batches) answers after the request timeout is waited for up to open_timeout_s: the
+    generation opens there, with one open sent. Given up on after the request timeout
+    instead (as before open_timeout_s), the same verifier made the front door answer 503
+    "no verifier could open the session" (the 64-client soak under load, bench/RESULTS.md)."""
+    async def slow_open(body):
+        await asyncio.sleep(0.6)
+        msg = SessionOpen.from_cbor(body)
+        return cbor_answer(SessionState(msg.session, msg.epoch, 0, 0, prefix_digest(msg.contract.digest, PROMPT)))
+
+    async def main():
+        async with Bench(tmp_path / "a", request_timeout_s=0.2, open_timeout_s=5.0) as b:
+            b.live(V1, D1)
+            b.net.routes[("POST", V1, "/sessions")] = slow_open
+            b.net.routes[("PUT", V1, "/drafter")] = lambda body: cbor_answer(b.state(s))
+            b.net.routes[("POST", D1, "/assignments")] = lambda body: ClientResponse(204, {}, b"")
+            s = await b.router.generate(list(PROMPT), b.contract, wait_for_instances_s=0.1)
+            assert (s.verifier, s.epoch) == (V1, 1)
+            assert len(b.net.sent("POST", V1, "/sessions")) == 1
+            while s.drafter is None:                    # its drafter step ran too
+                await asyncio.sleep(0.01)
+        async with Bench(tmp_path / "b", request_timeout_s=0.2, open_timeout_s=0.2) as b:
+            b.live(V1, D1)
+            b.net.routes[("POST", V1, "/sessions")] = slow_open
+            with pytest.raises(ProblemError) as refused:
+                await b.router.generate(list(PROMPT), b.contract, wait_for_instances_s=0.1)
+            assert refused.value.problem.kind == Kind.UNAVAILABLE
+            assert "no verifier could open" in refused.value.problem.detail
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
     run(main())

@@ -275,3 +275,33 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_busy_answers_of_the_front_door_say_when_to_ask_again():
+    """A 503 (no verifier could open the session, the router at max_sessions) carries
+    Retry-After, at the front door and in the OpenAI API; a 400 does not."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sdcp_fast.core.problems import Kind, problem
+    from sdcp_fast.router.frontdoor import FrontDoor
+    from sdcp_fast.router.openai_api import APIError
+    from sdcp_fast.transport.asgi import WebRequest
+
+    class BusyRouter:
+        backend = SimpleNamespace(vocab_size=8)
+
+        def make_contract(self, **overrides):
+            return None
+
+        async def generate(self, *args, **kwargs):
+            raise problem(Kind.UNAVAILABLE, "no verifier could open the session")
+
+    door = FrontDoor(BusyRouter())
+    busy = asyncio.run(door.handle(WebRequest("POST", "/v1/generate", {}, {}, b'{"tokens": [1]}')))
+    assert busy.status == 503 and ("retry-after", "1") in busy.headers
+    assert b"no verifier could open" in busy.body
+    bad = asyncio.run(door.handle(WebRequest("POST", "/v1/generate", {}, {}, b"{}")))
+    assert bad.status == 400 and bad.headers == ()
+    assert ("retry-after", "1") in APIError(503, "busy").response().headers
+    assert APIError(400, "bad").response().headers == ()
