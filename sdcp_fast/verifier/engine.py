@@ -328,16 +328,24 @@ class Engine:
             # copies into them) has finished
             self._stager.release(fetches, after=kernel_done or (landed.ready if landed else None))
         t_commit = time.perf_counter()
-        await self._commit(items, outcomes)
-        commit_ms = (time.perf_counter() - t_commit) * 1e3
-        self._record(BatchTimes(
-            jobs=len(items), q_jobs=len(fetches), prefetched=prefetched,
-            forward_ms=forward_done.since(batch_began),
-            q_read_ms=landed.read_seconds() * 1e3 if landed else 0.0,
-            q_copy_ms=landed.ready.since(landed.copies_began) if landed else 0.0,
-            q_wait_ms=max(0.0, landed.ready.since(batch_began) - forward_done.since(batch_began))
-            if landed else 0.0,
-            kernel_ms=kernel_done.since(kernel_began), commit_ms=commit_ms), batch, wall, started)
+        verdicts: list[tuple[_Queued, RoundResult]] = []
+        try:
+            await self._commit(items, outcomes, verdicts)
+            commit_ms = (time.perf_counter() - t_commit) * 1e3
+            self._record(BatchTimes(
+                jobs=len(items), q_jobs=len(fetches), prefetched=prefetched,
+                forward_ms=forward_done.since(batch_began),
+                q_read_ms=landed.read_seconds() * 1e3 if landed else 0.0,
+                q_copy_ms=landed.ready.since(landed.copies_began) if landed else 0.0,
+                q_wait_ms=max(0.0, landed.ready.since(batch_began) - forward_done.since(batch_began))
+                if landed else 0.0,
+                kernel_ms=kernel_done.since(kernel_began), commit_ms=commit_ms), batch, wall, started)
+        finally:
+            # the verdicts go out once the batch is on record (a request resumes as soon as
+            # its future resolves: whoever reads the batch's times then finds them)
+            for item, result in verdicts:
+                if not item.future.done():
+                    item.future.set_result(result)
 
     def _record(self, times: BatchTimes, batch: list[_Queued], wall: float, started: float) -> None:
         """Keep the batch's split; the results are back, so every event has completed."""
@@ -368,9 +376,11 @@ class Engine:
             self._refuse(batch[n], Problem(Kind.UNAVAILABLE, f"the target model cannot score this session: {exc}"))
         return [(n, item) for n, item in enumerate(batch) if n not in refused], logits
 
-    async def _commit(self, batch: list[_Queued], outcomes: list[JobOutcome]) -> None:
+    async def _commit(self, batch: list[_Queued], outcomes: list[JobOutcome],
+                      verdicts: list[tuple[_Queued, RoundResult]]) -> None:
         """Complete every job, append the batch's records together (group commit: one
-        durable write on the file log, one round trip on Redis), then settle each job."""
+        durable write on the file log, one round trip on Redis), then settle each job (a
+        committed one's result goes to `verdicts`, released by the caller)."""
         ready: list[tuple[_Queued, object, int, RecordAppend]] = []   # (item, record, accepted, append)
         for item, outcome in zip(batch, outcomes, strict=True):
             if outcome.problem is not None:
@@ -386,7 +396,7 @@ class Engine:
         if not ready:
             return
         answers = await self._append_all([(item.session, append) for item, _, _, append in ready])
-        results = await asyncio.gather(*(self._settle(item, record, accepted, append.expected, answer)
+        results = await asyncio.gather(*(self._settle(item, record, accepted, append.expected, answer, verdicts)
                                          for (item, record, accepted, append), answer in zip(ready, answers,
                                                                                              strict=True)),
                                        return_exceptions=True)
@@ -394,7 +404,8 @@ class Engine:
             if isinstance(result, Exception):
                 self._broken(item, result)
 
-    async def _settle(self, item: _Queued, record, accepted: int, position: int, appended: str) -> None:
+    async def _settle(self, item: _Queued, record, accepted: int, position: int, appended: str,
+                      verdicts: list[tuple[_Queued, RoundResult]]) -> None:
         """What the log said of one job's append: its verdict, or why there is none."""
         served, session, job = item.served, item.session, item.job
         if appended is _NOT_APPENDED:
@@ -422,8 +433,7 @@ class Engine:
         await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
         self.metrics.committed(job.m, accepted, verdict.action if verdict else None)
         served.wake()
-        if not item.future.done():
-            item.future.set_result(RoundResult(verdict=verdict, settled=True))
+        verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
 
     async def _append_all(self, records: list[tuple]) -> list[str]:
         """Append each (session, RecordAppend) of a batch in one `append_records`:
