@@ -1,5 +1,9 @@
 """Small asyncio pieces every service uses: background tasks it owns, a lock per key.
 
+    loop = LoopTask(self._run, "name")
+    loop.start()                       # once; a second start while it runs does nothing
+    await loop.stop()                  # cancel it and wait until it has ended
+
     tasks = TaskSet()
     tasks.spawn(coro)                  # kept referenced (asyncio holds only weak ones)
     await tasks.cancel_all()           # cancel every task and wait (bounded) for them
@@ -17,7 +21,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Coroutine, Hashable
+from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from typing import Any
 
 
@@ -28,6 +32,23 @@ async def cancel_and_wait(task: asyncio.Task | None) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+class LoopTask:
+    """The one long-running task of an owner (a batcher's loop), started and stopped by it."""
+
+    def __init__(self, run: Callable[[], Coroutine[Any, Any, Any]], name: str):
+        self._run = run
+        self._name = name
+        self._task: asyncio.Task[Any] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=self._name)
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
 
 
 class TaskSet:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..aio import Offload, cancel_and_wait
+from ..aio import LoopTask, Offload
 from ..core.messages import RULE_GREEDY, Sampling, transform_of
 
 log = logging.getLogger("sdcp_fast.drafter.drafting")
@@ -61,7 +61,7 @@ class DraftBatcher:
         self.max_batch = max_batch
         self.model_lock = asyncio.Lock()
         self._queue: asyncio.Queue[DraftRequest] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
+        self._loop = LoopTask(self._run, "draft-batcher")
         self.busy_seconds = 0.0      # forward time, for the load figure
         self.active = 0              # requests in the step under way
         self.steps = 0               # forward passes run
@@ -74,12 +74,10 @@ class DraftBatcher:
         return self._queue.qsize()
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="draft-batcher")
+        self._loop.start()
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.stop()
 
     async def draft(self, request: DraftRequest) -> DraftRequest:
         """Resolve when `request.want` tokens (and rows) are drafted."""

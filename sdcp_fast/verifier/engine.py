@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..aio import Offload, cancel_and_wait
+from ..aio import LoopTask, Offload
 from ..cache import Fenced
 from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
@@ -171,7 +171,7 @@ class Engine:
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._busy = 0                                # jobs in the batch being processed
         self.load_override: int | None = None         # pins the reported load (tests, drills)
-        self._task: asyncio.Task | None = None
+        self._loop = LoopTask(self._run, "verifier-engine")
         self._batch_file = open(config.batch_log, "a") if config.batch_log else None  # noqa: SIM115
 
     # ------------------------------------------------------------------ load
@@ -192,12 +192,10 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-engine")
+        self._loop.start()
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._loop.stop()
         if self._batch_file is not None:
             self._batch_file.close()
             self._batch_file = None
