@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from roles_support import FrontDoorClient, build_cluster, greedy
+from roles_support import FrontDoorClient, build_cluster, greedy, wait_until
 
 from sdcp_fast.cache import effective_commits, open_log
 from sdcp_fast.cache.testing import EtcdProcess, RedisProcess
@@ -69,17 +69,6 @@ def seed():
     value = int(os.environ.get("SDCP_FAULT_SEED", str(random.SystemRandom().randrange(1 << 32))))
     print(f"SDCP_FAULT_SEED={value}")
     return value
-
-
-def wait_until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.02)
 
 
 # ---------------------------------------------------------------------- the deployment
