@@ -25,6 +25,7 @@ WANTED=(
   hypercorn priority wsproto   # sdcp_fast.transport.asgi (the metrics page)
   redis         # tests/cache/conftest.py (the GPU-tier tests' directory)
   sniffio       # anyio/httpx at run time; not in the machine's package list
+  tomli-w       # sdcp_fast.config, which cache.testing imports through procs (die_with_parent)
 )
 
 pins=()
