@@ -302,8 +302,9 @@ def test_a_host_reconnecting_in_a_loop_is_refused_before_tls(pki):
     told to calm down that reconnects at once must not cost a handshake each time)."""
 
     async def main():
+        # a refill of one connection per 100 s: none within the test, however slow its handshakes
         async with await _serve(RecordingRouter(), pki, new_connections_burst=5,
-                                new_connections_per_host_s=1.0) as server:
+                                new_connections_per_host_s=0.01) as server:
             kept = await RawH2.open(server.port, pki.router)
             opened = [await RawH2.open(server.port, pki.drafter) for _ in range(4)]   # the burst
             with pytest.raises((ConnectionError, ssl.SSLError, OSError)):

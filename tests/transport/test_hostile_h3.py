@@ -177,7 +177,7 @@ def test_a_stalled_header_block_is_reset_after_the_header_timeout(pki):
 def test_a_host_opening_quic_connections_too_fast_is_dropped_before_the_handshake(pki):
     async def main():
         async with await _serve(RecordingRouter(), pki, new_connections_burst=2,
-                                new_connections_per_host_s=0.5) as server:
+                                new_connections_per_host_s=0.01) as server:   # no refill within the test
             first = [await RawH3.open(server.port, pki.drafter) for _ in range(2)]
             with pytest.raises((ConnectionError, TimeoutError)):
                 await asyncio.wait_for(RawH3.open(server.port, pki.drafter), 1.0)
