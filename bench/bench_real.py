@@ -338,6 +338,10 @@ def main() -> int:
     ap.add_argument("--new-tokens", "--max-new", dest="new_tokens", type=int, default=128)
     ap.add_argument("--m", type=int, default=5, help="draft tokens per round (M)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of generate() and the verifier")
+    ap.add_argument("--baseline-threads", type=int, default=None,
+                    help="torch threads of the generate() baselines only (default: --threads): "
+                    "SDCP's verifier and drafter run on a core each, so 2 gives generate() the "
+                    "whole 2-core machine too")
     ap.add_argument("--reps", type=int, default=7, help="repetitions of each pass-time measurement")
     ap.add_argument("--workdir", help="keep the work directory here (default: a temporary one)")
     ap.add_argument("--company-share", type=float, default=None,
@@ -364,6 +368,10 @@ def main() -> int:
     target = HFBackend(gguf, threads=args.threads)
     print(f"target {target_spec} loaded in {time.perf_counter() - started:.1f} s "
           f"(digest {target.digest.hex()[:12]})")
+    baseline_threads = args.baseline_threads or args.threads
+    torch.set_num_threads(baseline_threads)        # generate(), batched, assisted
+    if baseline_threads != args.threads:
+        print(f"generate() baselines on {baseline_threads} threads, the verifier and the loop on {args.threads}")
     eos = end_of_turn(target.tokenizer)
     prompts = chat_prompts(target.tokenizer, PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))])
     max_new = args.new_tokens
@@ -401,6 +409,7 @@ def main() -> int:
 
     print(f"assisted generate(prompt_lookup_num_tokens={LOOKUP_TOKENS}), one prompt at a time ...", flush=True)
     assisted = generate_each(target.model, prompts, max_new, eos, prompt_lookup_num_tokens=LOOKUP_TOKENS)
+    torch.set_num_threads(args.threads)            # the loop and the pass times: as the verifier
     print(f"the speculative loop in this process (backends only, M = {args.m}), 1 prompt, then "
           f"{len(prompts)} at once ...", flush=True)
     loop_one, split = Decoded([], []), {}
