@@ -105,6 +105,13 @@ class Window:
             self.start_at, self.stop_at = self.times[0], self.times[1]
 
 
+
+def table_target(workdir: Path) -> tuple[torch.Tensor, str]:
+    """The benchmarks' target: a seeded V x V table model written into `workdir`; (table, spec)."""
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(18)) * 3
+    write_table(workdir / "target.safetensors", table)
+    return table, f"table:{workdir / 'target.safetensors'}"
+
 def bench_contract(target: bytes, tokenizer: bytes) -> Contract:
     return Contract(target=target, tokenizer=tokenizer, rule=1, m_max=8, max_new=1 << 30, stop=(), low_rounds=4,
                     fallback=(Action.REDUCE,))
@@ -321,10 +328,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sdcp-round-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                      else None) as tmp:
         workdir = Path(tmp)
-        table = torch.randn(V, V, generator=torch.Generator().manual_seed(18)) * 3
-        write_table(workdir / "target.safetensors", table)
+        table, spec = table_target(workdir)
         torch.save(table, workdir / "target.pt")
-        spec = f"table:{workdir / 'target.safetensors'}"
         for protocol in protocols:
             for n in sessions:
                 for variant in variants:   # alternating: both see the same machine state

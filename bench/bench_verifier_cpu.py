@@ -43,13 +43,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
 
-from bench.bench_round import DRAFTERS, M, V, open_session  # noqa: E402
+from bench.bench_round import DRAFTERS, M, V, open_session, table_target  # noqa: E402
 from sdcp_fast import config as schema  # noqa: E402
 from sdcp_fast.core.messages import Proposal, Status, Verdict  # noqa: E402
 from sdcp_fast.models import load_backend  # noqa: E402
-from sdcp_fast.models.table import write_table  # noqa: E402
 from sdcp_fast.procs import Cluster, die_with_parent  # noqa: E402
 from sdcp_fast.transport import Client, TLSConfig, make_certs  # noqa: E402
 
@@ -251,9 +249,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="sdcp-vcpu-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                      else None) as tmp:
         workdir = Path(tmp)
-        table = torch.randn(V, V, generator=torch.Generator().manual_seed(18)) * 3
-        write_table(workdir / "target.safetensors", table)
-        spec = f"table:{workdir / 'target.safetensors'}"
+        table, spec = table_target(workdir)
         backend = load_backend(spec)
         digests = (backend.digest, backend.tokenizer_digest)
         next_token = table.argmax(dim=1).tolist()
