@@ -1,11 +1,10 @@
-"""The one HTTP client every role uses: HTTP/2 (httpx) or HTTP/3 (aioquic), with mutual TLS 1.3.
+"""The one HTTP client every role uses: HTTP/2 (h2 on asyncio) or HTTP/3 (aioquic), with mutual TLS 1.3.
 
 The one place that picks the client adapter (client_h2.py or client_h3.py; both answer with
 client_base.py's types). Connections are kept per origin and reused; requests on one
 connection run as concurrent streams. Every attempt, connection set-up and whole response
-included, ends within `timeout` seconds (asyncio.timeout around it): httpx's own timeouts
-bound each read, so a server trickling a byte at a time would otherwise hold a request
-forever. A failed attempt is retried (up to `retries` times, short exponential backoff)
+included, ends within `timeout` seconds (asyncio.timeout around it), so a server trickling
+a byte at a time cannot hold a request. A failed attempt is retried (up to `retries` times, short exponential backoff)
 only when that is safe: always when the request certainly never reached the server
 (connect failure, stream refused by a closing server), and otherwise only when the caller
 says the request is idempotent (`idempotent=True`: proposals are idempotent per round,
@@ -88,8 +87,8 @@ class Client:
     async def _attempt(self, method: str, url: str, body: bytes | None,
                        content_type: str | None, limit: float) -> ClientResponse:
         """One try, all of it within `limit` seconds."""
-        # a request may have reached the server once its connection exists (httpx connects
-        # inside `send` and does not say how far it got: assume sent)
+        # a request may have reached the server once its connection exists (`open` connects;
+        # `send` says sent=False itself where the server certainly did not process it)
         sent = False
         try:
             async with asyncio.timeout(limit):

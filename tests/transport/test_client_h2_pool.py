@@ -1,73 +1,110 @@
-"""The HTTP/2 client replaces a pool whose stream accounting drifted (client_h2.py: httpcore
-1.0.x leaks one of the server's concurrent streams per request that times out before its
-END_STREAM went out). The drift itself is timing-dependent, so httpx's mock transport raises
-the two errors it ends in; the real pool's behaviour against a live server is bench_soak's."""
+"""The HTTP/2 client's connections and streams (client_h2.py), against the real server:
+a request that times out resets its stream (the server's concurrency slot comes back: the
+leak of httpcore 1.0.x cannot happen), requests beyond the server's stream limit wait or
+take another connection, an oversized answer fails alone, a stream the server refused is
+`sent=False`, and an idle connection is not reused past its expiry."""
 
 from __future__ import annotations
 
-import httpx
-import pytest
-from transport_support import run
+import asyncio
 
-from sdcp_fast.transport.client_base import TransportError
+import cbor2
+import pytest
+from transport_support import PROPOSAL, RecordingRouter, run
+
+from sdcp_fast.transport import Client, RequestTimeout, TransportError, serve
 from sdcp_fast.transport.client_h2 import H2Origins
 
-URL = "https://127.0.0.1:1/proposals"
+
+def _url(server, path: str) -> str:
+    return f"https://127.0.0.1:{server.port}{path}"
 
 
-def _origins(pki, answers: list) -> tuple[H2Origins, list[httpx.AsyncClient]]:
-    """H2Origins whose clients answer from `answers` in turn: an exception is raised, an int
-    is a status. Returns the clients made, in order."""
-    origins = H2Origins(pki.drafter, timeout=0.05, connect_timeout=1.0, idle_timeout=60.0, max_response=1 << 20)
-    made: list[httpx.AsyncClient] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        answer = answers.pop(0)
-        if isinstance(answer, BaseException):
-            raise answer
-        return httpx.Response(answer, stream=httpx.ByteStream(b"\xa0"))
-
-    def make() -> httpx.AsyncClient:
-        made.append(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
-        return made[-1]
-
-    origins._make = make
-    run(origins._httpx.aclose())
-    origins._httpx = make()
-    return origins, made
-
-
-@pytest.mark.parametrize("drift", [
-    httpx.LocalProtocolError("Max outbound streams is 128, 128 open"),
-    ValueError("semaphore released too many times"),
-], ids=["max-outbound-streams", "semaphore"])
-def test_a_drifted_pool_is_replaced_and_the_next_request_goes_through(pki, drift):
-    origins, made = _origins(pki, [200, drift, 200, 200])
+def test_timed_out_requests_give_their_streams_back(pki):
+    """Twice the server's stream limit of requests time out, one after another; each reset
+    its stream, so the next request is answered at once (with httpcore it failed: "Max
+    outbound streams is 2, 2 open")."""
 
     async def main():
-        assert (await origins.send(URL, "POST", b"\xa0", "application/sdcp+cbor", 1.0)).status == 200
-        with pytest.raises(TransportError) as refused:
-            await origins.send(URL, "POST", b"\xa0", "application/sdcp+cbor", 1.0)
-        # not sent: the stream was never opened (h2 refused it); unknown: the slot's release failed
-        assert refused.value.sent is isinstance(drift, ValueError)
-        assert len(made) == 2 and origins._httpx is made[1]
-        for _ in range(2):
-            assert (await origins.send(URL, "POST", b"\xa0", "application/sdcp+cbor", 1.0)).status == 200
-        assert len(made) == 2                 # one replacement per drift
-        await origins.aclose()
-        assert made[0].is_closed and made[1].is_closed
+        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False,
+                               max_concurrent_streams=2) as server:
+            async with Client(pki.drafter, "h2", timeout=5.0, retries=0) as client:
+                for _ in range(4):
+                    with pytest.raises(RequestTimeout) as timed_out:
+                        await client.request("GET", _url(server, "/slow?s=5"), timeout=0.1)
+                    assert timed_out.value.sent
+                answer = await client.request("POST", _url(server, "/proposals"), PROPOSAL, timeout=2.0)
+                assert answer.status == 200
+                assert cbor2.loads(answer.body)["caller"] == "https://drafter-1.example:9001/"
+                pool = client._origins._pools[("127.0.0.1", server.port)]
+                assert len(pool) == 1 and not pool[0].busy   # one connection, every stream closed
 
     run(main())
 
 
-def test_other_errors_keep_the_pool(pki):
-    origins, made = _origins(pki, [httpx.ReadError("connection reset"), 200])
+def test_requests_over_the_stream_limit_are_all_answered(pki):
+    async def main():
+        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False,
+                               max_concurrent_streams=2) as server:
+            async with Client(pki.drafter, "h2", timeout=5.0, retries=0) as client:
+                answers = await asyncio.gather(*(client.request("GET", _url(server, "/slow?s=0.2"))
+                                                 for _ in range(7)))
+                assert [a.status for a in answers] == [204] * 7
+                pool = client._origins._pools[("127.0.0.1", server.port)]
+                assert 1 <= len(pool) <= 4   # 2 streams each: more connections, or a wait for a slot
+
+    run(main())
+
+
+def test_an_oversized_answer_fails_alone(pki):
+    async def main():
+        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False) as server:
+            async with Client(pki.drafter, "h2", timeout=5.0, retries=0, max_response=16) as client:
+                with pytest.raises(TransportError, match="over 16 bytes") as refused:
+                    await client.request("POST", _url(server, "/proposals"), PROPOSAL)
+                assert refused.value.sent
+                answer = await client.request("GET", _url(server, "/sessions/abc/output?from=3"))
+                assert answer.status == 200 and cbor2.loads(answer.body) == {"id": "abc", "from": 3}
+
+    run(main())
+
+
+def test_a_closing_server_refuses_unprocessed(pki):
+    """A server that is stopping refuses new streams (REFUSED_STREAM) or has closed: either
+    way the request was not processed, and the client says so (sent=False: safe to retry)."""
 
     async def main():
-        with pytest.raises(TransportError):
-            await origins.send(URL, "POST", b"\xa0", "application/sdcp+cbor", 1.0)
-        assert (await origins.send(URL, "POST", b"\xa0", "application/sdcp+cbor", 1.0)).status == 200
-        assert len(made) == 1
-        await origins.aclose()
+        handler = RecordingRouter()
+        server = await serve(handler, host="127.0.0.1", port=0, tls=pki.server, http3=False)
+        async with Client(pki.drafter, "h2", timeout=5.0, retries=0) as client:
+            slow = asyncio.ensure_future(client.request("GET", _url(server, "/slow?s=0.5")))
+            await asyncio.sleep(0.1)
+            stopping = asyncio.ensure_future(server.stop())
+            await asyncio.sleep(0.1)
+            calls = len(handler.calls)
+            with pytest.raises(TransportError) as refused:
+                await client.request("POST", _url(server, "/proposals"), PROPOSAL)
+            assert not refused.value.sent and len(handler.calls) == calls
+            assert (await slow).status == 204   # the stream in flight was still answered
+            await stopping
+
+    run(main())
+
+
+def test_an_idle_connection_is_not_reused_past_its_expiry(pki):
+    async def main():
+        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False) as server:
+            origins = H2Origins(pki.drafter, timeout=5.0, connect_timeout=5.0, idle_timeout=0.2,
+                                max_response=1 << 20)
+            try:
+                first, _, _ = await origins.open(_url(server, "/proposals"))
+                assert (await origins.send((first, "x", "/sessions/a/output"), "GET", None, None, 5.0)).status == 200
+                again, _, _ = await origins.open(_url(server, "/proposals"))
+                assert again is first
+                await asyncio.sleep(0.25)   # past 0.9 x idle_timeout
+                fresh, _, _ = await origins.open(_url(server, "/proposals"))
+                assert fresh is not first and not first.usable
+            finally:
+                await origins.aclose()
 
     run(main())
