@@ -124,10 +124,12 @@ class Offload:
 
     async def run(self, fn, *args: Any, units: int = 1) -> Any:
         if self.inline(units):
-            return self._timed(units, fn, *args)
-        return await asyncio.to_thread(self._timed, units, fn, *args)
+            return self.timed(units, fn, *args)
+        return await asyncio.to_thread(self.timed, units, fn, *args)
 
-    def _timed(self, units: int, fn, *args: Any) -> Any:
+    def timed(self, units: int, fn, *args: Any) -> Any:
+        """`fn(*args)` here, its duration taken into the estimate (for callers that pick the
+        thread themselves)."""
         started = time.perf_counter()
         try:
             return fn(*args)

@@ -323,3 +323,43 @@ def test_store_killed_and_started_again_keeps_the_log(tmp_path, kind):
         assert run(read()) == [LogEntry(0, "commit", 1, b"kept")]
     finally:
         server.stop()
+
+
+def test_file_group_commit_on_the_loop_never_waits_for_a_lock(shm_dir):
+    """A group commit measured cheap runs on the event loop (`FileCommitLog.append_batch`);
+    there a held lock is only tried: the locked log's append goes to a worker thread and
+    lands once the lock is free, the others land at once, and every answer is as `append`
+    would give it (a batch that runs inline answers the same as the thread's)."""
+    import fcntl
+    import os
+
+    from sdcp_fast.aio import Offload
+    from sdcp_fast.cache.file_log import FileCommitLog
+
+    async def body():
+        log = FileCommitLog(shm_dir)
+        log._group_cost = Offload(inline_below_s=60.0)   # whatever this machine's load: inline once measured
+        try:
+            assert await append_batch(log, [Append("w", b"0", 1, 0)]) == [1]   # first: in a thread, measured
+            assert log._group_cost.inline(4)
+            answers = await append_batch(log, [Append("x", b"x0", 1, 0), Append("y", b"y0", 1, 0),
+                                               Append("x", b"x1", 1, 1), Append("y", b"stale", 1, 0)])
+            assert answers[:3] == [1, 1, 2] and isinstance(answers[3], Conflict)
+            fd = os.open(log.path_of("x"), os.O_RDWR)   # another holder of x's lock (a router's fence)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                batch = asyncio.ensure_future(append_batch(log, [
+                    Append("x", b"x2", 1, 2), Append("y", b"y1", 1, 1), Append("x", b"x3", 1, 3)]))
+                await asyncio.sleep(0.1)
+                assert not batch.done()                     # x waits for its lock, not the loop:
+                assert [e.record for e in await log.read("y")] == [b"y0", b"y1"]   # y landed already
+                assert [e.record for e in await log.read("x")] == [b"x0", b"x1"]
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+            assert await batch == [3, 2, 4]
+            assert [e.record for e in await log.read("x")] == [b"x0", b"x1", b"x2", b"x3"]
+        finally:
+            await log.close()
+
+    run(body())
