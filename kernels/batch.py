@@ -186,19 +186,22 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
     v = logits.shape[-1]
     if any(not 0 <= x < v for x in tokens):
         raise VerifyInputError(f"draft token out of range 0..{v - 1}")
-
-    def i64(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)
-
-    nd = i64(num_draft)
-    token_start = torch.cumsum(nd, 0) - nd
-    row_start = token_start + torch.arange(len(proposals), device=dev)
+    token_start, row_start, at = [], [], 0
+    for idx, m in enumerate(num_draft):
+        token_start.append(at)
+        row_start.append(at + idx)
+        at += m
+    # two tensors made (a tensor costs microseconds of Python and dispatch each; a batch of
+    # one is the common case at low load), every field a contiguous 1-D view into them
+    b, n = len(proposals), len(tokens)
+    ints = torch.tensor([*num_draft, *rules, *temps, *topks, *topps, *q_starts, *row_start, *token_start,
+                         *tokens], dtype=torch.int64, device=dev)
+    floats = torch.tensor([*accept_u, *extra_u], dtype=torch.float64, device=dev)
+    field_of = ints.split([b] * 8 + [n])
     batch = VerifyBatch(
-        logits=logits, draft_tokens=i64(tokens), num_draft=nd, rule=i64(rules),
-        temperature_milli=i64(temps), top_k=i64(topks), top_p_milli=i64(topps),
-        q=q, q_start=i64(q_starts),
-        accept_uniforms=torch.tensor(accept_u, dtype=torch.float64, device=dev),
-        extra_uniforms=torch.tensor(extra_u, dtype=torch.float64, device=dev),
-        row_start=row_start, token_start=token_start)
+        logits=logits, draft_tokens=field_of[8], num_draft=field_of[0], rule=field_of[1],
+        temperature_milli=field_of[2], top_k=field_of[3], top_p_milli=field_of[4],
+        q=q, q_start=field_of[5], accept_uniforms=floats[:n], extra_uniforms=floats[n:],
+        row_start=field_of[6], token_start=field_of[7])
     batch.validate()
     return batch
