@@ -30,10 +30,11 @@ Frame of one entry on disk:
   a router's fence included, until it continues, so the window is kept to microseconds. (A
   sync after the unlock loses nothing: a reader may see the frame before it is durable, but
   nobody was told of it yet, and a later writer's sync of the same file makes it durable.)
-- A group commit measured cheaper than a thread hop (a log on tmpfs or a fast device, whose
-  `fdatasync` takes microseconds) runs on the event loop (`aio.Offload`, the same measure as
-  the verifier's forward passes): the hop to a worker and back cost more than the work, and
-  on a loaded machine milliseconds. Nothing is acknowledged earlier: the sync still comes
+- A group commit on a memory file system (tmpfs, ramfs: `fdatasync` has nothing to do), or
+  measured cheaper than a thread hop (a fast device; `aio.Offload`, the same measure as the
+  verifier's forward passes), runs on the event loop: the hop to a worker and back cost more
+  than the work, and on a loaded machine milliseconds (where a measured thread call also
+  counts its wait for the GIL, so tmpfs is recognised rather than measured). Nothing is acknowledged earlier: the sync still comes
   before the return. On the loop a lock is only tried, never waited for (a held lock, e.g.
   a router fencing that log, would stall the loop): an append whose log is locked goes to a
   worker thread as before, after the others.
@@ -57,7 +58,7 @@ from ..aio import Offload
 from .api import DEFAULT_TIMEOUT_S, Append, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
 from .errors import Conflict, Fenced, StoreTimeout
-from .local_files import fsync_dir, in_thread
+from .local_files import fsync_dir, in_memory, in_thread
 from .lru import DEFAULT_MAX_LOGS, LruCache
 
 _FRAME = struct.Struct(">II")
@@ -104,6 +105,7 @@ class FileCommitLog:
         self.timeout_s = timeout_s
         self._scans: LruCache[str, _Scan] = LruCache(max_cached_logs)
         self._group_cost = Offload()   # a group commit's measured duration per record
+        self._in_memory = in_memory(self.directory)
 
     def path_of(self, log: str) -> Path:
         # Log names are URIs; hash them into a flat, fixed-length file name.
@@ -123,7 +125,7 @@ class FileCommitLog:
         items = [(a.log, "commit", a.epoch, bytes(a.record), a.expected) for a in appends]
         deadline = time.monotonic() + self.timeout_s
         cost = self._group_cost
-        if not cost.inline(len(items)):
+        if not (self._in_memory or cost.inline(len(items))):
             return await in_thread(cost.timed, len(items), self._append_passes, deadline, items,
                                    timeout_s=self.timeout_s, what="commit log operation")
         results = cost.timed(len(items), self._append_passes, deadline, items, False)

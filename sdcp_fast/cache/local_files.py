@@ -36,3 +36,25 @@ def fsync_dir(directory: Path, *, missing_ok: bool = False) -> None:
         os.close(fd)
 
 
+
+
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def in_memory(directory: Path) -> bool:
+    """Whether `directory` lies on a memory file system (its syncs cost nothing), from the
+    mount table's longest mount point above it; False where that cannot be read."""
+    try:
+        path = os.path.realpath(directory)
+        best, kind = "", ""
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, fields[2]
+        return kind in MEMORY_FILE_SYSTEMS
+    except OSError:
+        return False

@@ -326,7 +326,7 @@ def test_store_killed_and_started_again_keeps_the_log(tmp_path, kind):
 
 
 def test_file_group_commit_on_the_loop_never_waits_for_a_lock(shm_dir):
-    """A group commit measured cheap runs on the event loop (`FileCommitLog.append_batch`);
+    """A group commit on tmpfs (or measured cheap) runs on the event loop (`FileCommitLog.append_batch`);
     there a held lock is only tried: the locked log's append goes to a worker thread and
     lands once the lock is free, the others land at once, and every answer is as `append`
     would give it (a batch that runs inline answers the same as the thread's)."""
@@ -338,6 +338,8 @@ def test_file_group_commit_on_the_loop_never_waits_for_a_lock(shm_dir):
 
     async def body():
         log = FileCommitLog(shm_dir)
+        assert log._in_memory                              # /dev/shm: recognised, not measured
+        log._in_memory = False
         log._group_cost = Offload(inline_below_s=60.0)   # whatever this machine's load: inline once measured
         try:
             assert await append_batch(log, [Append("w", b"0", 1, 0)]) == [1]   # first: in a thread, measured
