@@ -394,10 +394,15 @@ class Engine:
         if not ready:
             return
         answers = await self._append_all([(item.session, append) for item, _, _, append in ready])
-        results = await asyncio.gather(*(self._settle(item, record, accepted, append.expected, answer, verdicts)
-                                         for (item, record, accepted, append), answer in zip(ready, answers,
-                                                                                             strict=True)),
-                                       return_exceptions=True)
+        settling = [self._settle(item, record, accepted, append.expected, answer, verdicts)
+                    for (item, record, accepted, append), answer in zip(ready, answers, strict=True)]
+        if len(settling) == 1:   # a batch of one: no task for gather to wrap it in
+            try:
+                results = [await settling[0]]
+            except Exception as exc:
+                results = [exc]
+        else:
+            results = await asyncio.gather(*settling, return_exceptions=True)
         for (item, *_), result in zip(ready, results, strict=True):
             if isinstance(result, Exception):
                 self._broken(item, result)
