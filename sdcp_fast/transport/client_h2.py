@@ -98,8 +98,7 @@ class H2ClientConnection(asyncio.Protocol):
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = transport   # type: ignore[assignment] (uvloop's are not asyncio.Transport)
         self._conn.initiate_connection()
         self._flush()
 

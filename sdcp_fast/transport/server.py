@@ -17,7 +17,7 @@ from typing import Any
 from .http import Handler
 from .limits import Limits
 from .refusals import Refusals
-from .server_h2 import TLSAcceptor
+from .server_h2 import TCPListener
 from .serving import Serving
 from .tlsconfig import TLSConfig
 
@@ -43,7 +43,7 @@ class Server:
         self.http3 = http3
         self._requested_port = port
         self._port: int | None = None
-        self._tcp: asyncio.Server | None = None
+        self._tcp: TCPListener | None = None
         self._quic: Any = None  # aioquic QuicServer
 
     @property
@@ -82,12 +82,11 @@ class Server:
                  self.host, self.port, self.serving.limits)
 
     async def _bind(self, port: int) -> None:
-        loop = asyncio.get_running_loop()
         if self.http2:
-            self._tcp = await loop.create_server(
-                lambda: TLSAcceptor(self.serving), self.host, port, reuse_address=True,
-                backlog=max(256, self.serving.limits.max_handshakes))
-            port = self._tcp.sockets[0].getsockname()[1]
+            listening = socket.create_server((self.host, port), family=_family(self.host),
+                                             backlog=max(256, self.serving.limits.max_handshakes))
+            self._tcp = TCPListener(self.serving, listening)
+            port = listening.getsockname()[1]
         if self.http3:
             from aioquic.asyncio.server import serve as quic_serve  # the optional h3 extra
 
@@ -151,8 +150,11 @@ async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3
     return server
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def _free_udp_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_DGRAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
