@@ -17,6 +17,8 @@ Variants run side by side in the same run (alternating, same machine state):
   after    group commit (the batch's records in one worker call, synced before any verdict);
            passes and launches measured cheaper than a thread hop run on the event loop
   after-threads  (on request) group commit, every pass and launch in a worker thread
+  after-asyncio  (on request) `after` on asyncio's own event loop (verifier and drafters),
+           where `after` runs uvloop when it is installed (sdcp_fast.aio.run)
 
 At one session the table also splits the round into stages: from the drafter's side
 (building and encoding the proposal, the HTTP exchange, decoding the verdict) and from the
@@ -49,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from sdcp_fast import aio  # noqa: E402
 from sdcp_fast.core.digest import prefix_digest  # noqa: E402
 from sdcp_fast.core.messages import (  # noqa: E402
     Action,
@@ -75,6 +78,7 @@ VARIANTS = {
     "before": ({"group_commit": False}, {"SDCP_INLINE_BELOW_US": "0"}),
     "after": ({}, {}),
     "after-threads": ({}, {"SDCP_INLINE_BELOW_US": "0"}),   # group commit only: every call in a thread
+    "after-asyncio": ({}, {"SDCP_EVENT_LOOP": "asyncio"}),    # asyncio's own loop at both ends, not uvloop
 }
 
 
@@ -193,7 +197,7 @@ async def _drafter(index: int, verifier: str, certs: str, router_uri: str, proto
 
 def _drafter_main(index, verifier, certs, router_uri, protocol, sessions, spec, go, times, out):
     try:
-        result = asyncio.run(_drafter(index, verifier, certs, router_uri, protocol, sessions, spec, go, times,
+        result = aio.run(_drafter(index, verifier, certs, router_uri, protocol, sessions, spec, go, times,
                                       out))
         out.put(("done", index, result))
     except BaseException as exc:  # reported to the parent, which fails the run

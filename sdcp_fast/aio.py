@@ -13,6 +13,8 @@
 
     offload = Offload()
     await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
+
+    run(main())                        # asyncio.run, on uvloop when it is installed
 """
 
 from __future__ import annotations
@@ -23,6 +25,24 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
 from typing import Any
+
+EVENT_LOOP_VAR = "SDCP_EVENT_LOOP"   # "asyncio": asyncio's own loop even where uvloop is installed
+
+
+def run(main: Coroutine[Any, Any, Any]) -> Any:
+    """`asyncio.run(main)` on uvloop when it is installed (a declared dependency off Windows):
+    its event loop and TLS layer are compiled, where asyncio's are Python, and a process whose
+    requests are small spends much of its time in them (bench/RESULTS.md, "A lean round").
+    SDCP_EVENT_LOOP=asyncio keeps asyncio's own loop (the benchmarks compare the two)."""
+    if os.environ.get(EVENT_LOOP_VAR, "uvloop") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                return runner.run(main)
+    return asyncio.run(main)
 
 
 async def cancel_and_wait(task: asyncio.Task | None) -> None:
