@@ -7,7 +7,8 @@ greedy proposals from the target's own table: every token accepted, so every rou
 full one: check, batch, score, verify, commit-log append, verdict). For each protocol
 (HTTP/2 and HTTP/3, mutual TLS 1.3) and each session count it measures proposals per second
 through the verifier and the p50/p99 round latency (proposal sent to verdict decoded, as the
-drafter sees it). A fresh verifier serves each measurement, so idle sessions of an earlier
+drafter sees it), with the CPU time per proposal of the verifier process and of the drafter
+processes (their HTTP client's share of a round). A fresh verifier serves each measurement, so idle sessions of an earlier
 one never count as company the batcher waits for.
 
 Variants run side by side in the same run (alternating, same machine state):
@@ -98,6 +99,8 @@ class Window:
         self.go, self.times, self.ready, self.sessions, self.index, self.out = go, times, ready, sessions, index, out
         self.opened = 0
         self.start_at = self.stop_at = math.inf
+        self.cpu_start: float | None = None   # this process's CPU seconds at the window's start
+        self.cpu_stop: float | None = None    # ... and at its end
 
     def warmed(self) -> None:
         self.opened += 1
@@ -149,7 +152,11 @@ async def _session(verifier: str, router: Client, client: Client, drafter: str, 
         window.poll()
         now = time.monotonic()
         if now >= window.stop_at:
+            if window.cpu_stop is None:
+                window.cpu_stop = time.process_time()
             break
+        if window.cpu_start is None and now >= window.start_at:
+            window.cpu_start = time.process_time()
         t0 = time.perf_counter()
         tokens, t = [], last
         for _ in range(m):
@@ -192,7 +199,8 @@ async def _drafter(index: int, verifier: str, certs: str, router_uri: str, proto
     finally:
         await router.close()
         await client.close()
-    return latencies, {"build": stages.build, "exchange": stages.exchange, "decode": stages.decode}
+    cpu = (window.cpu_stop or 0.0) - (window.cpu_start or 0.0)
+    return latencies, {"build": stages.build, "exchange": stages.exchange, "decode": stages.decode, "cpu": cpu}
 
 
 def _drafter_main(index, verifier, certs, router_uri, protocol, sessions, spec, go, times, out):
@@ -292,7 +300,8 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
                 os.environ[k] = v
     latencies = sorted(x for lat, _ in results for x in lat)
     rounds = len(latencies)
-    drafter_stages = {k: sum(r[1][k] for r in results) / max(rounds, 1) for k in ("build", "exchange", "decode")}
+    drafter_stages = {k: sum(r[1][k] for r in results) / max(rounds, 1) for k in ("build", "exchange", "decode",
+                                                                                   "cpu")}
     verifier_stages = {k: (after[k][0] - before[k][0]) for k in VERIFIER_SERIES if k in after and k in before}
     counts = {k: (after[k][1] - before[k][1]) for k in VERIFIER_SERIES if k in after and k in before}
     return {"variant": variant, "protocol": protocol, "sessions": sessions, "rounds": rounds,
@@ -344,12 +353,13 @@ def main() -> int:
     print(f"load average {os.getloadavg()[0]:.1f} (at the end); {os.cpu_count()} cores; table model V={V}, "
           f"M={M}, every token accepted; {args.drafters} drafter processes\n")
     print("| variant | protocol | sessions | proposals/s | p50 ms | p99 ms | verifier CPU | verifier CPU ms "
-          "per proposal | jobs/batch |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+          "per proposal | drafter CPU ms per proposal | jobs/batch |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['variant']} | {r['protocol']} | {r['sessions']} | {r['per_s']:.0f} | {r['p50'] * 1e3:.2f} | "
               f"{r['p99'] * 1e3:.2f} | {r['verifier_cpu']:.0%} | "
-              f"{1e3 * r['verifier_cpu'] / max(r['per_s'], 1e-9):.2f} | {r['verifier']['jobs_per_batch']:.1f} |")
+              f"{1e3 * r['verifier_cpu'] / max(r['per_s'], 1e-9):.2f} | {r['drafter']['cpu'] * 1e3:.2f} | "
+              f"{r['verifier']['jobs_per_batch']:.1f} |")
     singles = [r for r in rows if r["sessions"] == 1]
     if singles:
         print("\nOne session, mean ms per round by stage (drafter side; verifier metrics per job/batch):\n")
