@@ -8,8 +8,8 @@ full one: check, batch, score, verify, commit-log append, verdict). For each pro
 (HTTP/2 and HTTP/3, mutual TLS 1.3) and each session count it measures proposals per second
 through the verifier and the p50/p99 round latency (proposal sent to verdict decoded, as the
 drafter sees it), with the CPU time per proposal of the verifier process and of the drafter
-processes (their HTTP client's share of a round). A fresh verifier serves each measurement, so idle sessions of an earlier
-one never count as company the batcher waits for.
+processes (their HTTP client's share of a round). A fresh verifier serves each measurement,
+so idle sessions of an earlier one never count as company the batcher waits for.
 
 Variants run side by side in the same run (alternating, same machine state):
   before   the verifier as it was: each session's commit record appended on its own (file log:
