@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
@@ -40,6 +41,7 @@ def run(main: Coroutine[Any, Any, Any]) -> Any:
         except ImportError:
             pass
         else:
+            logging.getLogger("sdcp_fast").debug("event loop: uvloop %s", uvloop.__version__)
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 return runner.run(main)
     return asyncio.run(main)
