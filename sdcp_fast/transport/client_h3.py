@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import ErrorCode, H3Connection
+from aioquic.h3.connection import ErrorCode
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -19,6 +18,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
 from .client_base import ClientResponse, RequestTimeout, TransportError
 from .identity import CertificateRejected, verify_server
+from .quic_lean import LeanAcks, LeanH3
 from .quic_mtls import check_aioquic, peer_certificates
 from .tlsconfig import TLSConfig
 
@@ -34,10 +34,10 @@ class _Exchange:
     body: bytearray = field(default_factory=bytearray)
 
 
-class H3ClientConnection(QuicConnectionProtocol):
+class H3ClientConnection(LeanAcks):
     def __init__(self, quic: QuicConnection, **kwargs):
         super().__init__(quic, **kwargs)
-        self._h3 = H3Connection(quic)
+        self._h3 = LeanH3(quic)
         self._exchanges: dict[int, _Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
@@ -62,7 +62,7 @@ class H3ClientConnection(QuicConnectionProtocol):
         self._h3.send_headers(stream_id, headers, end_stream=not body)
         if body:
             self._h3.send_data(stream_id, body, end_stream=True)
-        self.transmit()
+        self.transmit_soon()   # with the other requests of this loop turn, and any ACK owed
         try:
             return await asyncio.wait_for(asyncio.shield(exchange.future), timeout)
         except TimeoutError:
@@ -153,6 +153,7 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         protocol.close()
         transport.close()
         raise
+    protocol.lengthen_ack_delay()
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:
