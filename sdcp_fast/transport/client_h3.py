@@ -64,14 +64,21 @@ class H3ClientConnection(LeanAcks):
             self._h3.send_data(stream_id, body, end_stream=True)
         self.transmit_soon()   # with the other requests of this loop turn, and any ACK owed
         try:
-            return await asyncio.wait_for(asyncio.shield(exchange.future), timeout)
+            # the future is awaited directly (wait_for and shield would each add a loop turn)
+            async with asyncio.timeout(timeout):
+                return await exchange.future
         except TimeoutError:
             self._cancel(stream_id)
             raise RequestTimeout(f"no answer to {method} {target} within {timeout}s", sent=True) from None
+        except asyncio.CancelledError:   # the caller's deadline or shutdown: tell the server
+            self._cancel(stream_id)
+            raise
         finally:
             self._exchanges.pop(stream_id, None)
 
     def _cancel(self, stream_id: int) -> None:
+        if self._terminated is not None:   # nothing left to tell the server
+            return
         with contextlib.suppress(Exception):
             self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
             self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
