@@ -62,7 +62,7 @@ class H3ClientConnection(LeanAcks):
         self._h3.send_headers(stream_id, headers, end_stream=not body)
         if body:
             self._h3.send_data(stream_id, body, end_stream=True)
-        self.transmit_soon()   # with the other requests of this loop turn, and any ACK owed
+        self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
         try:
             # the future is awaited directly (wait_for and shield would each add a loop turn)
             async with asyncio.timeout(timeout):

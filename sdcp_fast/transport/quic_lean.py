@@ -25,8 +25,9 @@ does not describe, and every SDCP message is the same bytes:
     announces), or at once when a second datagram arrives while one is owed (RFC 9000 13.2.2:
     at least every second ack-eliciting packet), so that a sender of many packets is not held
     back by its congestion window.
-  - `LeanAcks.transmit_soon`: what is written during one event-loop turn leaves in one call
-    to `transmit()` at the end of it (answers completed by one batch share datagrams).
+  - `LeanAcks.transmit_data`: while other requests are in flight on the connection, what is
+    written during one event-loop turn leaves in one call to `transmit()` at the end of it
+    (the answers completed by one batch share datagrams); a lone request leaves at once.
 
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
@@ -80,10 +81,15 @@ class LeanAcks(QuicConnectionProtocol):
         if space is not None and space.ack_at is not None:
             space.ack_at = self._loop.time()
 
-    def transmit_soon(self) -> None:
-        """Transmit at the end of this loop turn, with whatever else is written in it."""
+    def transmit_data(self, *, alone: bool) -> None:
+        """Send what was just written, with any ACK owed: at once when nothing else is in
+        flight on the connection (one session: no loop turn lost), otherwise at the end of
+        this loop turn, with whatever else is written in it (the answers of one batch)."""
         self.ack_with_data()
-        self._transmit_soon()
+        if alone and self._transmit_task is None:
+            self.transmit()
+        else:
+            self._transmit_soon()
 
     def _application_space(self):
         return self._quic._spaces.get(tls.Epoch.ONE_RTT)

@@ -374,9 +374,8 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
                 self._h3.send_data(stream_id, response.body, end_stream=True)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
-        # sent at the end of this loop turn, with the other answers written in it
         self._written.append(stream_id)
-        self.transmit_soon()
+        self.transmit_data(alone=len(self._tasks) <= 1)   # with the other answers of this turn
 
     def transmit(self) -> None:
         super().transmit()
