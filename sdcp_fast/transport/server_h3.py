@@ -59,7 +59,8 @@ class StreamRefused(H3Event):
 
 
 class ServerH3Connection(LeanH3):
-    """aioquic's H3Connection (without the QPACK dynamic table: quic_lean.py) where what RFC 9114 makes a stream error stays one.
+    """aioquic's H3Connection (without the QPACK dynamic table: quic_lean.py) where what
+    RFC 9114 makes a stream error stays one.
 
     aioquic closes the whole connection on a malformed request (H3_MESSAGE_ERROR); RFC 9114
     4.1.2 makes it a stream error. It also buffers a HEADERS frame of any length. Here a
