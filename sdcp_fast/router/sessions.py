@@ -119,3 +119,17 @@ class RouterSession:
             "history": list(self.history),
             "seconds": None if self.finished_at is None else round(self.finished_at - self.created, 4),
         }
+
+
+def expired(sessions: dict[bytes, RouterSession], now: float, keep_s: float, keep_max: int) -> list[RouterSession]:
+    """The ended sessions of `sessions` a router lets go of now (monotonic `now`): those that
+    ended over `keep_s` ago, and the oldest beyond `keep_max`, so that what it keeps for
+    re-reads is bounded by count whatever the rate of generations, not only by time. The
+    router deletes a session's record with it: a re-read is answered 404 from then on, as
+    one after `keep_s`. Nothing else needs an ended session: its output is in its commit log,
+    and its verifier and drafter let it go on their own."""
+    ended = [s for s in sessions.values() if s.done and s.finished_at is not None]
+    over = max(0, len(ended) - keep_max)
+    if over:
+        ended.sort(key=lambda s: s.finished_at)
+    return ended[:over] + [s for s in ended[over:] if now - s.finished_at > keep_s]

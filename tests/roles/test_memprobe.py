@@ -1,0 +1,32 @@
+"""The opt-in memory probe (SDCP_TRACEMALLOC=N): a baseline, then growth by site and type."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from sdcp_fast.memprobe import MemoryProbe
+
+
+class Grows:
+    pass
+
+
+def test_probe_reports_what_grew_since_its_baseline(monkeypatch, tmp_path):
+    monkeypatch.setenv("SDCP_TRACEMALLOC", "30")
+    monkeypatch.setenv("SDCP_TRACEMALLOC_DIR", str(tmp_path))
+    probe = MemoryProbe.from_env("verifier")
+    assert probe is not None and probe.interval_s == 30
+    tracemalloc.start()
+    try:
+        first = probe.report("test")
+        kept = [Grows() for _ in range(5000)]
+        later = probe.report("test")
+    finally:
+        tracemalloc.stop()
+    assert first[0].startswith("memprobe t=") and "rss" in first[0] and "malloc" in first[0]
+    assert any(line.startswith("memprobe since the baseline") for line in later)
+    assert any("test_memprobe.py" in line for line in later if line.startswith("memprobe grew"))
+    assert any(line.startswith("memprobe type Grows: +5000") for line in later)
+    assert len(list(tmp_path.glob("verifier-*.tracemalloc"))) == 2 and kept
+    monkeypatch.delenv("SDCP_TRACEMALLOC")
+    assert MemoryProbe.from_env() is None
