@@ -336,3 +336,16 @@ def test_ended_sessions_kept_for_re_reads_are_bounded_by_count_and_by_time():
     few = {s.id: s for s in ended[:3]}
     assert expired(few, ended[0].finished_at + 5.0, keep_s=5.0, keep_max=64) == []
     assert expired(few, ended[1].finished_at + 5.001, keep_s=5.0, keep_max=64) == ended[:2]
+
+
+def test_a_session_remembers_its_last_placements_only():
+    """A long session that stalls or fails over again and again keeps a bounded history."""
+    from sdcp_fast.core.messages import Contract
+    from sdcp_fast.router.sessions import HISTORY_KEPT, RouterSession
+
+    contract = Contract(target=MODEL_A, tokenizer=MODEL_B, rule=1, m_max=4, max_new=8, stop=(),
+                        low_rounds=2, fallback=(Action.REDUCE,))
+    s = RouterSession(b"s" * 16, contract, (1,), "log")
+    for n in range(5 * HISTORY_KEPT):
+        s.place("stalled", n=n)
+    assert [h["n"] for h in s.info()["history"]] == list(range(4 * HISTORY_KEPT, 5 * HISTORY_KEPT))
