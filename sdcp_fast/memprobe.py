@@ -10,7 +10,9 @@ sites, and the growth since the first report, by site and by object type (`gc.ge
 the first report, N seconds in, is the baseline, so a soak's "after the first minute" is the
 baseline with N = 60. The report lines start with `memprobe`, one fact a line. When
 SDCP_TRACEMALLOC_DIR is set each report's snapshot is also dumped there (`tracemalloc.
-Snapshot.load` reads it back) for a closer look.
+Snapshot.load` reads it back) for a closer look. With SDCP_TRACEMALLOC_GARBAGE=1 each
+report also collects the cyclic garbage and says what it was (by type, and where its
+exceptions were raised).
 
 Growth that tracemalloc does not show while RSS grows is memory Python freed that the C
 allocator keeps (fragmentation, arenas per thread): the report says so by giving both.
@@ -130,6 +132,8 @@ class MemoryProbe:
             grown = Counter({k: n - self.baseline_types.get(k, 0) for k, n in types.items()})
             lines += [f"memprobe type {name}: {n:+d} (now {types[name]})"
                       for name, n in grown.most_common(self.top) if n > 0]
+        if os.environ.get(ENV + "_GARBAGE"):        # what only cycles keep (frees it: changes RSS)
+            lines += cyclic_garbage(self.top) + live_exceptions(self.top)
         if self.dump_dir is not None:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
             snapshot.dump(str(self.dump_dir / f"{self.role or 'sdcp'}-{os.getpid()}-{self.reports:03d}.tracemalloc"))
@@ -137,6 +141,58 @@ class MemoryProbe:
         for line in lines:
             log.info("%s", line)
         return lines
+
+
+def cyclic_garbage(top: int = TOP) -> list[str]:
+    """What the cycle collector would free now (objects only reference cycles keep alive:
+    e.g. an exception stored in a frame its own traceback holds), by type, and where the
+    tracebacks among them were raised; then frees it. Such garbage lives until a full
+    collection, which comes rarely in a process holding many objects."""
+    flags = gc.get_debug()
+    gc.set_debug(flags | gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        garbage, gc.garbage[:] = list(gc.garbage), []
+    finally:
+        gc.set_debug(flags)
+    types = Counter(type(o).__qualname__ for o in garbage)
+    raised = Counter()
+    for o in garbage:
+        if isinstance(o, BaseException) and o.__traceback__ is not None:
+            raised[_raised(o)] += 1
+    lines = [f"memprobe cyclic garbage: {len(garbage)} objects"]
+    lines += [f"memprobe garbage type {name}: {n}" for name, n in types.most_common(top)]
+    lines += [f"memprobe garbage exception {where}: {n}" for where, n in raised.most_common(top)]
+    del garbage
+    return lines
+
+
+def live_exceptions(top: int = TOP) -> list[str]:
+    """Exceptions still reachable (with their tracebacks, frames and locals), by where they
+    were raised and caught, and what holds them."""
+    where, holders = Counter(), Counter()
+    for o in gc.get_objects():
+        if isinstance(o, BaseException) and o.__traceback__ is not None:
+            where[_raised(o)] += 1
+            for r in gc.get_referrers(o):
+                if not isinstance(r, list) or r is not gc.garbage:
+                    holders[type(r).__qualname__] += 1
+    lines = [f"memprobe live exceptions: {sum(where.values())}"]
+    lines += [f"memprobe live exception {w}: {n}" for w, n in where.most_common(top)]
+    lines += [f"memprobe live exceptions held by {h}: {n}" for h, n in holders.most_common(top)]
+    return lines
+
+
+def _raised(exc: BaseException) -> str:
+    first = tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"{type(exc).__name__} raised at {_frame(tb)}, caught in {_frame(first)}"
+
+
+def _frame(tb) -> str:
+    code = tb.tb_frame.f_code
+    return f"{_short(code.co_filename)}:{tb.tb_lineno} ({code.co_name})"
 
 
 def _where(trace: tracemalloc.Traceback) -> str:

@@ -30,3 +30,27 @@ def test_probe_reports_what_grew_since_its_baseline(monkeypatch, tmp_path):
     assert len(list(tmp_path.glob("verifier-*.tracemalloc"))) == 2 and kept
     monkeypatch.delenv("SDCP_TRACEMALLOC")
     assert MemoryProbe.from_env() is None
+
+
+def test_cyclic_garbage_says_where_its_exceptions_were_raised_and_caught():
+    import gc
+
+    def keeps_its_error():
+        try:
+            raise ValueError("x")
+        except ValueError as exc:
+            error = exc              # the frame holds the exception, its traceback the frame
+        return error is None
+
+    from sdcp_fast.memprobe import cyclic_garbage
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            keeps_its_error()
+        lines = cyclic_garbage()
+    finally:
+        gc.enable()
+    assert any(line.startswith("memprobe garbage type traceback: 3") for line in lines)
+    assert any("ValueError raised at" in line and "(keeps_its_error)" in line and line.endswith(": 3")
+               for line in lines)
