@@ -31,6 +31,7 @@ import os
 import signal
 import time
 import tracemalloc
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -177,7 +178,23 @@ def live_exceptions(top: int = TOP) -> list[str]:
             for r in gc.get_referrers(o):
                 if not isinstance(r, list) or r is not gc.garbage:
                     holders[type(r).__qualname__] += 1
+    heads, tb_holders = Counter(), Counter()
+    tbs = [o for o in gc.get_objects() if isinstance(o, types.TracebackType)]
+    linked = {id(tb.tb_next) for tb in tbs if tb.tb_next is not None}
+    for tb in tbs:
+        if id(tb) in linked:
+            continue                          # not the head of its chain
+        last = tb
+        while last.tb_next is not None:
+            last = last.tb_next
+        heads[f"{_frame(tb)} -> {_frame(last)}"] += 1
+        for r in gc.get_referrers(tb):
+            if r is not tbs:
+                tb_holders[type(r).__qualname__] += 1
+    del tbs
     lines = [f"memprobe live exceptions: {sum(where.values())}"]
+    lines += [f"memprobe traceback chain {w}: {n}" for w, n in heads.most_common(top)]
+    lines += [f"memprobe traceback chains held by {h}: {n}" for h, n in tb_holders.most_common(top)]
     lines += [f"memprobe live exception {w}: {n}" for w, n in where.most_common(top)]
     lines += [f"memprobe live exceptions held by {h}: {n}" for h, n in holders.most_common(top)]
     return lines
