@@ -12,7 +12,8 @@ baseline with N = 60. The report lines start with `memprobe`, one fact a line. W
 SDCP_TRACEMALLOC_DIR is set each report's snapshot is also dumped there (`tracemalloc.
 Snapshot.load` reads it back) for a closer look. With SDCP_TRACEMALLOC_GARBAGE=1 each
 report also collects the cyclic garbage and says what it was (by type, and where its
-exceptions were raised).
+exceptions were raised), and counts the reachable exceptions and traceback chains (where
+they begin and end, and what holds them).
 
 Growth that tracemalloc does not show while RSS grows is memory Python freed that the C
 allocator keeps (fragmentation, arenas per thread): the report says so by giving both.
@@ -171,15 +172,17 @@ def cyclic_garbage(top: int = TOP) -> list[str]:
 def live_exceptions(top: int = TOP) -> list[str]:
     """Exceptions still reachable (with their tracebacks, frames and locals), by where they
     were raised and caught, and what holds them."""
+    objects = gc.get_objects()
+    excs = [o for o in objects if isinstance(o, BaseException) and o.__traceback__ is not None]
+    tbs = [o for o in objects if isinstance(o, types.TracebackType)]
+    del objects                               # (a referrer of everything)
     where, holders = Counter(), Counter()
-    for o in gc.get_objects():
-        if isinstance(o, BaseException) and o.__traceback__ is not None:
-            where[_raised(o)] += 1
-            for r in gc.get_referrers(o):
-                if not isinstance(r, list) or r is not gc.garbage:
-                    holders[type(r).__qualname__] += 1
+    for o in excs:
+        where[_raised(o)] += 1
+        for r in gc.get_referrers(o):
+            if r is not excs:
+                holders[type(r).__qualname__] += 1
     heads, tb_holders = Counter(), Counter()
-    tbs = [o for o in gc.get_objects() if isinstance(o, types.TracebackType)]
     linked = {id(tb.tb_next) for tb in tbs if tb.tb_next is not None}
     for tb in tbs:
         if id(tb) in linked:
@@ -191,7 +194,7 @@ def live_exceptions(top: int = TOP) -> list[str]:
         for r in gc.get_referrers(tb):
             if r is not tbs:
                 tb_holders[type(r).__qualname__] += 1
-    del tbs
+    del tbs, excs
     lines = [f"memprobe live exceptions: {sum(where.values())}"]
     lines += [f"memprobe traceback chain {w}: {n}" for w, n in heads.most_common(top)]
     lines += [f"memprobe traceback chains held by {h}: {n}" for h, n in tb_holders.most_common(top)]

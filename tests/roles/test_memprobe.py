@@ -54,3 +54,26 @@ def test_cyclic_garbage_says_where_its_exceptions_were_raised_and_caught():
     assert any(line.startswith("memprobe garbage type traceback: 3") for line in lines)
     assert any("ValueError raised at" in line and "(keeps_its_error)" in line and line.endswith(": 3")
                for line in lines)
+
+
+def test_live_exceptions_say_where_they_were_raised_and_what_holds_them():
+    from sdcp_fast.memprobe import live_exceptions
+
+    class Keeper:
+        def __init__(self):
+            self.errors = {}
+
+    keeper = Keeper()
+
+    def fails(n):
+        try:
+            raise LookupError(n)
+        except LookupError as exc:
+            keeper.errors[n] = exc
+
+    for n in range(4):
+        fails(n)
+    lines = live_exceptions()
+    assert any("LookupError raised at" in line and "(fails)" in line and line.endswith(": 4") for line in lines)
+    assert "memprobe live exceptions held by dict: 4" in lines
+    assert any(line.startswith("memprobe traceback chains held by LookupError: 4") for line in lines)
