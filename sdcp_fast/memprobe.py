@@ -182,15 +182,17 @@ def live_exceptions(top: int = TOP) -> list[str]:
         for r in gc.get_referrers(o):
             if r is not excs:
                 holders[type(r).__qualname__] += 1
-    heads, tb_holders = Counter(), Counter()
+    heads, tb_holders, longest = Counter(), Counter(), []
     linked = {id(tb.tb_next) for tb in tbs if tb.tb_next is not None}
     for tb in tbs:
         if id(tb) in linked:
             continue                          # not the head of its chain
-        last = tb
-        while last.tb_next is not None:
-            last = last.tb_next
-        heads[f"{_frame(tb)} -> {_frame(last)}"] += 1
+        chain = [tb]
+        while chain[-1].tb_next is not None:
+            chain.append(chain[-1].tb_next)
+        heads[f"{_frame(tb)} -> {_frame(chain[-1])}"] += 1
+        if len(chain) > len(longest):
+            longest = chain
         for r in gc.get_referrers(tb):
             if r is not tbs:
                 tb_holders[type(r).__qualname__] += 1
@@ -198,6 +200,13 @@ def live_exceptions(top: int = TOP) -> list[str]:
     lines = [f"memprobe live exceptions: {sum(where.values())}"]
     lines += [f"memprobe traceback chain {w}: {n}" for w, n in heads.most_common(top)]
     lines += [f"memprobe traceback chains held by {h}: {n}" for h, n in tb_holders.most_common(top)]
+    if longest:   # a long chain: one exception raised again and again; through which frames
+        lines.append(f"memprobe longest traceback chain: {len(longest)} entries, of which " + ", ".join(
+            f"{n} x {w}" for w, n in Counter(_frame(t) for t in longest).most_common(top)))
+        outer = longest[0].tb_frame.f_back
+        lines.append("memprobe longest chain's locals: " + ", ".join(
+            f"{k}={type(v).__qualname__}" for k, v in list(longest[0].tb_frame.f_locals.items())[:8])
+            + f"; called from {outer.f_code.co_name if outer else None}")
     lines += [f"memprobe live exception {w}: {n}" for w, n in where.most_common(top)]
     lines += [f"memprobe live exceptions held by {h}: {n}" for h, n in holders.most_common(top)]
     return lines
