@@ -201,7 +201,8 @@ def live_exceptions(top: int = TOP) -> list[str]:
     lines += [f"memprobe traceback chain {w}: {n}" for w, n in heads.most_common(top)]
     lines += [f"memprobe traceback chains held by {h}: {n}" for h, n in tb_holders.most_common(top)]
     if longest:   # a long chain: one exception raised again and again; through which frames
-        lines.append(f"memprobe longest traceback chain: {len(longest)} entries, of which " + ", ".join(
+        lines.append(f"memprobe longest traceback chain: {len(longest)} entries in "
+                     f"{len({id(t.tb_frame) for t in longest})} frames, of which " + ", ".join(
             f"{n} x {w}" for w, n in Counter(_frame(t) for t in longest).most_common(top)))
         outer = longest[0].tb_frame.f_back
         lines.append("memprobe longest chain's locals: " + ", ".join(
