@@ -47,3 +47,46 @@ def test_closed_streams_remembered_are_bounded_on_both_ends():
     last_reset = max(sid for sid, how in server._closed_streams.items()
                      if how == h2.stream.StreamClosedBy.SEND_RST_STREAM)
     assert server._stream_is_closed_by_reset(last_reset)
+
+
+def test_a_connection_error_raised_for_every_queued_request_keeps_no_growing_traceback():
+    """httpcore raises the one exception that broke an HTTP/2 connection for every request
+    still queued on it; each raise would add that request's frames to its traceback (1,474
+    entries in the soak's router). Client.request drops the tracebacks of a transport
+    error's causes once caught, so the stored exception holds one raise's frames at most."""
+    import asyncio
+
+    from sdcp_fast.transport import Client, TransportError
+
+    broke = ConnectionResetError("the connection broke")    # what httpcore keeps and raises again
+
+    class BrokenConnection:
+        async def open(self, url):
+            return url
+
+        async def send(self, url, method, body, content_type, limit):
+            try:
+                await asyncio.sleep(0)
+                raise broke
+            except ConnectionResetError as exc:
+                raise TransportError(f"{method} {url}: {exc}", sent=True) from exc
+
+    def chain_length(exc):
+        n, tb = 0, exc.__traceback__
+        while tb is not None:
+            n, tb = n + 1, tb.tb_next
+        return n
+
+    async def main():
+        client = Client.__new__(Client)
+        client.timeout, client.retries, client._origins = 5.0, 2, BrokenConnection()
+        lengths = []
+        for _ in range(50):
+            results = await asyncio.gather(*(client.request("GET", "https://v.test/x") for _ in range(4)),
+                                           return_exceptions=True)
+            assert all(isinstance(r, TransportError) for r in results)
+            lengths.append(chain_length(broke))
+        return lengths
+
+    lengths = asyncio.run(main())
+    assert max(lengths) == 0        # dropped once caught: nothing accumulates
