@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import ErrorCode, H3Connection
+from aioquic.h3.connection import ErrorCode
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -19,6 +18,7 @@ from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
 from .client_base import ClientResponse, RequestTimeout, TransportError
 from .identity import CertificateRejected, verify_server
+from .quic_lean import LeanAcks, LeanH3
 from .quic_mtls import check_aioquic, peer_certificates
 from .tlsconfig import TLSConfig
 
@@ -34,10 +34,10 @@ class _Exchange:
     body: bytearray = field(default_factory=bytearray)
 
 
-class H3ClientConnection(QuicConnectionProtocol):
+class H3ClientConnection(LeanAcks):
     def __init__(self, quic: QuicConnection, **kwargs):
         super().__init__(quic, **kwargs)
-        self._h3 = H3Connection(quic)
+        self._h3 = LeanH3(quic)
         self._exchanges: dict[int, _Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
@@ -62,16 +62,23 @@ class H3ClientConnection(QuicConnectionProtocol):
         self._h3.send_headers(stream_id, headers, end_stream=not body)
         if body:
             self._h3.send_data(stream_id, body, end_stream=True)
-        self.transmit()
+        self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
         try:
-            return await asyncio.wait_for(asyncio.shield(exchange.future), timeout)
+            # the future is awaited directly (wait_for and shield would each add a loop turn)
+            async with asyncio.timeout(timeout):
+                return await exchange.future
         except TimeoutError:
             self._cancel(stream_id)
             raise RequestTimeout(f"no answer to {method} {target} within {timeout}s", sent=True) from None
+        except asyncio.CancelledError:   # the caller's deadline or shutdown: tell the server
+            self._cancel(stream_id)
+            raise
         finally:
             self._exchanges.pop(stream_id, None)
 
     def _cancel(self, stream_id: int) -> None:
+        if self._terminated is not None:   # nothing left to tell the server
+            return
         with contextlib.suppress(Exception):
             self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
             self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
@@ -153,6 +160,7 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         protocol.close()
         transport.close()
         raise
+    protocol.lengthen_ack_delay()
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:

@@ -1,4 +1,4 @@
-"""Client-certificate authentication for aioquic's QUIC server: the one place we reach inside it.
+"""Client-certificate authentication for aioquic's QUIC server (with quic_lean.py, where we reach inside it).
 
 aioquic 1.7.2's TLS 1.3 server (`aioquic.tls.Context`) can send a CertificateRequest, but only
 behind a private flag "for test purposes" (`_request_client_certificate`; aioquic issue 541),
@@ -68,8 +68,23 @@ def check_aioquic() -> None:
     missing = [name for name in (*_HOOKED_METHODS, *_READ_ATTRIBUTES) if not hasattr(context, name)]
     if not hasattr(QuicConnection, "_initialize"):
         missing.append("QuicConnection._initialize")
+    missing += _missing_lean_names()
     if missing:
         raise UnsupportedAioquic(f"aioquic lacks {missing}")
+
+
+def _missing_lean_names() -> list[str]:
+    """The private names quic_lean.py uses (ACK timing, QPACK settings, deferred transmit)."""
+    from aioquic.asyncio.protocol import QuicConnectionProtocol
+    from aioquic.h3.connection import H3Connection
+    from aioquic.quic.configuration import QuicConfiguration
+
+    connection = QuicConnection(configuration=QuicConfiguration(is_client=True))
+    names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces") if not hasattr(connection, name)]
+    names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events")
+              if not hasattr(QuicConnectionProtocol, name)]
+    names += [f"H3Connection.{name}" for name in ("_get_local_settings",) if not hasattr(H3Connection, name)]
+    return names
 
 
 class _ClientAuthServerContext(tls.Context):

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import asyncio
 
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, H3Connection, MessageError, Setting
+from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, MessageError, Setting
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import (
@@ -38,6 +37,7 @@ from sdcp_fast.core.problems import Problem
 
 from .exchange import IncomingRequest, Malformed, PendingBodies, respond_to, response_headers
 from .http import Request, Response, body_timeout_response, problem_response
+from .quic_lean import LeanAcks, LeanH3
 from .quic_mtls import rejection, require_client_certificate, verified_identity
 from .refusals import Kind, log
 from .serving import Serving
@@ -58,8 +58,9 @@ class StreamRefused(H3Event):
         self.problem = problem
 
 
-class ServerH3Connection(H3Connection):
-    """aioquic's H3Connection where what RFC 9114 makes a stream error stays one.
+class ServerH3Connection(LeanH3):
+    """aioquic's H3Connection (without the QPACK dynamic table: quic_lean.py) where what
+    RFC 9114 makes a stream error stays one.
 
     aioquic closes the whole connection on a malformed request (H3_MESSAGE_ERROR); RFC 9114
     4.1.2 makes it a stream error. It also buffers a HEADERS frame of any length. Here a
@@ -110,7 +111,7 @@ class ServerH3Connection(H3Connection):
         return StreamRefused(stream.stream_id, kind, reason, problem)
 
 
-class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
+class H3ServerProtocol(CountsStrikes, LeanAcks):
     def __init__(self, quic: QuicConnection, serving: Serving, **kwargs):
         require_client_certificate(quic, serving.certificates)
         # aioquic fixes MAX_STREAMS at 128; it is announced in the transport parameters, so
@@ -133,6 +134,7 @@ class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
         self._closing = False
         self._admitted = False
         self._first_datagram = True
+        self._written: list[int] = []   # answers written since the last transmit: watched once sent
         loop = asyncio.get_running_loop()
         serving.handshake_started(self, self._drop, None)
         self._handshake_timer = loop.call_later(self._limits.handshake_timeout, self._handshake_overdue)
@@ -187,6 +189,7 @@ class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
             self._close(ErrorCode.H3_EXCESSIVE_LOAD, detail)
             return
         self._admitted = True
+        self.lengthen_ack_delay()
         self._h3 = ServerH3Connection(self._quic, max_header_list=self._limits.max_header_list)
         log.debug("h3: connection from %s as %s", self._peer(), self.caller)
 
@@ -372,10 +375,18 @@ class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
                 self._h3.send_data(stream_id, response.body, end_stream=True)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
-        self.transmit()
-        stream = self._quic._streams.get(stream_id)  # private in aioquic 1.7.2
-        if stream is not None and not stream.sender.buffer_is_empty:   # not all sent at once: watch it
-            asyncio.get_running_loop().call_later(self._limits.send_timeout, self._check_sent, stream_id)
+        self._written.append(stream_id)
+        self.transmit_data(alone=len(self._tasks) <= 1)   # with the other answers of this turn
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._written:
+            written, self._written = self._written, []
+            streams = self._quic._streams  # private in aioquic 1.7.2
+            for stream_id in written:
+                stream = streams.get(stream_id)
+                if stream is not None and not stream.sender.buffer_is_empty:   # not all sent at once: watch it
+                    self._loop.call_later(self._limits.send_timeout, self._check_sent, stream_id)
 
     def _check_sent(self, stream_id: int) -> None:
         """A response still not delivered `send_timeout` after it was queued (the client gives
@@ -406,6 +417,8 @@ class H3ServerProtocol(CountsStrikes, QuicConnectionProtocol):
         self._close(ErrorCode.H3_NO_ERROR, "server stopped")
 
     def _close(self, code: int, reason: str) -> None:
+        if self._transmit_task is not None:   # answers written this turn leave before the close
+            self.transmit()
         self._quic.close(error_code=code, reason_phrase=reason)
         self.transmit()
 
