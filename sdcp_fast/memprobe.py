@@ -33,6 +33,7 @@ import signal
 import time
 import tracemalloc
 import types
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -173,8 +174,10 @@ def live_exceptions(top: int = TOP) -> list[str]:
     """Exceptions still reachable (with their tracebacks, frames and locals), by where they
     were raised and caught, and what holds them."""
     objects = gc.get_objects()
-    excs = [o for o in objects if isinstance(o, BaseException) and o.__traceback__ is not None]
-    tbs = [o for o in objects if isinstance(o, types.TracebackType)]
+    with warnings.catch_warnings():   # isinstance() on a deprecated module attribute (torch's) warns
+        warnings.simplefilter("ignore")
+        excs = [o for o in objects if isinstance(o, BaseException) and o.__traceback__ is not None]
+        tbs = [o for o in objects if isinstance(o, types.TracebackType)]
     del objects                               # (a referrer of everything)
     where, holders = Counter(), Counter()
     for o in excs:
