@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from . import aio, logs
 from .config import ConfigError, InstanceConfig, load
+from .memprobe import MemoryProbe
 from .metrics import Health, StatusPage, log_check, refusal_counter, store_check
 
 log = logging.getLogger("sdcp_fast.serve")
@@ -322,6 +323,8 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        probe = MemoryProbe.from_env(role)       # SDCP_TRACEMALLOC=N: memprobe.py
+        probing = loop.create_task(probe.run()) if probe is not None else None
         health.mark_ready()
         if cfg.ready_file:
             info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}
@@ -333,6 +336,8 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             [*built.urls, f"SDCP {cfg.uri} ({protocols} with mutual TLS on {host}:{server.port})"]))
         await stop.wait()
         log.info("%s %s stopping", role, cfg.uri)
+        if probing is not None:
+            probing.cancel()
     finally:
         await _shut_down(server, service, built, client)
     return 0

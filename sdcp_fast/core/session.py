@@ -40,7 +40,7 @@ from .control import (
     next_m_cap,
     self_decode_permitted,
 )
-from .digest import chain, prefix_digest
+from .digest import extend_digest, prefix_digest
 from .messages import (
     RULE_SPECULATIVE,
     Action,
@@ -168,7 +168,7 @@ class PendingCommit:
     event: Ev
     counters: Counters          # escalation state once the round takes effect
     m_cap: int
-    digests: list[bytes]        # d[committed+1..] of the emitted tokens (computed once)
+    digest: bytes               # d[committed] once the round takes effect (computed once)
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,9 @@ class VerifierSession:
         self.escalation = Escalation.of(contract)
         self.d0 = prefix_digest(contract.digest, self.prompt)
         self.output_tokens: list[int] = list(committed_tokens)   # committed output o[1..n]
-        self.digests: list[bytes] = chain(self.d0, self.output_tokens)  # d[0..n]
+        # d[n] only: every check reads the last digest, and keeping the chain d[0..n] would
+        # cost ~70 bytes a token for the session's whole life (and a closed session's retention)
+        self.digest: bytes = extend_digest(self.d0, self.output_tokens)
         self.round: int = round
         self.state: State = S.OPEN
         self.drafter: str | None = None
@@ -256,10 +258,6 @@ class VerifierSession:
     @property
     def committed(self) -> int:
         return len(self.output_tokens)
-
-    @property
-    def digest(self) -> bytes:
-        return self.digests[-1]
 
     @property
     def closed(self) -> bool:
@@ -368,8 +366,7 @@ class VerifierSession:
             raise ProtocolError(f"accepted {accepted} outside 0..{job.m}")
         emitted, finished = self._truncate((*job.tokens[:accepted], extra))
         committed = self.committed + len(emitted)
-        digests = chain(self.digest, emitted)[1:]
-        digest = digests[-1] if digests else self.digest
+        digest = extend_digest(self.digest, emitted)
         record = CommitRecord(self.epoch, job.round, tuple(emitted), committed, digest)
         verdict: Verdict | None = None
         counters, m_cap = self.counters, self.m_cap
@@ -388,7 +385,7 @@ class VerifierSession:
                 Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
                 Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
             }[action]
-        self.pending = PendingCommit(record, verdict, event, counters, m_cap, digests)
+        self.pending = PendingCommit(record, verdict, event, counters, m_cap, digest)
         self._move(Ev.RESULT)
         return record
 
@@ -406,7 +403,7 @@ class VerifierSession:
             self.finish = None
             return None
         self.output_tokens.extend(record.emitted)
-        self.digests.extend(pending.digests)
+        self.digest = pending.digest
         self.round = record.round
         if verdict is not None:
             self.counters = pending.counters

@@ -87,7 +87,7 @@ from .peers import Peers, Refused
 from .placement import Placement
 from .registry import Registry
 from .relay import OutputRelay
-from .sessions import RouterSession
+from .sessions import RouterSession, expired
 
 log = logging.getLogger("sdcp_fast.router")
 TAKEOVERS_AT_ONCE = 16        # records taken concurrently by one scan (a dead router's many sessions)
@@ -123,7 +123,8 @@ class RouterConfig:
     target_kv: bool = True                        # offer the verifier's published target KV on resume
     session_load: int = 5
     max_sessions: int = 1024
-    closed_keep_s: float = 300.0
+    closed_keep_s: float = 300.0                  # an ended session is kept this long for re-reads,
+    closed_keep_max: int = 4096                   # and at most this many of them (the oldest go first)
     lease_ttl_s: float = 5.0                      # the router's lease on the session table
     scan_interval_s: float = 0.0                  # look for orphaned sessions (0: lease_ttl_s / 8)
     follow_interval_s: float = 0.05               # followed sessions: their commit log read this often
@@ -621,16 +622,15 @@ class RouterService(Routed):
         while True:
             await asyncio.sleep(self.config.monitor_interval_s)
             now = time.monotonic()
-            for s in list(self.followed.values()):
-                if s.done and s.finished_at is not None and now - s.finished_at > self.config.closed_keep_s:
-                    del self.followed[s.id]
+            for s in expired(self.followed, now, self.config.closed_keep_s, self.config.closed_keep_max):
+                del self.followed[s.id]
             if not self.own.valid() and self.table is not None:
                 continue            # no lease (lost, or renewing late): act for nothing
+            for s in expired(self.sessions, now, self.config.closed_keep_s, self.config.closed_keep_max):
+                del self.sessions[s.id]
+                self.tasks.spawn(self._forget(s))
             for s in list(self.sessions.values()):
                 if s.done:
-                    if s.finished_at is not None and now - s.finished_at > self.config.closed_keep_s:
-                        del self.sessions[s.id]
-                        self.tasks.spawn(self._forget(s))
                     continue
                 if s.id in self._ops or s.verifier is None:
                     continue

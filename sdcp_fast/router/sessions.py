@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from ..core.messages import Action, Contract, Sampling
 
 RECHECK_S = 15.0      # a client's stream looks at its session again at least this often, changed or not
+HISTORY_KEPT = 64     # placements remembered per session (a long session stalls and fails over
+                      # without bound; its record and its clients see the latest ones)
 
 
 @dataclass(eq=False)
@@ -41,7 +43,7 @@ class RouterSession:
     needs_drafter: bool = False               # no drafter could be assigned yet: retry
     verifier_lost: bool = False               # the verifier said sdcp-stale-epoch: resume
     resume_pending: bool = False              # log fenced at `epoch`, session not open anywhere yet
-    history: list[dict] = field(default_factory=list)  # placements, for clients and tests
+    history: list[dict] = field(default_factory=list)  # the last placements, for clients and tests
     seen_events: set[tuple] = field(default_factory=set)  # (epoch, kind, committed) handled
     created: float = field(default_factory=time.monotonic)
     created_wall: float = field(default_factory=time.time)
@@ -90,6 +92,8 @@ class RouterSession:
         self.history.append({"t": round(time.time(), 4), "what": what, "epoch": self.epoch,
                              "verifier": self.verifier, "drafter": self.drafter,
                              "committed": len(self.tokens), **details})
+        if len(self.history) > HISTORY_KEPT:
+            del self.history[:-HISTORY_KEPT]
 
     def add_output(self, tokens: list[int]) -> None:
         if self.final_tokens is not None:
@@ -119,3 +123,17 @@ class RouterSession:
             "history": list(self.history),
             "seconds": None if self.finished_at is None else round(self.finished_at - self.created, 4),
         }
+
+
+def expired(sessions: dict[bytes, RouterSession], now: float, keep_s: float, keep_max: int) -> list[RouterSession]:
+    """The ended sessions of `sessions` a router lets go of now (monotonic `now`): those that
+    ended over `keep_s` ago, and the oldest beyond `keep_max`, so that what it keeps for
+    re-reads is bounded by count whatever the rate of generations, not only by time. The
+    router deletes a session's record with it: a re-read is answered 404 from then on, as
+    one after `keep_s`. Nothing else needs an ended session: its output is in its commit log,
+    and its verifier and drafter let it go on their own."""
+    ended = [s for s in sessions.values() if s.done and s.finished_at is not None]
+    over = max(0, len(ended) - keep_max)
+    if over:
+        ended.sort(key=lambda s: s.finished_at)
+    return ended[:over] + [s for s in ended[over:] if now - s.finished_at > keep_s]

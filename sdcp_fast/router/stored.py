@@ -26,10 +26,9 @@ import time
 
 from ..core.messages import Action, Sampling
 from ..refs import commit_log_name, contract_from_text, contract_text
-from .sessions import RouterSession
+from .sessions import HISTORY_KEPT, RouterSession
 
 VERSION = 1
-HISTORY_KEPT = 64
 
 
 def key_of(session: bytes) -> str:

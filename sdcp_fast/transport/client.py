@@ -69,6 +69,7 @@ class Client:
             try:
                 return await self._attempt(method, url, body, content_type, limit)
             except TransportError as exc:
+                _drop_causes_tracebacks(exc)
                 if attempt == self.retries or not (idempotent or not exc.sent):
                     raise
                 log.info("retrying %s %s after: %s", method, url, exc)
@@ -98,3 +99,18 @@ class Client:
         except TimeoutError as exc:
             raise RequestTimeout(f"no complete answer to {method} {url} within {limit}s",
                                  sent=sent) from exc
+
+
+def _drop_causes_tracebacks(exc: BaseException) -> None:
+    """Bounded memory (issue 21's soak): httpcore keeps the exception that broke an HTTP/2
+    connection and raises that same object for every request still queued on it, and each
+    raise adds that request's frames (with their locals) to the object's traceback: one
+    broken connection grew a 1,474-entry traceback over 1,191 frames in the router. The
+    tracebacks of what caused a transport error are dropped here, once it has been caught
+    (its message stays, and roles log transport errors by message)."""
+    seen: set[int] = set()
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        cause.__traceback__ = None
+        cause = cause.__cause__ or cause.__context__

@@ -470,3 +470,41 @@ def test_instructions_from_a_router_that_lost_the_session_are_refused():
     a = assignment(session)
     assert Assignment.from_cbor(a.replace(router_epoch=7).to_cbor()).router_epoch == 7
     assert "router_epoch" not in a.to_obj()
+
+
+def test_a_session_keeps_one_digest_not_one_per_token():
+    """Bounded memory (issue 21's soak): d[n] is all any check reads, so a session's state grows
+    with its output by the output list only (8 bytes a token), not by a digest chain (about 70
+    bytes a token more), in a live session and in a closed one kept for retries."""
+    import tracemalloc
+    contract = make_contract(max_new=20_000)
+
+    def resumed(out):
+        digest = chain(prefix_digest(contract.digest, PROMPT), out)[-1]
+        from sdcp_fast.core.messages import Resume
+        msg = SessionOpen(SID, 2, contract, PROMPT, "file:/log", resume=Resume(7, len(out), digest, "mlc://out"))
+        return VerifierSession.open(msg, model_digest=MODEL, prompt=PROMPT, committed_tokens=out)
+
+    def size(n):
+        out = [t % 97 for t in range(n)]      # small ints: the list's pointers only
+        tracemalloc.start()
+        s = resumed(out)
+        held = tracemalloc.take_snapshot().statistics("filename")
+        tracemalloc.stop()
+        assert s.digest == chain(prefix_digest(contract.digest, PROMPT), out)[-1]
+        return sum(x.size for x in held)
+
+    per_token = (size(10_000) - size(0)) / 10_000
+    assert per_token < 12, f"{per_token:.1f} bytes a committed token"
+
+
+def test_digest_after_rounds_is_the_chain_end():
+    s = open_session()
+    emitted = []
+    for _ in range(5):
+        _, record, verdict = run_round(s, tokens=(1, 2, 3), accepted=2, extra=42)
+        emitted += record.emitted
+        assert verdict.digest == s.digest == record.digest
+    assert s.digest == chain(prefix_digest(s.contract.digest, PROMPT), emitted)[-1]
+    _, _, none = run_round(s, appended=False)            # a fenced append changes nothing
+    assert none is None and s.digest == chain(prefix_digest(s.contract.digest, PROMPT), emitted)[-1]

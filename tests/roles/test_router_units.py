@@ -305,3 +305,47 @@ def test_busy_answers_of_the_front_door_say_when_to_ask_again():
     assert bad.status == 400 and bad.headers == ()
     assert ("retry-after", "1") in APIError(503, "busy").response().headers
     assert APIError(400, "bad").response().headers == ()
+
+
+def test_ended_sessions_kept_for_re_reads_are_bounded_by_count_and_by_time():
+    """Bounded memory (issue 21's soak): a router keeps an ended session closed_keep_s for
+    re-reads, and never more than closed_keep_max of them whatever the rate of generations
+    (the oldest go first); live sessions are never let go."""
+    from sdcp_fast.core.messages import Contract
+    from sdcp_fast.router.sessions import RouterSession, expired
+
+    contract = Contract(target=MODEL_A, tokenizer=MODEL_B, rule=1, m_max=4, max_new=8, stop=(),
+                        low_rounds=2, fallback=(Action.REDUCE,))
+    kept: dict[bytes, RouterSession] = {}
+    live = []
+    for n in range(2000):            # one generation ended every 0.01 s: 20 s of a busy router
+        s = RouterSession(n.to_bytes(16, "big"), contract, (1, 2), f"log-{n}")
+        kept[s.id] = s
+        if n % 100 == 0:
+            live.append(s)           # still running
+        else:
+            s.end(finish=Action.FINISH)
+            s.finished_at = n * 0.01
+        for old in expired(kept, n * 0.01, keep_s=5.0, keep_max=64):
+            del kept[old.id]
+        assert sum(1 for s in kept.values() if s.done) <= 64
+    assert all(s.id in kept for s in live)
+    ended = sorted((s for s in kept.values() if s.done), key=lambda s: s.finished_at)
+    assert [int.from_bytes(s.id, "big") for s in ended] == [n for n in range(1999 - 65, 2000) if n % 100][-64:]
+    # by time alone when few: only those ended over keep_s ago
+    few = {s.id: s for s in ended[:3]}
+    assert expired(few, ended[0].finished_at + 5.0, keep_s=5.0, keep_max=64) == []
+    assert expired(few, ended[1].finished_at + 5.001, keep_s=5.0, keep_max=64) == ended[:2]
+
+
+def test_a_session_remembers_its_last_placements_only():
+    """A long session that stalls or fails over again and again keeps a bounded history."""
+    from sdcp_fast.core.messages import Contract
+    from sdcp_fast.router.sessions import HISTORY_KEPT, RouterSession
+
+    contract = Contract(target=MODEL_A, tokenizer=MODEL_B, rule=1, m_max=4, max_new=8, stop=(),
+                        low_rounds=2, fallback=(Action.REDUCE,))
+    s = RouterSession(b"s" * 16, contract, (1,), "log")
+    for n in range(5 * HISTORY_KEPT):
+        s.place("stalled", n=n)
+    assert [h["n"] for h in s.info()["history"]] == list(range(4 * HISTORY_KEPT, 5 * HISTORY_KEPT))
