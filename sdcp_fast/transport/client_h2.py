@@ -258,9 +258,11 @@ class H2ClientConnection(asyncio.Protocol):
         for exchange in self._exchanges.values():
             exchange.ended = True
             if not exchange.future.done():
-                exchange.future.set_exception(error)
+                # one object per request: a shared one would gather every raiser's frames in
+                # its traceback (the unbounded growth issue 21's soak found in httpcore)
+                exchange.future.set_exception(TransportError(str(error), sent=error.sent))
         if not self._settled.done():
-            self._settled.set_exception(error)
+            self._settled.set_exception(TransportError(str(error), sent=error.sent))
         self._freed.set()
 
     def _flush(self) -> None:
