@@ -171,7 +171,6 @@ class InstanceConfig:
     ready_file: str = ""                    # JSON {"uri", "port", "pid", ...} written once serving
     log_level: str = "info"                 # debug | info | warning | error
     log_format: str = "text"                # text, or json (one object per line)
-    heap_trim_s: float = 60.0               # give freed heap back to the OS this often (heap.py; 0: never)
     verifier: VerifierSection | None = None
     drafter: DrafterSection | None = None
     router: RouterSection | None = None
@@ -186,8 +185,6 @@ class InstanceConfig:
             raise ConfigError(f"log_level: one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format: 'text' or 'json', not {self.log_format!r}")
-        if not self.heap_trim_s >= 0:
-            raise ConfigError(f"heap_trim_s: seconds >= 0 (0: never), not {self.heap_trim_s!r}")
 
     def section(self, role: str):
         """The role's table; a ConfigError when the file has none."""

@@ -34,7 +34,6 @@ from urllib.parse import urlsplit
 
 from . import aio, logs
 from .config import ConfigError, InstanceConfig, load
-from .heap import trim_heap_every
 from .memprobe import MemoryProbe
 from .metrics import Health, StatusPage, log_check, refusal_counter, store_check
 
@@ -326,7 +325,6 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             loop.add_signal_handler(sig, stop.set)
         probe = MemoryProbe.from_env(role)       # SDCP_TRACEMALLOC=N: memprobe.py
         probing = loop.create_task(probe.run()) if probe is not None else None
-        trimming = loop.create_task(trim_heap_every(cfg.heap_trim_s), name="heap-trim")
         health.mark_ready()
         if cfg.ready_file:
             info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}
@@ -338,7 +336,6 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             [*built.urls, f"SDCP {cfg.uri} ({protocols} with mutual TLS on {host}:{server.port})"]))
         await stop.wait()
         log.info("%s %s stopping", role, cfg.uri)
-        trimming.cancel()
         if probing is not None:
             probing.cancel()
     finally:
