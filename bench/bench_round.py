@@ -80,6 +80,7 @@ VARIANTS = {
     "after": ({}, {}),
     "after-threads": ({}, {"SDCP_INLINE_BELOW_US": "0"}),   # group commit only: every call in a thread
     "after-asyncio": ({}, {"SDCP_EVENT_LOOP": "asyncio"}),    # asyncio's own loop at both ends, not uvloop
+    "after-no-company": ({"company_share": 0.0}, {}),          # a batch waits only max_wait_ms for company
 }
 
 
