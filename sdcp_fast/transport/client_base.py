@@ -4,12 +4,22 @@ errors that say no response came (and whether the server may have processed the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Problem
 
 from .http import media_type
 
 DEFAULT_MAX_RESPONSE = 16 << 20
+
+
+def split_https_url(url: str) -> tuple[tuple[str, int], str, str]:
+    """((host, port) of the origin, :authority, :path) of an https URL; ValueError otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise ValueError(f"not an https URL: {url!r}")
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.hostname, parts.port or 443), parts.netloc.rpartition("@")[2], path
 
 
 class TransportError(Exception):

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from urllib.parse import urlsplit
 
 import h2.config
 import h2.connection
@@ -39,7 +38,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from .client_base import ClientResponse, RequestTimeout, TransportError
+from .client_base import ClientResponse, RequestTimeout, TransportError, split_https_url
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
@@ -335,12 +334,8 @@ class H2Origins:
 
     async def open(self, url: str) -> tuple[H2ClientConnection, str, str]:
         """(a connection to the URL's origin with room for a stream, :authority, :path)."""
-        parts = urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
-            raise ValueError(f"not an https URL: {url!r}")
-        origin = (parts.hostname, parts.port or 443)
-        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        return await self._connection(origin), parts.netloc.rpartition("@")[2], path
+        origin, authority, path = split_https_url(url)
+        return await self._connection(origin), authority, path
 
     async def send(self, target: tuple[H2ClientConnection, str, str], method: str, body: bytes | None,
                    content_type: str | None, limit: float) -> ClientResponse:

@@ -8,7 +8,6 @@ import contextlib
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from aioquic.h3.connection import ErrorCode
 from aioquic.h3.events import DataReceived, HeadersReceived
@@ -16,7 +15,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
-from .client_base import ClientResponse, RequestTimeout, TransportError
+from .client_base import ClientResponse, RequestTimeout, TransportError, split_https_url
 from .identity import CertificateRejected, verify_server
 from .quic_lean import LeanAcks, LeanH3
 from .quic_mtls import check_aioquic, peer_certificates
@@ -185,12 +184,8 @@ class H3Origins:
 
     async def open(self, url: str) -> tuple[H3ClientConnection, str, str]:
         """(connection to the URL's origin, :authority, :path)."""
-        parts = urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
-            raise ValueError(f"not an https URL: {url!r}")
-        origin = (parts.hostname, parts.port or 443)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        return await self._connection(origin), parts.netloc.rpartition("@")[2], target
+        origin, authority, path = split_https_url(url)
+        return await self._connection(origin), authority, path
 
     async def send(self, target: tuple[H3ClientConnection, str, str], method: str, body: bytes | None,
                    content_type: str | None, limit: float) -> ClientResponse:
