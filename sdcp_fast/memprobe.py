@@ -19,6 +19,13 @@ Growth that tracemalloc does not show while RSS grows is memory Python freed tha
 allocator keeps (fragmentation, arenas per thread): the report says so by giving both.
 Not for production: tracemalloc costs CPU on every allocation and counting objects walks
 the whole heap.
+
+SDCP_TRACEMALLOC_ROLES=router,verifier limits the probe to those roles (the others run
+at their own speed). With SDCP_TRACEMALLOC_LIGHT=1 there is no tracemalloc (the process runs at its own speed,
+so its RSS is what a soak measures): each report is one line of RSS, glibc's heap (in use,
+free held, mmapped), Python's small-object allocator (pymalloc: its 1 MiB arenas, which
+live outside glibc's heap, the bytes in use in them and the bytes free there), the objects
+the garbage collector tracks and the threads.
 """
 
 from __future__ import annotations
@@ -29,7 +36,11 @@ import ctypes
 import gc
 import logging
 import os
+import re
 import signal
+import sys
+import tempfile
+import threading
 import time
 import tracemalloc
 import types
@@ -71,6 +82,64 @@ def malloc_info() -> str:
             f"heap {m.arena / mb:.1f} MB + mmap {m.hblkhd / mb:.1f} MB")
 
 
+PYMALLOC_FIELDS = {"arenas allocated current": "arenas", "bytes in allocated blocks": "used",
+                   "bytes in available blocks": "free"}
+
+
+def pymalloc_info() -> str:
+    """pymalloc's arenas (1 MiB mmaps each, outside glibc's heap) and the bytes used and free
+    in them: arenas that grow while their used bytes do not are fragmentation (a few live
+    objects hold each arena). Read from sys._debugmallocstats, which writes to fd 2."""
+    stats = {}
+    with tempfile.TemporaryFile("w+b") as out:
+        saved = os.dup(2)
+        try:
+            os.dup2(out.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        for line in out.read().decode(errors="replace").splitlines():
+            name, _, value = line.lstrip("# ").partition("=")
+            key = PYMALLOC_FIELDS.get(name.strip())
+            if key is not None and key not in stats:
+                stats[key] = int(value.strip().replace(",", ""))
+    if len(stats) < len(PYMALLOC_FIELDS):
+        return "pymalloc n/a"
+    mb = 2**20
+    return (f"pymalloc {stats['arenas']} arenas, used {stats['used'] / mb:.1f} MB, "
+            f"free {stats['free'] / mb:.1f} MB")
+
+
+def arenas_info() -> str:
+    """Every glibc arena (mallinfo2 sees only the main one): how many, the bytes the worker
+    threads' arenas hold from the system, and the free bytes held in all of them. Read from
+    malloc_info's XML."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        with tempfile.NamedTemporaryFile() as out:
+            stream = libc.fopen(out.name.encode(), b"w")
+            if not stream:
+                return "arenas n/a"
+            libc.malloc_info(0, stream)
+            libc.fclose(stream)
+            xml = Path(out.name).read_text()
+    except (OSError, AttributeError):
+        return "arenas n/a"
+    heaps = re.findall(r'<heap nr="(\d+)">(.*?)</heap>', xml, re.S)
+    threads = sum(int(m) for nr, body in heaps if nr != "0"
+                  for m in re.findall(r'<system type="current" size="(\d+)"', body))
+    tail = xml.rsplit("</heap>", 1)[-1]
+    free = sum(int(m) for m in re.findall(r'<total type="(?:fast|rest)" count="\d+" size="(\d+)"', tail))
+    mb = 2**20
+    return f"{len(heaps)} arenas, threads' arenas {threads / mb:.1f} MB, free in all {free / mb:.1f} MB"
+
+
 def object_types() -> Counter:
     """How many objects of each type the garbage collector tracks (containers, instances)."""
     return Counter(type(o).__qualname__ for o in gc.get_objects())
@@ -78,8 +147,9 @@ def object_types() -> Counter:
 
 class MemoryProbe:
     def __init__(self, interval_s: float, *, frames: int = 1, top: int = TOP, dump_dir: str | None = None,
-                 role: str = ""):
+                 role: str = "", light: bool = False):
         self.interval_s = interval_s
+        self.light = light
         self.frames = frames
         self.top = top
         self.dump_dir = Path(dump_dir) if dump_dir else None
@@ -93,12 +163,17 @@ class MemoryProbe:
     @classmethod
     def from_env(cls, role: str = "") -> MemoryProbe | None:
         value = os.environ.get(ENV, "").strip()
-        if not value:
+        roles = os.environ.get(ENV + "_ROLES", "").replace(",", " ").split()
+        if not value or (roles and role not in roles):
             return None
         return cls(float(value), frames=int(os.environ.get(ENV + "_FRAMES", "1")),
-                   dump_dir=os.environ.get(ENV + "_DIR") or None, role=role)
+                   dump_dir=os.environ.get(ENV + "_DIR") or None, role=role,
+                   light=bool(os.environ.get(ENV + "_LIGHT")))
 
     def start(self) -> None:
+        if self.light:
+            log.info("memprobe on (light: no tracemalloc): a report every %.0f s", self.interval_s)
+            return
         if not tracemalloc.is_tracing():
             tracemalloc.start(self.frames)
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -115,6 +190,8 @@ class MemoryProbe:
 
     def report(self, why: str) -> list[str]:
         """Log (and return) one report; the first one is the baseline of the later ones."""
+        if self.light:
+            return self.light_report(why)
         snapshot = tracemalloc.take_snapshot().filter_traces(IGNORED)
         types = object_types()
         rss, (traced, peak) = rss_mb(), tracemalloc.get_traced_memory()
@@ -144,6 +221,16 @@ class MemoryProbe:
         for line in lines:
             log.info("%s", line)
         return lines
+
+
+    def light_report(self, why: str) -> list[str]:
+        t = time.monotonic() - self.started
+        line = (f"memprobe t={t:.0f}s ({why}): rss {rss_mb():.1f} MB, {malloc_info()}, {arenas_info()}, "
+                f"{pymalloc_info()}, "
+                f"{len(gc.get_objects())} gc objects, {threading.active_count()} threads")
+        self.reports += 1
+        log.info("%s", line)
+        return [line]
 
 
 def cyclic_garbage(top: int = TOP) -> list[str]:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import aio, logs
+from . import aio, heap, logs
 from .config import ConfigError, InstanceConfig, load
 from .memprobe import MemoryProbe
 from .metrics import Health, StatusPage, log_check, refusal_counter, store_check
@@ -367,6 +367,7 @@ def main(args: argparse.Namespace) -> int:
         # aioquic logs every stream a client resets at INFO: under attack, a line per request;
         # the transport's own refusal lines are rate-limited instead (transport/refusals.py)
         logging.getLogger("quic").setLevel(max(logging.getLogger().getEffectiveLevel(), logging.WARNING))
+        heap.cap_arenas()              # before the worker threads: heap.py
         return aio.run(run(args.role, cfg, Path(args.config).name))
     except (ConfigError, StartError) as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)

@@ -12,7 +12,8 @@ what a record holds); `open_table` picks the backend:
     owned = await table.take(lease, record) -> Owned                  # NotOwner, LeaseExpired
     await table.delete(owned) -> None             # NotOwner, LeaseExpired
     await table.read(key) -> Record | None
-    await table.scan(values=True) -> list[Record]   # values=False: stamps only (value b"")
+    await table.scan(values=True, skip=()) -> list[Record]   # values=False: stamps only (value b"");
+                                                  # keys in `skip` are left out unread
     await table.close() -> None
 
 Rules, the same on every backend, each one atomic in the store (an etcd transaction, a
@@ -38,6 +39,7 @@ any spec's query, default 5 s); a timed-out write may have landed: read to know.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -101,7 +103,7 @@ class RecordTable(Protocol):
     async def take(self, lease: Lease, record: Record) -> Owned: ...
     async def delete(self, owned: Owned) -> None: ...
     async def read(self, key: str) -> Record | None: ...
-    async def scan(self, *, values: bool = True) -> list[Record]: ...
+    async def scan(self, *, values: bool = True, skip: Collection[str] = ()) -> list[Record]: ...
     async def close(self) -> None: ...
 
 

@@ -27,6 +27,7 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 from .api import DEFAULT_TIMEOUT_S
@@ -115,8 +116,8 @@ class FileRecordTable:
         check_key(key)
         return await self._run(self._read, key)
 
-    async def scan(self, *, values: bool = True) -> list[Record]:
-        return await self._run(self._scan, values)
+    async def scan(self, *, values: bool = True, skip: Collection[str] = ()) -> list[Record]:
+        return await self._run(self._scan, values, frozenset(skip))
 
     async def close(self) -> None:
         pass
@@ -169,10 +170,12 @@ class FileRecordTable:
         _, head, value = latest
         return Record(key, value, head["token"], head["lease"], head["holder"], not self._alive(head["lease"]))
 
-    def _scan(self, values: bool) -> list[Record]:
+    def _scan(self, values: bool, skip: frozenset[str]) -> list[Record]:
         out = []
         alive: dict[str, bool] = {}
         for directory in sorted(self.records.iterdir()):
+            if directory.name in skip:
+                continue
             latest = self._latest(directory)
             if latest is None or latest[1].get("deleted"):
                 continue

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Collection
 
 from .api import DEFAULT_TIMEOUT_S
 from .records import (
@@ -157,8 +158,10 @@ class RedisRecordTable:
         records = await self._records([key])
         return records[0] if records else None
 
-    async def scan(self, *, values: bool = True) -> list[Record]:
-        keys = sorted(k.decode() for k in await self._call(self._redis.smembers(self._set)))
+    async def scan(self, *, values: bool = True, skip: Collection[str] = ()) -> list[Record]:
+        skip = frozenset(skip)
+        keys = sorted(k for k in (k.decode() for k in await self._call(self._redis.smembers(self._set)))
+                      if k not in skip)
         out = []
         for n in range(0, len(keys), _CHUNK):
             out += await self._records(keys[n:n + _CHUNK], values=values)

@@ -54,7 +54,9 @@ class RouterSession:
     last_output_at: float | None = None
     saved_at: float = 0.0                     # when the relayed cursor was last recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one control step at a time
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _changed: asyncio.Event | None = None     # made when someone waits: an Event holds a deque
+                                              # (~0.7 KB), and most ended sessions kept for
+                                              # re-reads are never waited on again
 
     @property
     def done(self) -> bool:
@@ -75,17 +77,21 @@ class RouterSession:
 
     def notify(self) -> None:
         """Wake everyone waiting for new output or a new placement."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def wait_changed(self, timeout: float) -> None:
-        event = self._changed
+        event = self.changed_event()
         try:
             await asyncio.wait_for(event.wait(), timeout)
         except TimeoutError:
             pass
 
     def changed_event(self) -> asyncio.Event:
+        """The event the next `notify` sets (take it before looking at the session's state)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         return self._changed
 
     def place(self, what: str, **details) -> None:

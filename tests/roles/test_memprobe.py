@@ -77,3 +77,18 @@ def test_live_exceptions_say_where_they_were_raised_and_what_holds_them():
     assert any("LookupError raised at" in line and "(fails)" in line and line.endswith(": 4") for line in lines)
     assert "memprobe live exceptions held by dict: 4" in lines
     assert any(line.startswith("memprobe traceback chains held by LookupError: 4") for line in lines)
+
+
+def test_light_probe_reports_allocators_without_tracemalloc(monkeypatch):
+    monkeypatch.setenv("SDCP_TRACEMALLOC", "20")
+    monkeypatch.setenv("SDCP_TRACEMALLOC_LIGHT", "1")
+    probe = MemoryProbe.from_env("router")
+    probe.start()
+    assert not tracemalloc.is_tracing()
+    (line,) = probe.report("test")
+    for part in ("rss", "malloc in use", "pymalloc", "arenas", "gc objects", "threads"):
+        assert part in line, line
+    assert "pymalloc n/a" not in line and "arenas n/a" not in line and "threads' arenas" in line
+    monkeypatch.setenv("SDCP_TRACEMALLOC_ROLES", "verifier,drafter")
+    assert MemoryProbe.from_env("router") is None
+    assert MemoryProbe.from_env("drafter") is not None
