@@ -21,11 +21,12 @@ Not for production: tracemalloc costs CPU on every allocation and counting objec
 the whole heap.
 
 SDCP_TRACEMALLOC_ROLES=router,verifier limits the probe to those roles (the others run
-at their own speed). With SDCP_TRACEMALLOC_LIGHT=1 there is no tracemalloc (the process runs at its own speed,
-so its RSS is what a soak measures): each report is one line of RSS, glibc's heap (in use,
+at their own speed). With SDCP_TRACEMALLOC_LIGHT=1 there is no tracemalloc (the process
+runs at its own speed, so its RSS is what a soak measures): each report is one line of RSS, glibc's heap (in use,
 free held, mmapped), Python's small-object allocator (pymalloc: its 1 MiB arenas, which
-live outside glibc's heap, the bytes in use in them and the bytes free there), the objects
-the garbage collector tracks and the threads.
+live outside glibc's heap, the bytes in use in them and the bytes free there), the blocks
+Python has allocated and the threads. (It allocates nothing big itself: a list of every
+object would be megabytes, and raise the heap it measures.)
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class MemoryProbe:
         t = time.monotonic() - self.started
         line = (f"memprobe t={t:.0f}s ({why}): rss {rss_mb():.1f} MB, {malloc_info()}, {arenas_info()}, "
                 f"{pymalloc_info()}, "
-                f"{len(gc.get_objects())} gc objects, {threading.active_count()} threads")
+                f"{sys.getallocatedblocks()} blocks allocated, {threading.active_count()} threads")
         self.reports += 1
         log.info("%s", line)
         return [line]

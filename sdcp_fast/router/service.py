@@ -166,6 +166,7 @@ class RouterService(Routed):
         self.stopping = False                      # stop() began: nothing new is started
         self._ops: dict[bytes, int] = {}           # session -> control steps pending
         self._readers: dict[bytes, asyncio.Task] = {}   # session -> its output reader or follower
+        self._forgetting: set[bytes] = set()       # expired sessions whose records are being deleted
         instances = {*config.verifiers, *(uri for uri, _ in config.drafters)}
         self.router = Router(authorizer=Authorizer({"status": instances,
                                                     "events": set(config.verifiers)}))
@@ -248,7 +249,7 @@ class RouterService(Routed):
         except asyncio.CancelledError:   # the client went away: nothing was placed
             del self.sessions[sid]
             if s.owned is not None:
-                self.tasks.spawn(self._forget(s))
+                self._let_go(s)
             raise
         self.metrics.prompt_tokens.inc(len(prompt))
         deadline = time.monotonic() + wait_for_instances_s
@@ -260,7 +261,7 @@ class RouterService(Routed):
                     break
                 if time.monotonic() > deadline:
                     self.sessions.pop(sid, None)
-                    self.tasks.spawn(self._forget(s))
+                    self._let_go(s)
                     raise problem(Kind.UNAVAILABLE, "no verifier could open the session")
                 await asyncio.sleep(0.2)
         except NotOwner as exc:
@@ -481,6 +482,12 @@ class RouterService(Routed):
         except CacheError as exc:
             log.info("session %s: record not written now: %s", s.id.hex(), exc)
 
+    def _let_go(self, s: RouterSession) -> None:
+        """`s` is out of memory: delete its record. Until the delete is done the takeover
+        scan must not adopt the record back as one of this lease's not held in memory."""
+        self._forgetting.add(s.id)
+        self.tasks.spawn(self._forget(s))
+
     async def _forget(self, s: RouterSession) -> None:
         """Delete the record of a session that ended long ago (or never opened)."""
         try:
@@ -489,6 +496,8 @@ class RouterService(Routed):
             pass
         except CacheError as exc:
             log.info("session %s: record not deleted now: %s", s.id.hex(), exc)
+        finally:
+            self._forgetting.discard(s.id)
 
     # ------------------------------------------------------------------ ownership
 
@@ -543,6 +552,7 @@ class RouterService(Routed):
             # have taken them while the lease lives. Reading them every interval cost the
             # router O(its sessions, ended ones kept for re-reads included) twice a second.
             held = [stored.key_of(sid) for sid, s in self.sessions.items() if self.own.holds(s)]
+            held += [stored.key_of(sid) for sid in self._forgetting]
             try:
                 records = await self.table.scan(values=False, skip=held)   # a taken record is read again
             except CacheError as exc:
@@ -568,7 +578,8 @@ class RouterService(Routed):
                     await self._take_over(record, Owned(record.key, lease, record.token))
 
         await asyncio.gather(*(take(r) for r in records if r.orphaned or (
-            r.lease == lease.id and bytes.fromhex(r.key) not in self.sessions)))
+            r.lease == lease.id and bytes.fromhex(r.key) not in self.sessions
+            and bytes.fromhex(r.key) not in self._forgetting)))
 
     async def _take_over(self, record: Record, owned: Owned | None = None) -> None:
         try:
@@ -632,7 +643,7 @@ class RouterService(Routed):
                 continue            # no lease (lost, or renewing late): act for nothing
             for s in expired(self.sessions, now, self.config.closed_keep_s, self.config.closed_keep_max):
                 del self.sessions[s.id]
-                self.tasks.spawn(self._forget(s))
+                self._let_go(s)
             for s in list(self.sessions.values()):
                 if s.done:
                     continue

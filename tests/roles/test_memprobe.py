@@ -86,7 +86,7 @@ def test_light_probe_reports_allocators_without_tracemalloc(monkeypatch):
     probe.start()
     assert not tracemalloc.is_tracing()
     (line,) = probe.report("test")
-    for part in ("rss", "malloc in use", "pymalloc", "arenas", "gc objects", "threads"):
+    for part in ("rss", "malloc in use", "pymalloc", "arenas", "blocks allocated", "threads"):
         assert part in line, line
     assert "pymalloc n/a" not in line and "arenas n/a" not in line and "threads' arenas" in line
     monkeypatch.setenv("SDCP_TRACEMALLOC_ROLES", "verifier,drafter")

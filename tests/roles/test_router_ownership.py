@@ -341,3 +341,35 @@ def test_a_finished_session_resumes_at_another_router_with_all_its_output(tmp_pa
         finally:
             await close(a, b)
     run(main())
+
+
+def test_an_expired_session_is_not_adopted_back_while_its_record_is_deleted(tmp_path):
+    """The monitor drops an expired session from memory, then deletes its record: a scan in
+    between sees a record of this router's lease not held in memory, which is what a takeover
+    cut short looks like; it must not adopt it back (seen in the soak: a finished session
+    "taken over" from its own router, then lost to its own delete)."""
+    async def main():
+        async with Bench(tmp_path) as b:
+            s = await b.session(V1, drafter=D1)
+            s.end(finish=Action.FINISH)
+            await b.router.own.act(s)
+            deleting, release = asyncio.Event(), asyncio.Event()
+            delete = b.table.delete
+
+            async def slow_delete(owned):
+                deleting.set()
+                await release.wait()
+                await delete(owned)
+            b.table.delete = slow_delete
+            del b.router.sessions[s.id]              # what the monitor does at closed_keep_s
+            b.router._let_go(s)
+            records = await b.table.scan(values=False)
+            assert [r.key for r in records] == [stored.key_of(s.id)]
+            await deleting.wait()
+            await b.router._take_all(records)         # the scan's step, while the delete is pending
+            assert s.id not in b.router.sessions and not b.router._ops
+            release.set()
+            while b.router._forgetting:
+                await asyncio.sleep(0.01)
+            assert await b.table.read(stored.key_of(s.id)) is None
+    run(main())
