@@ -7,17 +7,23 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from concurrent.futures import Executor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .errors import StoreTimeout
 
 
-async def in_thread(fn: Callable[..., Any], *args, timeout_s: float, what: str) -> Any:
-    """`fn(*args)` in a worker thread; StoreTimeout after `timeout_s` (the thread may still
-    finish the work: callers that must know read again)."""
+async def in_thread(fn: Callable[..., Any], *args, timeout_s: float, what: str,
+                    executor: Executor | None = None) -> Any:
+    """`fn(*args)` in a worker thread (the loop's default pool, or `executor`); StoreTimeout
+    after `timeout_s` (the thread may still finish the work: callers that must know read
+    again)."""
     try:
         async with asyncio.timeout(timeout_s):   # not wait_for: no extra task per call
+            if executor is not None:
+                return await asyncio.get_running_loop().run_in_executor(executor, partial(fn, *args))
             return await asyncio.to_thread(fn, *args)
     except TimeoutError as exc:
         raise StoreTimeout(f"{what} exceeded {timeout_s}s") from exc

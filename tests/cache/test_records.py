@@ -237,3 +237,26 @@ def test_scan_reads_every_page(table_spec, monkeypatch):
             await table.close()
 
     run(body())
+
+
+def test_file_lease_is_renewed_while_every_worker_thread_is_busy(tmp_path):
+    """The file table's keepalive has a thread of its own: with the loop's default pool
+    taken by blocked work (a router's record writes on a loaded disk), it still renews."""
+    import threading
+
+    async def body():
+        table = await open_table(f"file:{tmp_path / 'table'}")
+        release = threading.Event()
+        blockers = [asyncio.ensure_future(asyncio.to_thread(release.wait, 30)) for _ in range(64)]
+        try:
+            lease = await table.grant("https://r1/", 10)
+            async with asyncio.timeout(5):
+                renewed = await table.keepalive(lease)
+            assert renewed is not None and renewed.deadline >= lease.deadline
+            assert not any(b.done() for b in blockers)      # the default pool was busy throughout
+        finally:
+            release.set()
+            await asyncio.gather(*blockers)
+            await table.close()
+
+    run(body())
