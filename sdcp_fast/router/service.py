@@ -549,8 +549,8 @@ class RouterService(Routed):
             if not self.own.valid():
                 continue
             # The records this router holds under its live lease are not read: nobody can
-            # have taken them while the lease lives. Reading them every interval cost the
-            # router O(its sessions, ended ones kept for re-reads included) twice a second.
+            # have taken them while the lease lives. Reading them cost every scan (each
+            # lease_ttl / 8) O(its sessions, the ended ones kept for re-reads included).
             held = [stored.key_of(sid) for sid, s in self.sessions.items() if self.own.holds(s)]
             held += [stored.key_of(sid) for sid in self._forgetting]
             try:
