@@ -234,17 +234,22 @@ class ServerConnection(h2.connection.H2Connection):
     """
 
     _over_limit = False
+    _counted: int | None = None   # open inbound streams, as counted for the header block at hand
 
     @property
     def open_inbound_streams(self) -> int:
         # h2 refuses a stream over the limit before decoding its header block; while one is
-        # let through to be decoded (and then refused), h2's own check must pass
-        return 0 if self._over_limit else super().open_inbound_streams
+        # let through to be decoded (and then refused), h2's own check must pass. Counting
+        # walks every stream: h2's check reuses the count just made for this block
+        if self._over_limit:
+            return 0
+        return self._counted if self._counted is not None else super().open_inbound_streams
 
     def _receive_headers_frame(self, frame):
         stream_id = frame.stream_id
-        self._over_limit = stream_id not in self.streams and \
-            super().open_inbound_streams >= self.local_settings.max_concurrent_streams
+        if stream_id not in self.streams:
+            self._counted = super().open_inbound_streams
+            self._over_limit = self._counted >= self.local_settings.max_concurrent_streams
         try:
             frames, events = super()._receive_headers_frame(frame)
         except h2.exceptions.ProtocolError as exc:
@@ -252,7 +257,7 @@ class ServerConnection(h2.connection.H2Connection):
                 raise
             return self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))
         finally:
-            over, self._over_limit = self._over_limit, False
+            over, self._over_limit, self._counted = self._over_limit, False, None
         if not over:
             return frames, events
         limit = self.local_settings.max_concurrent_streams
@@ -317,6 +322,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._last_activity = 0.0
         self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._closing = False
+        self._flush_due = False   # a _flush is scheduled (_flush_soon)
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -610,14 +616,25 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             stalled_since = None
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-            self._flush()
-        self._flush()
+            if view:
+                self._flush()   # at once: the transport's buffer limit paces a long body
+        self._flush_soon()
 
     # ---- housekeeping --------------------------------------------------------------------
     def _flush(self) -> None:
+        self._flush_due = False
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+
+    def _flush_soon(self) -> None:
+        """Write what h2 holds once the answers ready in this turn of the loop have joined
+        it: a batch of verdicts resumes its requests one after the other, and each write
+        is a TLS record and a send() of its own (a callback run after them, not a timer:
+        nothing waits)."""
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _arm_header_timer(self) -> None:
         """The client preface, and any frame once begun, must arrive whole within
