@@ -86,14 +86,11 @@ class RoundResult:
 @dataclass
 class _Queued:
     served: ServedSession
+    session: VerifierSession          # served.machine (read a dozen times per job: a field)
     job: Job
     future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
     fetch: QFetch | None = None       # its q rows on their way (rule 2)
-
-    @property
-    def session(self):
-        return self.served.machine
 
 
 @dataclass(frozen=True)
@@ -219,7 +216,7 @@ class Engine:
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
-        self._queue.put_nowait(_Queued(served, job, future, fetch=fetch))
+        self._queue.put_nowait(_Queued(served, served.machine, job, future, fetch=fetch))
         return future
 
     # ------------------------------------------------------------------ the loop
@@ -247,28 +244,33 @@ class Engine:
         proposals, drafted ahead, are already here), up to `company_share` of a batch's
         measured cost. Waiting less than a pass costs beats a pass of its own, and a
         session that does not come stops counting after two batches."""
-        now = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         deadline = now + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
         # sessions that could still add a job (those with one queued are not counted):
         # once that many more have arrived, nobody else can come, so go at once
         could_come = self.sessions.could_propose() + self._queue.qsize()
         expected = self._expected()
-        while len(batch) < self.config.max_batch:
-            while self._queue.qsize() and len(batch) < self.config.max_batch:
-                batch.append(self._queue.get_nowait())
-            expected -= {item.session.id for item in batch}
-            if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
-                return   # nobody else can come
-            until = max(deadline, company_deadline) if expected else deadline
-            remaining = until - time.perf_counter()
-            if remaining <= 0:
-                return
-            try:   # asyncio.timeout, not wait_for: no task per wait
-                async with asyncio.timeout(remaining):
+        seen = 0   # jobs of `batch` already taken off `expected`
+        try:   # one timer for the whole wait, moved when its end changes (not one per arrival)
+            async with asyncio.timeout(None) as waiting:
+                while len(batch) < self.config.max_batch:
+                    while self._queue.qsize() and len(batch) < self.config.max_batch:
+                        batch.append(self._queue.get_nowait())
+                    for item in batch[seen:]:   # the new arrivals only, not the whole batch again
+                        expected.discard(item.session.id)
+                    seen = len(batch)
+                    if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
+                        return   # nobody else can come
+                    until = max(deadline, company_deadline) if expected else deadline
+                    if until <= loop.time():
+                        return
+                    if waiting.when() != until:
+                        waiting.reschedule(until)
                     batch.append(await self._queue.get())
-            except TimeoutError:
-                return
+        except TimeoutError:
+            return
 
     def _expected(self) -> set[bytes]:
         """Sessions of the last two batches that could send a job and have none queued."""
