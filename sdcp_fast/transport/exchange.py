@@ -158,11 +158,20 @@ async def respond_to(handler: Handler, request: Request, timeout: float | None) 
         async with asyncio.timeout(timeout):
             response = await dispatch(handler, request)
     except TimeoutError:
-        log.warning("handler timed out after %ss on %s %s", timeout, request.method, request.path)
-        response = problem_response(Problem(Kind.UNAVAILABLE, "handler timed out"))
+        response = overdue_response(request, timeout)
+    log_answer(request, response)
+    return response
+
+
+def log_answer(request: Request, response: Response) -> None:
     log.debug("%s %s from %s -> %d (%d bytes)", request.method, request.path, request.caller,
               response.status, len(response.body))
-    return response
+
+
+def overdue_response(request: Request, timeout: float | None) -> Response:
+    """The answer when the handler did not answer within the server's time limit (503)."""
+    log.warning("handler timed out after %ss on %s %s", timeout, request.method, request.path)
+    return problem_response(Problem(Kind.UNAVAILABLE, "handler timed out"))
 
 
 def response_headers(response: Response, *, head: bool = False) -> HeaderList:

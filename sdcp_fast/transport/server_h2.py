@@ -42,8 +42,15 @@ from hpack.exceptions import HPACKError
 from sdcp_fast.core.problems import Problem
 
 from . import clienthello
-from .exchange import IncomingRequest, Malformed, PendingBodies, respond_to, response_headers
-from .http import Request, Response, body_timeout_response, problem_response
+from .exchange import (
+    IncomingRequest,
+    Malformed,
+    PendingBodies,
+    log_answer,
+    overdue_response,
+    response_headers,
+)
+from .http import Request, Response, body_timeout_response, dispatch, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
@@ -313,6 +320,12 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
+        # the handler time limit: when each stream's handler is overdue (in start order, the
+        # limit being the same for all), one timer for the connection at the earliest, and
+        # the streams it cancelled (not a Timeout and a timer per request)
+        self._handler_deadlines: dict[int, float] = {}
+        self._handlers_overdue: set[int] = set()
+        self._handler_timer: asyncio.TimerHandle | None = None
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
@@ -414,7 +427,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending.clear()
         self._window_open.set()
         self._writable.set()
-        for timer in (self._idle_timer, self._header_timer):
+        for timer in (self._idle_timer, self._header_timer, self._handler_timer):
             if timer is not None:
                 timer.cancel()
         log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
@@ -567,15 +580,48 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
         self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
+        timeout = self._limits.handler_timeout
+        if timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._handler_deadlines[stream_id] = deadline = loop.time() + timeout
+            if self._handler_timer is None:
+                self._handler_timer = loop.call_at(deadline, self._handlers_due)
+
+    def _handlers_due(self) -> None:
+        """Cancel the handlers past the time limit (each answers 503: `_answer`); the timer
+        moves on to the next deadline."""
+        self._handler_timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for stream_id, deadline in list(self._handler_deadlines.items()):
+            if deadline > now:
+                self._handler_timer = loop.call_at(deadline, self._handlers_due)
+                return
+            del self._handler_deadlines[stream_id]
+            task = self._tasks.get(stream_id)
+            if task is not None:
+                self._handlers_overdue.add(stream_id)
+                task.cancel()
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:
-            response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
+            try:
+                response = await dispatch(self._serving.handler, request)
+            except asyncio.CancelledError:
+                # cancelled by the time limit (and by nothing else): answer 503, as
+                # asyncio.timeout would (exchange.respond_to, which HTTP/3 uses)
+                if stream_id not in self._handlers_overdue or asyncio.current_task().uncancel() > 0:
+                    raise
+                response = overdue_response(request, self._limits.handler_timeout)
+            self._handler_deadlines.pop(stream_id, None)
+            log_answer(request, response)
             await self._send(stream_id, response, head)
             self._count_refused(stream_id, response.status)
         except h2.exceptions.StreamClosedError:
             pass  # the client reset the stream meanwhile
         finally:
+            self._handler_deadlines.pop(stream_id, None)
+            self._handlers_overdue.discard(stream_id)
             if self._tasks.get(stream_id) is asyncio.current_task():
                 del self._tasks[stream_id]
             self._last_activity = asyncio.get_running_loop().time()
