@@ -480,9 +480,10 @@ class Engine:
                 outcomes.append(None)
         observe_times(self.metrics.append_seconds, elapsed, outcomes.count(_APPENDED))   # per round
         missing = [n for n, o in enumerate(outcomes) if o is None]
-        read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
-        for n, outcome in zip(missing, read_back, strict=True):
-            outcomes[n] = outcome
+        if missing:
+            read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
+            for n, outcome in zip(missing, read_back, strict=True):
+                outcomes[n] = outcome
         return outcomes
 
     async def _read_back(self, session, append: RecordAppend) -> str:
