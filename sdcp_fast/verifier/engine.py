@@ -245,7 +245,7 @@ class Engine:
         measured cost. Waiting less than a pass costs beats a pass of its own, and a
         session that does not come stops counting after two batches."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = time.perf_counter()   # not loop.time(): uvloop's clock counts whole milliseconds
         deadline = now + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
         # sessions that could still add a job (those with one queued are not counted):
@@ -253,6 +253,7 @@ class Engine:
         could_come = self.sessions.could_propose() + self._queue.qsize()
         expected = self._expected()
         seen = 0   # jobs of `batch` already taken off `expected`
+        timer_for = None   # the `until` the timer was set for
         try:   # one timer for the whole wait, moved when its end changes (not one per arrival)
             async with asyncio.timeout(None) as waiting:
                 while len(batch) < self.config.max_batch:
@@ -264,10 +265,12 @@ class Engine:
                     if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
                         return   # nobody else can come
                     until = max(deadline, company_deadline) if expected else deadline
-                    if until <= loop.time():
+                    remaining = until - time.perf_counter()
+                    if remaining <= 0:
                         return
-                    if waiting.when() != until:
-                        waiting.reschedule(until)
+                    if until != timer_for:
+                        waiting.reschedule(loop.time() + remaining)
+                        timer_for = until
                     batch.append(await self._queue.get())
         except TimeoutError:
             return
