@@ -251,6 +251,13 @@ class Engine:
         # sessions that could still add a job (those with one queued are not counted):
         # once that many more have arrived, nobody else can come, so go at once
         could_come = self.sessions.could_propose() + self._queue.qsize()
+        if len(batch) - 1 < could_come:
+            # two turns of the loop before the wait's clock starts: requests that arrived
+            # while the last batch ran are read (bytes -> request tasks) and queued (the
+            # tasks run to `enqueue`); the batch's own awaits used to give them these turns
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            could_come = self.sessions.could_propose() + self._queue.qsize()
         expected = self._expected()
         seen = 0   # jobs of `batch` already taken off `expected`
         timer_for = None   # the `until` the timer was set for
