@@ -335,7 +335,6 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._last_activity = 0.0
         self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._closing = False
-        self._flush_due = False   # a _flush is scheduled (_flush_soon)
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -662,25 +661,16 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             stalled_since = None
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-            if view:
-                self._flush()   # at once: the transport's buffer limit paces a long body
-        self._flush_soon()
+            self._flush()
+        # at once, not at the end of the loop's turn (a call_soon): the turn may hold the
+        # engine's next batch, run on the loop, and the answers would wait for it
+        self._flush()
 
     # ---- housekeeping --------------------------------------------------------------------
     def _flush(self) -> None:
-        self._flush_due = False
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
-
-    def _flush_soon(self) -> None:
-        """Write what h2 holds once the answers ready in this turn of the loop have joined
-        it: a batch of verdicts resumes its requests one after the other, and each write
-        is a TLS record and a send() of its own (a callback run after them, not a timer:
-        nothing waits)."""
-        if not self._flush_due:
-            self._flush_due = True
-            asyncio.get_running_loop().call_soon(self._flush)
 
     def _arm_header_timer(self) -> None:
         """The client preface, and any frame once begun, must arrive whole within
