@@ -82,6 +82,27 @@ def histogram(registry: CollectorRegistry, name: str, doc: str, buckets: Iterabl
     return Histogram(PREFIX + name, doc, registry=registry, buckets=tuple(buckets))
 
 
+def observe_times(histogram: Histogram, amount: float, times: int) -> None:
+    """`times` observations of `amount` in one update: what `times` calls of `observe` would
+    record (a batch's rounds often share a value; each `observe` takes a lock and several
+    calls). On a prometheus-client whose histogram lacks the attributes this reads, it
+    falls back to observing one at a time."""
+    if times <= 0:
+        return
+    try:
+        total, buckets, bounds = histogram._sum, histogram._buckets, histogram._upper_bounds
+    except AttributeError:
+        for _ in range(times):
+            histogram.observe(amount)
+        return
+    histogram._raise_if_not_observable()
+    total.inc(amount * times)
+    for bucket, bound in zip(buckets, bounds, strict=True):
+        if amount <= bound:
+            bucket.inc(times)
+            break
+
+
 def gauge(registry: CollectorRegistry, name: str, doc: str,
           read: Callable[[], float] | None = None) -> Gauge:
     """A gauge; with `read`, its value is taken at scrape time."""

@@ -185,6 +185,9 @@ class Router:
         self._prefix = prefix.rstrip("/")
         self._authorizer = authorizer
         self._routes: dict[str, _Route] = {}
+        # routes without parameters that no earlier route also matches, by path: found
+        # with one dict lookup, not a regex per route (what the loop would find first)
+        self._exact: dict[str, _Route] = {}
 
     def add(self, method: str, pattern: str, fn: RouteFn, *, resource: str | None = None) -> None:
         if resource is not None and self._authorizer is None:
@@ -194,7 +197,12 @@ class Router:
             f"(?P<{piece}>[^/]+)" if index % 2 else re.escape(piece)
             for index, piece in enumerate(_PARAM.split(full))
         )
-        route = self._routes.setdefault(full, _Route(re.compile(f"^{regex}$"), {}))
+        route = self._routes.get(full)
+        if route is None:
+            shadowed = any(r.pattern.match(full) for r in self._routes.values())
+            route = self._routes[full] = _Route(re.compile(f"^{regex}$"), {})
+            if not _PARAM.search(full) and not shadowed:
+                self._exact[full] = route
         if method.upper() in route.methods:
             raise ValueError(f"duplicate route {method} {full}")
         route.methods[method.upper()] = (fn, resource)
@@ -214,6 +222,10 @@ class Router:
     def resource_of(self, method: str, path: str) -> str | None:
         """The resource class a request goes to (None: no route, or none declared); the
         server picks the body limit by it before reading the body."""
+        route = self._exact.get(path)
+        if route is not None:
+            entry = route.methods.get(method)
+            return entry[1] if entry is not None else None
         for route in self._routes.values():
             if route.pattern.match(path):
                 entry = route.methods.get(method)
@@ -221,7 +233,8 @@ class Router:
         return None
 
     async def handle(self, request: Request) -> Response:
-        for route in self._routes.values():
+        exact = self._exact.get(request.path)
+        for route in (exact,) if exact is not None else self._routes.values():
             match = route.pattern.match(request.path)
             if match is None:
                 continue

@@ -42,8 +42,15 @@ from hpack.exceptions import HPACKError
 from sdcp_fast.core.problems import Problem
 
 from . import clienthello
-from .exchange import IncomingRequest, Malformed, PendingBodies, respond_to, response_headers
-from .http import Request, Response, body_timeout_response, problem_response
+from .exchange import (
+    IncomingRequest,
+    Malformed,
+    PendingBodies,
+    log_answer,
+    overdue_response,
+    response_headers,
+)
+from .http import Request, Response, body_timeout_response, dispatch, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
@@ -234,17 +241,22 @@ class ServerConnection(h2.connection.H2Connection):
     """
 
     _over_limit = False
+    _counted: int | None = None   # open inbound streams, as counted for the header block at hand
 
     @property
     def open_inbound_streams(self) -> int:
         # h2 refuses a stream over the limit before decoding its header block; while one is
-        # let through to be decoded (and then refused), h2's own check must pass
-        return 0 if self._over_limit else super().open_inbound_streams
+        # let through to be decoded (and then refused), h2's own check must pass. Counting
+        # walks every stream: h2's check reuses the count just made for this block
+        if self._over_limit:
+            return 0
+        return self._counted if self._counted is not None else super().open_inbound_streams
 
     def _receive_headers_frame(self, frame):
         stream_id = frame.stream_id
-        self._over_limit = stream_id not in self.streams and \
-            super().open_inbound_streams >= self.local_settings.max_concurrent_streams
+        if stream_id not in self.streams:
+            self._counted = super().open_inbound_streams
+            self._over_limit = self._counted >= self.local_settings.max_concurrent_streams
         try:
             frames, events = super()._receive_headers_frame(frame)
         except h2.exceptions.ProtocolError as exc:
@@ -252,7 +264,7 @@ class ServerConnection(h2.connection.H2Connection):
                 raise
             return self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))
         finally:
-            over, self._over_limit = self._over_limit, False
+            over, self._over_limit, self._counted = self._over_limit, False, None
         if not over:
             return frames, events
         limit = self.local_settings.max_concurrent_streams
@@ -308,6 +320,12 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
+        # the handler time limit: when each stream's handler is overdue (in start order, the
+        # limit being the same for all), one timer for the connection at the earliest, and
+        # the streams it cancelled (not a Timeout and a timer per request)
+        self._handler_deadlines: dict[int, float] = {}
+        self._handlers_overdue: set[int] = set()
+        self._handler_timer: asyncio.TimerHandle | None = None
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
@@ -408,7 +426,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending.clear()
         self._window_open.set()
         self._writable.set()
-        for timer in (self._idle_timer, self._header_timer):
+        for timer in (self._idle_timer, self._header_timer, self._handler_timer):
             if timer is not None:
                 timer.cancel()
         log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
@@ -561,15 +579,48 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
         self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
+        timeout = self._limits.handler_timeout
+        if timeout is not None:
+            loop = asyncio.get_running_loop()
+            self._handler_deadlines[stream_id] = deadline = loop.time() + timeout
+            if self._handler_timer is None:
+                self._handler_timer = loop.call_at(deadline, self._handlers_due)
+
+    def _handlers_due(self) -> None:
+        """Cancel the handlers past the time limit (each answers 503: `_answer`); the timer
+        moves on to the next deadline."""
+        self._handler_timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for stream_id, deadline in list(self._handler_deadlines.items()):
+            if deadline > now:
+                self._handler_timer = loop.call_at(deadline, self._handlers_due)
+                return
+            del self._handler_deadlines[stream_id]
+            task = self._tasks.get(stream_id)
+            if task is not None:
+                self._handlers_overdue.add(stream_id)
+                task.cancel()
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:
-            response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
+            try:
+                response = await dispatch(self._serving.handler, request)
+            except asyncio.CancelledError:
+                # cancelled by the time limit (and by nothing else): answer 503, as
+                # asyncio.timeout would (exchange.respond_to, which HTTP/3 uses)
+                if stream_id not in self._handlers_overdue or asyncio.current_task().uncancel() > 0:
+                    raise
+                response = overdue_response(request, self._limits.handler_timeout)
+            self._handler_deadlines.pop(stream_id, None)
+            log_answer(request, response)
             await self._send(stream_id, response, head)
             self._count_refused(stream_id, response.status)
         except h2.exceptions.StreamClosedError:
             pass  # the client reset the stream meanwhile
         finally:
+            self._handler_deadlines.pop(stream_id, None)
+            self._handlers_overdue.discard(stream_id)
             if self._tasks.get(stream_id) is asyncio.current_task():
                 del self._tasks[stream_id]
             self._last_activity = asyncio.get_running_loop().time()
@@ -611,6 +662,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
             self._flush()
+        # at once, not at the end of the loop's turn (a call_soon): the turn may hold the
+        # engine's next batch, run on the loop, and the answers would wait for it
         self._flush()
 
     # ---- housekeeping --------------------------------------------------------------------

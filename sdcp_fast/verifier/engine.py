@@ -36,6 +36,7 @@ sessions could still add a job) and reaches the model only through `TargetModel`
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -52,9 +53,10 @@ from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem
-from ..core.session import Job, State
+from ..core.session import Job, State, VerifierSession
 from ..kernels.device import Device
 from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
+from ..metrics import observe_times
 from . import verify_step
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
@@ -84,14 +86,11 @@ class RoundResult:
 @dataclass
 class _Queued:
     served: ServedSession
+    session: VerifierSession          # served.machine (read a dozen times per job: a field)
     job: Job
     future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
     fetch: QFetch | None = None       # its q rows on their way (rule 2)
-
-    @property
-    def session(self):
-        return self.served.machine
 
 
 @dataclass(frozen=True)
@@ -217,7 +216,7 @@ class Engine:
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
-        self._queue.put_nowait(_Queued(served, job, future, fetch=fetch))
+        self._queue.put_nowait(_Queued(served, served.machine, job, future, fetch=fetch))
         return future
 
     # ------------------------------------------------------------------ the loop
@@ -245,28 +244,43 @@ class Engine:
         proposals, drafted ahead, are already here), up to `company_share` of a batch's
         measured cost. Waiting less than a pass costs beats a pass of its own, and a
         session that does not come stops counting after two batches."""
-        now = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        now = time.perf_counter()   # not loop.time(): uvloop's clock counts whole milliseconds
         deadline = now + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
         # sessions that could still add a job (those with one queued are not counted):
         # once that many more have arrived, nobody else can come, so go at once
         could_come = self.sessions.could_propose() + self._queue.qsize()
+        if len(batch) - 1 < could_come:
+            # two turns of the loop before the wait's clock starts: requests that arrived
+            # while the last batch ran are read (bytes -> request tasks) and queued (the
+            # tasks run to `enqueue`); the batch's own awaits used to give them these turns
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            could_come = self.sessions.could_propose() + self._queue.qsize()
         expected = self._expected()
-        while len(batch) < self.config.max_batch:
-            while self._queue.qsize() and len(batch) < self.config.max_batch:
-                batch.append(self._queue.get_nowait())
-            expected -= {item.session.id for item in batch}
-            if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
-                return   # nobody else can come
-            until = max(deadline, company_deadline) if expected else deadline
-            remaining = until - time.perf_counter()
-            if remaining <= 0:
-                return
-            try:   # asyncio.timeout, not wait_for: no task per wait
-                async with asyncio.timeout(remaining):
+        seen = 0   # jobs of `batch` already taken off `expected`
+        timer_for = None   # the `until` the timer was set for
+        try:   # one timer for the whole wait, moved when its end changes (not one per arrival)
+            async with asyncio.timeout(None) as waiting:
+                while len(batch) < self.config.max_batch:
+                    while self._queue.qsize() and len(batch) < self.config.max_batch:
+                        batch.append(self._queue.get_nowait())
+                    for item in batch[seen:]:   # the new arrivals only, not the whole batch again
+                        expected.discard(item.session.id)
+                    seen = len(batch)
+                    if len(batch) >= self.config.max_batch or len(batch) - 1 >= could_come:
+                        return   # nobody else can come
+                    until = max(deadline, company_deadline) if expected else deadline
+                    remaining = until - time.perf_counter()
+                    if remaining <= 0:
+                        return
+                    if until != timer_for:
+                        waiting.reschedule(loop.time() + remaining)
+                        timer_for = until
                     batch.append(await self._queue.get())
-            except TimeoutError:
-                return
+        except TimeoutError:
+            return
 
     def _expected(self) -> set[bytes]:
         """Sessions of the last two batches that could send a job and have none queued."""
@@ -394,29 +408,42 @@ class Engine:
         if not ready:
             return
         answers = await self._append_all([(item.session, append) for item, _, _, append in ready])
-        settling = [self._settle(item, record, accepted, append.expected, answer, verdicts)
-                    for (item, record, accepted, append), answer in zip(ready, answers, strict=True)]
-        if len(settling) == 1:   # a batch of one: no task for gather to wrap it in
+        # settled one by one, then the model follows the batch's rounds under one hold of
+        # its lock, and the metrics take the batch at once: no task, lock or Prometheus
+        # update per job (each was a sizeable share of a proposal's CPU at 32 sessions)
+        on_record: list[tuple[_Queued, object, int, Verdict | None]] = []
+        for (item, record, accepted, append), answer in zip(ready, answers, strict=True):
             try:
-                results = [await settling[0]]
+                if self._settle(item, append.expected, answer):
+                    on_record.append((item, record, accepted, item.session.commit_result(True)))
             except Exception as exc:
-                results = [exc]
-        else:
-            results = await asyncio.gather(*settling, return_exceptions=True)
-        for (item, *_), result in zip(ready, results, strict=True):
-            if isinstance(result, Exception):
-                self._broken(item, result)
+                self._broken(item, exc)
+        if not on_record:
+            return
+        followed = await self.target.follow_all(
+            [(item.session.id, record.emitted, functools.partial(_committed_sequence, item.session))
+             for item, record, _, _ in on_record])
+        rounds = []
+        for (item, _, accepted, verdict), failure in zip(on_record, followed, strict=True):
+            if failure is not None:
+                self._broken(item, failure)
+                continue
+            rounds.append((item.job.m, accepted, verdict.action if verdict else None))
+            item.served.wake()
+            verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
+        self.metrics.committed_many(rounds)
 
-    async def _settle(self, item: _Queued, record, accepted: int, position: int, appended: str,
-                      verdicts: list[tuple[_Queued, RoundResult]]) -> None:
-        """What the log said of one job's append: its verdict, or why there is none."""
+    def _settle(self, item: _Queued, position: int, appended: str) -> bool:
+        """What the log said of one job's append: True when the round is on record (the
+        caller commits it: `commit_result(True)`, durable whatever follows), else the job
+        is answered why not."""
         served, session, job = item.served, item.session, item.job
         if appended is _NOT_APPENDED:
             session.commit_failed()
             prob = Problem(Kind.UNAVAILABLE, "commit log unavailable; the round was not committed")
             served.refused(job, prob)
             self._fail(item, prob)
-            return
+            return False
         if appended is _SUPERSEDED:
             # a newer epoch fenced the log, or it holds a record this verifier did not
             # write at this position (possibly its own from an attempt whose ack was lost):
@@ -430,13 +457,9 @@ class Engine:
             served.wake()
             self._fail(item, Problem(Kind.STALE_EPOCH, "the commit log was fenced by a newer epoch"),
                        settled=True)
-            return
+            return False
         served.log_position = position + 1
-        verdict = session.commit_result(True)   # durable: the round stands whatever follows
-        await self.target.follow(session.id, record.emitted, [*session.prompt, *session.output_tokens])
-        self.metrics.committed(job.m, accepted, verdict.action if verdict else None)
-        served.wake()
-        verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
+        return True
 
     async def _append_all(self, records: list[tuple]) -> list[str]:
         """Append each (session, RecordAppend) of a batch in one `append_records`:
@@ -458,7 +481,6 @@ class Engine:
         outcomes = []
         for (session, append), answer in zip(records, answers, strict=True):
             if not isinstance(answer, Exception):
-                self.metrics.append_seconds.observe(elapsed)
                 outcomes.append(_APPENDED)
             elif isinstance(answer, Fenced):
                 outcomes.append(_SUPERSEDED)
@@ -466,10 +488,12 @@ class Engine:
                 log.warning("session %s: append at %d failed (%s: %s); reading the log back",
                             session.id.hex(), append.expected, type(answer).__name__, answer)
                 outcomes.append(None)
+        observe_times(self.metrics.append_seconds, elapsed, outcomes.count(_APPENDED))   # per round
         missing = [n for n, o in enumerate(outcomes) if o is None]
-        read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
-        for n, outcome in zip(missing, read_back, strict=True):
-            outcomes[n] = outcome
+        if missing:
+            read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))
+            for n, outcome in zip(missing, read_back, strict=True):
+                outcomes[n] = outcome
         return outcomes
 
     async def _read_back(self, session, append: RecordAppend) -> str:
@@ -505,3 +529,9 @@ class Engine:
         self.metrics.problem(prob.kind)
         if not item.future.done():
             item.future.set_result(RoundResult(problem=prob, settled=settled))
+
+
+def _committed_sequence(session: VerifierSession) -> list[int]:
+    """The session's committed tokens, prompt included: what the model is rebuilt from when
+    it cannot follow a commit (built only then: it is the whole context)."""
+    return [*session.prompt, *session.output_tokens]

@@ -198,8 +198,9 @@ class VerifierService(Routed):
         if isinstance(step, Wait):
             return await served.wait_for_verdict(step.round, request_key(msg),
                                                  self.config.request_timeout_s * 4)
-        bad = [t for t in step.tokens if t >= self.target.vocab_size]
-        if bad:
+        vocab = self.target.vocab_size
+        if step.tokens and max(step.tokens) >= vocab:   # one C pass; the list only to say which
+            bad = [t for t in step.tokens if t >= vocab]
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
         # the round runs to its end in the engine even if this request goes away, and what
         # follows its commit runs from the engine's future (no task per round)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -95,22 +95,43 @@ class TargetModel:
                 raise problem(Kind.BAD_REQUEST, f"prompt refused by the model: {exc}") from None
 
     async def follow(self, sid: bytes, emitted: Sequence[int], sequence: Sequence[int]) -> None:
-        """Bring the session up to a committed round. If the model cannot take the tokens
-        (its length or KV cap), the session is rebuilt from the committed `sequence`; if
-        even that fails, later rounds of the session are refused alone (the engine scores
-        job by job) while the committed round stands."""
+        """Bring the session up to a committed round (`follow_all` for one)."""
+        (failure,) = await self.follow_all([(sid, emitted, lambda: sequence)])
+        if failure is not None:
+            raise failure
+
+    async def follow_all(self, rounds: Sequence[tuple[bytes, Sequence[int], Callable[[], Sequence[int]]]]
+                         ) -> list[Exception | None]:
+        """Bring each (session, emitted tokens, its committed sequence) up to its committed
+        round, under one hold of the lock (a batch's commits: one acquisition, not one per
+        session). If the model cannot take the tokens (its length or KV cap), the session
+        is rebuilt from the committed sequence (asked for only then: it is the whole
+        context); if even that fails, later rounds of the session are refused alone (the
+        engine scores job by job) while the committed round stands. Per round: None, or
+        the exception something other than the model raised."""
+        failures: list[Exception | None] = []
         async with self.lock:
-            try:
-                self.backend.commit(sid, list(emitted))
-                return
-            except ModelError as exc:
-                log.warning("session %s: model could not follow the commit (%s): rebuilding", sid.hex(), exc)
-            try:
-                with contextlib.suppress(ModelError):
-                    self.backend.release(sid)
-                await asyncio.to_thread(self.backend.open, sid, list(sequence))
-            except ModelError as exc:
-                log.error("session %s: the model cannot hold the committed sequence: %s", sid.hex(), exc)
+            for sid, emitted, sequence in rounds:
+                try:
+                    self.backend.commit(sid, list(emitted))
+                    failures.append(None)
+                    continue
+                except ModelError as exc:
+                    log.warning("session %s: model could not follow the commit (%s): rebuilding", sid.hex(), exc)
+                except Exception as exc:
+                    failures.append(exc)
+                    continue
+                try:
+                    with contextlib.suppress(ModelError):
+                        self.backend.release(sid)
+                    await asyncio.to_thread(self.backend.open, sid, list(sequence()))
+                except ModelError as exc:
+                    log.error("session %s: the model cannot hold the committed sequence: %s", sid.hex(), exc)
+                except Exception as exc:
+                    failures.append(exc)
+                    continue
+                failures.append(None)
+        return failures
 
     async def export_kv(self, sid: bytes) -> bytes:
         async with self.lock:

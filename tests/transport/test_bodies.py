@@ -172,6 +172,32 @@ def test_timeouts_client_and_handler(pki, protocol):
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_handler_time_limit_per_request_among_concurrent_ones(pki, protocol):
+    """Each overdue handler is answered 503 at its own limit; requests answered in time
+    on the same connection, before and after, are not touched."""
+    async def main():
+        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server,
+                               handler_timeout=0.4) as server:
+            base = f"https://127.0.0.1:{server.port}"
+            async with Client(pki.drafter, protocol, timeout=5.0, retries=0) as client:
+                async def later(delay, seconds):
+                    await asyncio.sleep(delay)
+                    started = asyncio.get_running_loop().time()
+                    response = await client.request("GET", f"{base}/slow?s={seconds}")
+                    return response.status, asyncio.get_running_loop().time() - started
+
+                answers = await asyncio.gather(later(0, 2), later(0.15, 2), later(0.05, 0.05),
+                                               later(0.3, 0.1), later(0.6, 2))
+                assert [status for status, _ in answers] == [503, 503, 204, 204, 503]
+                for status, took in answers:
+                    if status == 503:
+                        assert 0.35 <= took < 1.5   # at its own limit, not another's
+                await _expect_good(client, server.port)
+
+    run(main())
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_retries_only_when_safe(pki, protocol):
     """The first call drops the connection mid-request: retried only for idempotent requests."""
 

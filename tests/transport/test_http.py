@@ -45,6 +45,25 @@ def test_router_matches_and_extracts_parameters():
     assert json.loads(response.body) == {"path": "/v1/sessions/AAECAw/drafter", "id": "AAECAw"}
 
 
+def test_router_first_match_wins_for_paths_without_parameters():
+    """A path without parameters is found by lookup; a route added earlier whose pattern
+    also matches it still wins, as the in-order match would have it."""
+    router = Router()
+
+    def answer(name):
+        async def fn(request, **params):
+            return Response(200, json.dumps([name, params]).encode(), "application/json")
+        return fn
+
+    router.add("GET", "/items/{id}", answer("item"))
+    router.add("GET", "/items/new", answer("new"))   # shadowed by the route above
+    router.add("GET", "/all", answer("all"))
+    assert json.loads(_answer(router, _request("GET", "/items/new")).body) == ["item", {"id": "new"}]
+    assert json.loads(_answer(router, _request("GET", "/all")).body) == ["all", {}]
+    assert _answer(router, _request("POST", "/all")).status == 405
+    assert router.resource_of("GET", "/all") is None and router.resource_of("GET", "/none") is None
+
+
 @pytest.mark.parametrize(("method", "path", "status", "allow"), [
     ("GET", "/v1/nothing", 404, None),
     ("GET", "/sessions", 404, None),  # outside the prefix
