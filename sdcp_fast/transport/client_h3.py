@@ -46,7 +46,10 @@ class H3ClientConnection(LeanAcks):
         return self._terminated is None
 
     async def request(self, method: str, authority: str, target: str, body: bytes | None,
-                      content_type: str | None, timeout: float, max_response: int) -> ClientResponse:
+                      content_type: str | None, timeout: float | None, max_response: int) -> ClientResponse:
+        """One exchange within `timeout` seconds; None: the caller bounds it (Client's attempt
+        does, under one asyncio.timeout for connecting and the exchange: a second one here
+        would cost a timer armed and cancelled per request)."""
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
         stream_id = self._quic.get_next_available_stream_id()
@@ -64,6 +67,8 @@ class H3ClientConnection(LeanAcks):
         self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
         try:
             # the future is awaited directly (wait_for and shield would each add a loop turn)
+            if timeout is None:
+                return await exchange.future
             async with asyncio.timeout(timeout):
                 return await exchange.future
         except TimeoutError:
@@ -190,7 +195,8 @@ class H3Origins:
     async def send(self, target: tuple[H3ClientConnection, str, str], method: str, body: bytes | None,
                    content_type: str | None, limit: float) -> ClientResponse:
         connection, authority, path = target
-        return await connection.request(method, authority, path, body, content_type, limit, self._max_response)
+        # `limit` bounds the whole attempt already (Client._attempt): no second timer here
+        return await connection.request(method, authority, path, body, content_type, None, self._max_response)
 
     async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
         lock = self._locks.setdefault(origin, asyncio.Lock())

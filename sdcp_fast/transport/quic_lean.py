@@ -28,6 +28,11 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanAcks.transmit_data`: while other requests are in flight on the connection, what is
     written during one event-loop turn leaves in one call to `transmit()` at the end of it
     (the answers completed by one batch share datagrams); a lone request leaves at once.
+  - `LeanAcks.datagram_received`: what a received datagram leads to is sent at the end of
+    the loop turn (`_transmit_soon`), not at once, unless an ACK became due (a second
+    datagram while one is owed): on the drafter the answer's datagram and the next request
+    then cost one `transmit()` (building packets, re-arming the timer), not two, and the
+    datagrams one turn reads share one.
 
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
@@ -70,10 +75,15 @@ class LeanAcks(QuicConnectionProtocol):
         space = self._application_space()
         owed = space is not None and space.ack_at is not None
         self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
         if owed and space.ack_at is not None:   # a second datagram while an ACK is owed: ACK now
             space.ack_at = self._loop.time()
-        self._process_events()
-        self.transmit()
+            self.transmit()
+        else:
+            # at the end of this loop turn: what the events just processed lead to (the
+            # drafter's next request, written as soon as the verdict is read) leaves in the
+            # same transmit, and the datagrams read in one turn share one (and one timer re-arm)
+            self._transmit_soon()
 
     def ack_with_data(self) -> None:
         """Make an owed ACK due now: the packet about to carry data carries it too."""
