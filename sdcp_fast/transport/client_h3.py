@@ -61,9 +61,10 @@ class H3ClientConnection(LeanAcks):
             headers.append((b"content-length", str(len(body)).encode()))
         exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
         self._exchanges[stream_id] = exchange
-        self._h3.send_headers(stream_id, headers, end_stream=not body)
         if body:
-            self._h3.send_data(stream_id, body, end_stream=True)
+            self._h3.send_message(stream_id, headers, body)
+        else:
+            self._h3.send_headers(stream_id, headers, end_stream=True)
         self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
         try:
             # the future is awaited directly (wait_for and shield would each add a loop turn)
@@ -199,6 +200,9 @@ class H3Origins:
         return await connection.request(method, authority, path, body, content_type, None, self._max_response)
 
     async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
+        connection = self._connections.get(origin)
+        if connection is not None and connection.usable:   # every request but a connect's: no lock
+            return connection
         lock = self._locks.setdefault(origin, asyncio.Lock())
         async with lock:
             connection = self._connections.get(origin)

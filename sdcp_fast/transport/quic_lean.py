@@ -43,7 +43,16 @@ from __future__ import annotations
 import pylsqpack
 from aioquic import tls
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3Connection, Setting
+from aioquic.h3.connection import (
+    FrameType,
+    FrameUnexpected,
+    H3Connection,
+    HeadersState,
+    QpackDecompressionFailed,
+    Setting,
+    encode_frame,
+    is_interim_response,
+)
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 
@@ -63,6 +72,50 @@ class LeanH3(H3Connection):
         settings[Setting.QPACK_BLOCKED_STREAMS] = 0
         return settings
 
+    # With the table off neither QPACK side ever has encoder or decoder-stream bytes to send:
+    # aioquic writes them regardless, an empty write (a stream lookup, no frame) per header
+    # block; these two are aioquic's, less that write when there is nothing to write.
+    def _decode_headers(self, stream_id: int, frame_data: bytes | None) -> list[tuple[bytes, bytes]]:
+        try:
+            if frame_data is None:
+                decoder, headers = self._decoder.resume_header(stream_id)
+            else:
+                decoder, headers = self._decoder.feed_header(stream_id, frame_data)
+            self._decoder_bytes_sent += len(decoder)
+            if decoder:
+                self._quic.send_stream_data(self._local_decoder_stream_id, decoder)
+        except pylsqpack.DecompressionFailed as exc:
+            raise QpackDecompressionFailed() from exc
+        return headers
+
+    def _encode_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+        encoder, frame_data = self._encoder.encode(stream_id, headers)
+        self._encoder_bytes_sent += len(encoder)
+        if encoder:
+            self._quic.send_stream_data(self._local_encoder_stream_id, encoder)
+        return frame_data
+
+    def send_message(self, stream_id: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """`send_headers(headers)` then `send_data(body, end_stream=True)`: the same HEADERS
+        and DATA frames and the same checks and stream states, in one QUIC stream write (one
+        stream lookup and state update instead of two of each, in aioquic's Python).
+        Anything else than a first, final header block (trailers, a 1xx, qlog on) takes
+        aioquic's two calls."""
+        stream = self._stream.get(stream_id)
+        if (stream is not None and stream.headers_send_state != HeadersState.INITIAL) \
+                or self._quic_logger is not None or (not self._is_client and is_interim_response(headers)):
+            self.send_headers(stream_id, headers)
+            self.send_data(stream_id, body, end_stream=True)
+            return
+        with self._get_or_create_stream(stream_id) as stream:
+            if stream.sending_ended:   # what send_headers' finish_sending() would refuse
+                raise FrameUnexpected("stream was already ended")
+            frame_data = self._encode_headers(stream_id, headers)
+            stream.headers_send_state = HeadersState.AFTER_HEADERS
+            stream.finish_sending()
+        self._quic.send_stream_data(
+            stream_id, encode_frame(FrameType.HEADERS, frame_data) + encode_frame(FrameType.DATA, body), True)
+
 
 class LeanAcks(QuicConnectionProtocol):
     """aioquic's protocol with ACKs that ride on data and transmits batched per loop turn."""
@@ -70,6 +123,7 @@ class LeanAcks(QuicConnectionProtocol):
     def lengthen_ack_delay(self) -> None:
         """Once the handshake is done (handshake ACKs are not delayed, RFC 9000 13.2.1)."""
         self._quic._ack_delay = ACK_DELAY
+        self._space = self._application_space()
 
     def datagram_received(self, data: bytes | str, addr) -> None:
         space = self._application_space()
@@ -101,5 +155,11 @@ class LeanAcks(QuicConnectionProtocol):
         else:
             self._transmit_soon()
 
+    # the 1-RTT packet space, kept once the handshake is done (a Retry or version negotiation
+    # before that makes aioquic build new spaces); until then looked up in an enum-keyed dict
+    # (a Python __hash__ call) every time
+    _space = None
+
     def _application_space(self):
-        return self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._space
+        return space if space is not None else self._quic._spaces.get(tls.Epoch.ONE_RTT)

@@ -379,9 +379,10 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         try:
             # aioquic queues the bytes and paces them by QUIC flow control, which covers the
             # HEADERS frame too: a response without content can stall as well
-            self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
-            if not no_content:
-                self._h3.send_data(stream_id, response.body, end_stream=True)
+            if no_content:
+                self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=True)
+            else:
+                self._h3.send_message(stream_id, response_headers(response, head=head), response.body)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
         self._written.append(stream_id)
