@@ -132,7 +132,8 @@ class H3ClientConnection(LeanAcks):
     async def aclose(self) -> None:
         self.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wait_closed(), 1.0)
+            async with asyncio.timeout(1.0):   # not wait_for: see connect_h3
+                await self.wait_closed()
         if self._datagram_transport is not None:
             self._datagram_transport.close()
 
@@ -142,8 +143,12 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
     check_aioquic()  # peer_certificates() reads aioquic internals
     loop = asyncio.get_running_loop()
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
+    # cancellation when its inner await finishes at the same moment (gh-86296), and then the
+    # attempt's deadline (Client._attempt, the only one over a request) would be lost
     try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM), timeout)
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except (OSError, TimeoutError) as exc:
         raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
     family, _, _, _, addr = infos[0]
@@ -156,7 +161,8 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     protocol._datagram_transport = transport
     protocol.connect(addr)
     try:
-        await asyncio.wait_for(protocol.wait_connected(), timeout)
+        async with asyncio.timeout(timeout):
+            await protocol.wait_connected()
     except (ConnectionError, TimeoutError) as exc:
         protocol.close()
         transport.close()
