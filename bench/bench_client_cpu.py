@@ -60,8 +60,10 @@ async def _drive(args: argparse.Namespace) -> dict:
     setup = json.loads(Path(args.drive).read_text())
     next_token = setup["next_token"]
     drafter = setup["drafter"]
-    router = Client(TLSConfig.for_instance(setup["certs"], setup["router_uri"]), setup["protocol"], timeout=600.0)
-    client = Client(TLSConfig.for_instance(setup["certs"], drafter), setup["protocol"], timeout=600.0)
+    router = Client(TLSConfig.for_instance(setup["certs"], setup["router_uri"]), setup["protocol"], timeout=600.0,
+                    connect_timeout=600.0)
+    client = Client(TLSConfig.for_instance(setup["certs"], drafter), setup["protocol"], timeout=600.0,
+                    connect_timeout=600.0)
     url = setup["url"]
     try:
         sid, round_, committed, digest, last = await open_session(

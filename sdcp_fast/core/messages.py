@@ -221,7 +221,19 @@ class Message:
                 shown = sorted(str(k)[:40] for k in unknown[:8])   # bounded: keys are untrusted
                 more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
                 raise MessageError(f"{cls._name()} has unknown keys {shown}{more}", cls.problem_kind)
-        return cls(**{name: obj.get(name) for name in cls.members})
+        values = {name: obj.get(name) for name in cls.members}
+        direct = cls.__dict__.get("_direct_init")
+        if direct is None:
+            # the dataclass __init__ only stores each field (one object.__setattr__ call per
+            # member of a frozen class) before __post_init__ checks them all: where a class's
+            # fields are exactly its members, decoding stores them at once, then checks the same
+            direct = cls._direct_init = {f.name for f in dataclasses.fields(cls)} == set(cls.members)
+        if not direct:
+            return cls(**values)
+        message = object.__new__(cls)
+        message.__dict__.update(values)
+        message.__post_init__()
+        return message
 
     @classmethod
     def from_cbor(cls: type[M], data: bytes, *, max_size: int = cbor.DEFAULT_MAX_SIZE) -> M:
