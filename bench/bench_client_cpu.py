@@ -150,6 +150,7 @@ def measure(workdir: Path, protocol: str, args: argparse.Namespace, tree: Path |
         row["calls"] = stats.total_calls / args.proposals
         if args.keep is not None:
             args.keep.mkdir(parents=True, exist_ok=True)
+            (args.keep / f"{label}-{protocol}.cprofile.out").write_bytes(out.read_bytes())
             with open(args.keep / f"{label}-{protocol}.txt", "w") as f:
                 pstats.Stats(str(out), stream=f).sort_stats("tottime").print_stats(50)
                 pstats.Stats(str(out), stream=f).sort_stats("cumulative").print_stats(50)
