@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioquic.h3.connection import ErrorCode
@@ -24,13 +23,17 @@ from .tlsconfig import TLSConfig
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
 
 
-@dataclass
 class _Exchange:
-    future: asyncio.Future[ClientResponse]
-    max_response: int
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
+    """One request's stream: its answer as it arrives (slots: one is made per request)."""
+
+    __slots__ = ("future", "max_response", "status", "headers", "body")
+
+    def __init__(self, future: asyncio.Future[ClientResponse], max_response: int):
+        self.future = future
+        self.max_response = max_response
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
 
 
 class H3ClientConnection(LeanAcks):
