@@ -132,7 +132,16 @@ def measure(workdir: Path, protocol: str, args: argparse.Namespace, tree: Path |
              "tokenizer": backend.tokenizer_digest.hex(), "proposals": args.proposals, "tool": args.tool,
              "out": str(out)}
     with cluster:
-        cluster.start(timeout=60)
+        saved = os.environ.get("PYTHONPATH")
+        if tree is not None and args.baseline_server:   # the verifier from the same tree as the client
+            os.environ["PYTHONPATH"] = str(tree)
+        try:
+            cluster.start(timeout=60)
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
         setup["url"] = f"https://127.0.0.1:{verifier.info['port']}/"
         setup_file = workdir / f"{label}-{protocol}.json"
         setup_file.write_text(json.dumps(setup))
@@ -172,6 +181,8 @@ def main() -> int:
     parser.add_argument("--tool", choices=("cpu", "cprofile", "callgrind"), default="cpu")
     parser.add_argument("--baseline", default="", help="git revision to compare with (its sdcp_fast)")
     parser.add_argument("--keep", type=Path)
+    parser.add_argument("--baseline-server", action="store_true",
+                        help="the baseline's rows run the baseline's verifier too (else this tree's)")
     parser.add_argument("--drive", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.drive:
