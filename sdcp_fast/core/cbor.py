@@ -180,6 +180,21 @@ def _encode_any(obj: Any, out: list[bytes]) -> None:
         raise TypeError(f"cannot encode {type(obj).__name__} as SDCP CBOR")
 
 
+def encode_into(obj: Any, out: list[bytes]) -> None:
+    """Append the deterministic encoding of `obj` to `out` (pieces; b"".join them)."""
+    _encode(obj, out)
+
+
+def head(major: int, value: int) -> bytes:
+    """The shortest head of a data item of major type `major` with argument `value`."""
+    return _SMALL_HEADS[major][value] if value < 24 else _head(major, value)
+
+
+def key_bytes(key: str) -> bytes:
+    """The encoding of a map key (cached for text keys)."""
+    return _key_bytes(key)
+
+
 def dumps(obj: Any) -> bytes:
     """Deterministic encoding (RFC 8949 section 4.2.1) of `obj`."""
     out: list[bytes] = []

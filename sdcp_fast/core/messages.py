@@ -45,10 +45,7 @@ class Action(enum.IntEnum):
     @classmethod
     def lenient(cls, value: int) -> Action:
         """A received action: any value this code does not know means fail (section 5.2)."""
-        try:
-            return cls(value)
-        except ValueError:
-            return cls.FAIL
+        return cls._value2member_map_.get(value, cls.FAIL)
 
 
 LADDER_ACTIONS = frozenset({Action.REDUCE, Action.SWITCH, Action.SELF_DECODE, Action.FAIL})
@@ -110,7 +107,7 @@ def array(item: Check, *, nonempty: bool = False) -> Check:
     bounds = getattr(item, "bounds", None)
 
     def check(v: Any) -> tuple:
-        if not isinstance(v, list | tuple):
+        if type(v) is not tuple and not isinstance(v, list | tuple):
             raise ValueError(f"expected an array, got {type(v).__name__}")
         if nonempty and not v:
             raise ValueError("expected at least one element")
@@ -200,9 +197,11 @@ class Message:
                     raise MessageError(f"{self._name()}.{name} is required", self.problem_kind)
                 continue
             try:
-                object.__setattr__(self, name, check(value))
+                checked = check(value)
             except ValueError as exc:
                 raise MessageError(f"{self._name()}.{name}: {exc}", self.problem_kind) from None
+            if checked is not value:   # normalised (a list made a tuple): most values pass as they are
+                object.__setattr__(self, name, checked)
         self.validate()
 
     def validate(self) -> None:
@@ -222,7 +221,19 @@ class Message:
                 shown = sorted(str(k)[:40] for k in unknown[:8])   # bounded: keys are untrusted
                 more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
                 raise MessageError(f"{cls._name()} has unknown keys {shown}{more}", cls.problem_kind)
-        return cls(**{name: obj.get(name) for name in cls.members})
+        values = {name: obj.get(name) for name in cls.members}
+        direct = cls.__dict__.get("_direct_init")
+        if direct is None:
+            # the dataclass __init__ only stores each field (one object.__setattr__ call per
+            # member of a frozen class) before __post_init__ checks them all: where a class's
+            # fields are exactly its members, decoding stores them at once, then checks the same
+            direct = cls._direct_init = {f.name for f in dataclasses.fields(cls)} == set(cls.members)
+        if not direct:
+            return cls(**values)
+        message = object.__new__(cls)
+        message.__dict__.update(values)
+        message.__post_init__()
+        return message
 
     @classmethod
     def from_cbor(cls: type[M], data: bytes, *, max_size: int = cbor.DEFAULT_MAX_SIZE) -> M:
@@ -244,7 +255,31 @@ class Message:
         return out
 
     def to_cbor(self) -> bytes:
-        return cbor.dumps(self.to_obj())
+        out: list[bytes] = []
+        self._encode_into(out)
+        return b"".join(out)
+
+    def _encode_into(self, out: list[bytes]) -> None:
+        """The bytes of `cbor.dumps(self.to_obj())`, without building the dict and sorting
+        its encoded pairs each time: a class's members, ordered by their encoded keys (the
+        deterministic map order), are worked out once. A class with its own `to_obj` takes
+        the general path."""
+        cls = type(self)
+        if cls.to_obj is not Message.to_obj:
+            cbor.encode_into(self.to_obj(), out)
+            return
+        order = cls.__dict__.get("_cbor_order")
+        if order is None:
+            order = sorted((cbor.key_bytes(name), name) for name in cls.members)
+            cls._cbor_order = order
+        present = [(key, value) for key, name in order if (value := getattr(self, name)) is not None]
+        out.append(cbor.head(5, len(present)))
+        for key, value in present:
+            out.append(key)
+            if isinstance(value, Message):
+                value._encode_into(out)
+            else:
+                cbor.encode_into(_plain(value), out)
 
     def replace(self: M, **changes: Any) -> M:
         return dataclasses.replace(self, **changes)

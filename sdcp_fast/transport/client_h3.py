@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioquic.h3.connection import ErrorCode
@@ -24,13 +23,17 @@ from .tlsconfig import TLSConfig
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
 
 
-@dataclass
 class _Exchange:
-    future: asyncio.Future[ClientResponse]
-    max_response: int
-    status: int = 0
-    headers: dict[str, str] = field(default_factory=dict)
-    body: bytearray = field(default_factory=bytearray)
+    """One request's stream: its answer as it arrives (slots: one is made per request)."""
+
+    __slots__ = ("future", "max_response", "status", "headers", "body")
+
+    def __init__(self, future: asyncio.Future[ClientResponse], max_response: int):
+        self.future = future
+        self.max_response = max_response
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
 
 
 class H3ClientConnection(LeanAcks):
@@ -46,7 +49,10 @@ class H3ClientConnection(LeanAcks):
         return self._terminated is None
 
     async def request(self, method: str, authority: str, target: str, body: bytes | None,
-                      content_type: str | None, timeout: float, max_response: int) -> ClientResponse:
+                      content_type: str | None, timeout: float | None, max_response: int) -> ClientResponse:
+        """One exchange within `timeout` seconds; None: the caller bounds it (Client's attempt
+        does, under one asyncio.timeout for connecting and the exchange: a second one here
+        would cost a timer armed and cancelled per request)."""
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
         stream_id = self._quic.get_next_available_stream_id()
@@ -58,12 +64,15 @@ class H3ClientConnection(LeanAcks):
             headers.append((b"content-length", str(len(body)).encode()))
         exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
         self._exchanges[stream_id] = exchange
-        self._h3.send_headers(stream_id, headers, end_stream=not body)
         if body:
-            self._h3.send_data(stream_id, body, end_stream=True)
+            self._h3.send_message(stream_id, headers, body)
+        else:
+            self._h3.send_headers(stream_id, headers, end_stream=True)
         self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
         try:
             # the future is awaited directly (wait_for and shield would each add a loop turn)
+            if timeout is None:
+                return await exchange.future
             async with asyncio.timeout(timeout):
                 return await exchange.future
         except TimeoutError:
@@ -126,7 +135,8 @@ class H3ClientConnection(LeanAcks):
     async def aclose(self) -> None:
         self.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wait_closed(), 1.0)
+            async with asyncio.timeout(1.0):   # not wait_for: see connect_h3
+                await self.wait_closed()
         if self._datagram_transport is not None:
             self._datagram_transport.close()
 
@@ -136,8 +146,12 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
     check_aioquic()  # peer_certificates() reads aioquic internals
     loop = asyncio.get_running_loop()
+    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
+    # cancellation when its inner await finishes at the same moment (gh-86296), and then the
+    # attempt's deadline (Client._attempt, the only one over a request) would be lost
     try:
-        infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM), timeout)
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except (OSError, TimeoutError) as exc:
         raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
     family, _, _, _, addr = infos[0]
@@ -150,7 +164,8 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     protocol._datagram_transport = transport
     protocol.connect(addr)
     try:
-        await asyncio.wait_for(protocol.wait_connected(), timeout)
+        async with asyncio.timeout(timeout):
+            await protocol.wait_connected()
     except (ConnectionError, TimeoutError) as exc:
         protocol.close()
         transport.close()
@@ -190,9 +205,13 @@ class H3Origins:
     async def send(self, target: tuple[H3ClientConnection, str, str], method: str, body: bytes | None,
                    content_type: str | None, limit: float) -> ClientResponse:
         connection, authority, path = target
-        return await connection.request(method, authority, path, body, content_type, limit, self._max_response)
+        # `limit` bounds the whole attempt already (Client._attempt): no second timer here
+        return await connection.request(method, authority, path, body, content_type, None, self._max_response)
 
     async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
+        connection = self._connections.get(origin)
+        if connection is not None and connection.usable:   # every request but a connect's: no lock
+            return connection
         lock = self._locks.setdefault(origin, asyncio.Lock())
         async with lock:
             connection = self._connections.get(origin)

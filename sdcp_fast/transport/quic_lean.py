@@ -28,6 +28,11 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanAcks.transmit_data`: while other requests are in flight on the connection, what is
     written during one event-loop turn leaves in one call to `transmit()` at the end of it
     (the answers completed by one batch share datagrams); a lone request leaves at once.
+  - `LeanAcks.datagram_received`: what a received datagram leads to is sent at the end of
+    the loop turn (`_transmit_soon`), not at once, unless an ACK became due (a second
+    datagram while one is owed): on the drafter the answer's datagram and the next request
+    then cost one `transmit()` (building packets, re-arming the timer), not two, and the
+    datagrams one turn reads share one.
 
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
@@ -38,7 +43,16 @@ from __future__ import annotations
 import pylsqpack
 from aioquic import tls
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3Connection, Setting
+from aioquic.h3.connection import (
+    FrameType,
+    FrameUnexpected,
+    H3Connection,
+    HeadersState,
+    QpackDecompressionFailed,
+    Setting,
+    encode_frame,
+    is_interim_response,
+)
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 
@@ -58,6 +72,50 @@ class LeanH3(H3Connection):
         settings[Setting.QPACK_BLOCKED_STREAMS] = 0
         return settings
 
+    # With the table off neither QPACK side ever has encoder or decoder-stream bytes to send:
+    # aioquic writes them regardless, an empty write (a stream lookup, no frame) per header
+    # block; these two are aioquic's, less that write when there is nothing to write.
+    def _decode_headers(self, stream_id: int, frame_data: bytes | None) -> list[tuple[bytes, bytes]]:
+        try:
+            if frame_data is None:
+                decoder, headers = self._decoder.resume_header(stream_id)
+            else:
+                decoder, headers = self._decoder.feed_header(stream_id, frame_data)
+            self._decoder_bytes_sent += len(decoder)
+            if decoder:
+                self._quic.send_stream_data(self._local_decoder_stream_id, decoder)
+        except pylsqpack.DecompressionFailed as exc:
+            raise QpackDecompressionFailed() from exc
+        return headers
+
+    def _encode_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]]) -> bytes:
+        encoder, frame_data = self._encoder.encode(stream_id, headers)
+        self._encoder_bytes_sent += len(encoder)
+        if encoder:
+            self._quic.send_stream_data(self._local_encoder_stream_id, encoder)
+        return frame_data
+
+    def send_message(self, stream_id: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        """`send_headers(headers)` then `send_data(body, end_stream=True)`: the same HEADERS
+        and DATA frames and the same checks and stream states, in one QUIC stream write (one
+        stream lookup and state update instead of two of each, in aioquic's Python).
+        Anything else than a first, final header block (trailers, a 1xx, qlog on) takes
+        aioquic's two calls."""
+        stream = self._stream.get(stream_id)
+        if (stream is not None and stream.headers_send_state != HeadersState.INITIAL) \
+                or self._quic_logger is not None or (not self._is_client and is_interim_response(headers)):
+            self.send_headers(stream_id, headers)
+            self.send_data(stream_id, body, end_stream=True)
+            return
+        with self._get_or_create_stream(stream_id) as stream:
+            if stream.sending_ended:   # what send_headers' finish_sending() would refuse
+                raise FrameUnexpected("stream was already ended")
+            frame_data = self._encode_headers(stream_id, headers)
+            stream.headers_send_state = HeadersState.AFTER_HEADERS
+            stream.finish_sending()
+        self._quic.send_stream_data(
+            stream_id, encode_frame(FrameType.HEADERS, frame_data) + encode_frame(FrameType.DATA, body), True)
+
 
 class LeanAcks(QuicConnectionProtocol):
     """aioquic's protocol with ACKs that ride on data and transmits batched per loop turn."""
@@ -65,15 +123,21 @@ class LeanAcks(QuicConnectionProtocol):
     def lengthen_ack_delay(self) -> None:
         """Once the handshake is done (handshake ACKs are not delayed, RFC 9000 13.2.1)."""
         self._quic._ack_delay = ACK_DELAY
+        self._space = self._application_space()
 
     def datagram_received(self, data: bytes | str, addr) -> None:
         space = self._application_space()
         owed = space is not None and space.ack_at is not None
         self._quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
         if owed and space.ack_at is not None:   # a second datagram while an ACK is owed: ACK now
             space.ack_at = self._loop.time()
-        self._process_events()
-        self.transmit()
+            self.transmit()
+        else:
+            # at the end of this loop turn: what the events just processed lead to (the
+            # drafter's next request, written as soon as the verdict is read) leaves in the
+            # same transmit, and the datagrams read in one turn share one (and one timer re-arm)
+            self._transmit_soon()
 
     def ack_with_data(self) -> None:
         """Make an owed ACK due now: the packet about to carry data carries it too."""
@@ -91,5 +155,11 @@ class LeanAcks(QuicConnectionProtocol):
         else:
             self._transmit_soon()
 
+    # the 1-RTT packet space, kept once the handshake is done (a Retry or version negotiation
+    # before that makes aioquic build new spaces); until then looked up in an enum-keyed dict
+    # (a Python __hash__ call) every time
+    _space = None
+
     def _application_space(self):
-        return self._quic._spaces.get(tls.Epoch.ONE_RTT)
+        space = self._space
+        return space if space is not None else self._quic._spaces.get(tls.Epoch.ONE_RTT)

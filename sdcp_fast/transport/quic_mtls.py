@@ -74,7 +74,7 @@ def check_aioquic() -> None:
 
 
 def _missing_lean_names() -> list[str]:
-    """The private names quic_lean.py uses (ACK timing, QPACK settings, deferred transmit)."""
+    """The private names quic_lean.py uses (ACK timing, QPACK settings and streams, deferred transmit)."""
     from aioquic.asyncio.protocol import QuicConnectionProtocol
     from aioquic.h3.connection import H3Connection
     from aioquic.quic.configuration import QuicConfiguration
@@ -83,7 +83,13 @@ def _missing_lean_names() -> list[str]:
     names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces") if not hasattr(connection, name)]
     names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events")
               if not hasattr(QuicConnectionProtocol, name)]
-    names += [f"H3Connection.{name}" for name in ("_get_local_settings",) if not hasattr(H3Connection, name)]
+    names += [f"H3Connection.{name}" for name in ("_get_local_settings", "_get_or_create_stream", "_encode_headers",
+                                                  "_decode_headers") if not hasattr(H3Connection, name)]
+    h3 = H3Connection(connection)
+    names += [f"H3Connection().{name}" for name in ("_stream", "_quic_logger", "_is_client", "_encoder", "_decoder",
+                                                    "_encoder_bytes_sent", "_decoder_bytes_sent",
+                                                    "_local_encoder_stream_id", "_local_decoder_stream_id")
+              if not hasattr(h3, name)]
     return names
 
 

@@ -129,7 +129,8 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}
         self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
-        self._awaiting_headers: dict[int, asyncio.TimerHandle] = {}  # streams begun, no headers yet
+        # streams begun, no headers yet (None: while their first data is being handled)
+        self._awaiting_headers: dict[int, asyncio.TimerHandle | None] = {}
         self._highest_stream = -1
         self._closing = False
         self._admitted = False
@@ -166,9 +167,16 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         elif isinstance(event, StreamDataReceived) and event.stream_id % 4 == 0 \
                 and event.stream_id > self._highest_stream and self._h3 is not None:
             # a new request stream: its header block must be whole within header_timeout
+            # (timed from now; the timer is armed only if this data did not complete the
+            # block, which for a request in one datagram saves a timer armed and cancelled)
             self._highest_stream = event.stream_id
-            self._awaiting_headers[event.stream_id] = asyncio.get_running_loop().call_later(
-                self._limits.header_timeout, self._headers_overdue, event.stream_id)
+            self._awaiting_headers[event.stream_id] = None
+            for h3_event in self._h3.handle_event(event):
+                self._on_h3_event(h3_event)
+            if event.stream_id in self._awaiting_headers:
+                self._awaiting_headers[event.stream_id] = asyncio.get_running_loop().call_later(
+                    self._limits.header_timeout, self._headers_overdue, event.stream_id)
+            return
         if self._h3 is not None:
             for h3_event in self._h3.handle_event(event):
                 self._on_h3_event(h3_event)
@@ -212,7 +220,8 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             task.cancel()
         self._pending.clear()
         for timer in self._awaiting_headers.values():
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
         self._awaiting_headers.clear()
         if self.caller is None:
             refused = rejection(self._quic)
@@ -370,9 +379,10 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         try:
             # aioquic queues the bytes and paces them by QUIC flow control, which covers the
             # HEADERS frame too: a response without content can stall as well
-            self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
-            if not no_content:
-                self._h3.send_data(stream_id, response.body, end_stream=True)
+            if no_content:
+                self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=True)
+            else:
+                self._h3.send_message(stream_id, response_headers(response, head=head), response.body)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
         self._written.append(stream_id)
