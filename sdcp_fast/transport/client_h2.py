@@ -37,7 +37,6 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-from hyperframe.frame import RstStreamFrame
 
 from .client_base import ClientResponse, RequestTimeout, TransportError, split_https_url
 from .tlsconfig import H2_ALPN, TLSConfig
@@ -45,43 +44,6 @@ from .tlsconfig import H2_ALPN, TLSConfig
 log = logging.getLogger("sdcp_fast.transport")
 MAX_CONNECTIONS = 16   # per origin
 ErrorCodes = h2.errors.ErrorCodes
-
-
-class QuietH2Connection(h2.connection.H2Connection):
-    """h2's connection, less the `repr()` of every received frame that h2 4.4.1 builds for a
-    trace log line before it knows whether anything logs (~11 us per request/answer pair of
-    frames, thrown away with h2's default DummyLogger). The rest of `_receive_frame` is
-    h2's, verbatim; a configured logger, or an h2 this was not reviewed against, gets h2's own."""
-
-    REVIEWED_H2 = ("4.4.1",)
-
-    def _receive_frame(self, frame):
-        if h2.__version__ not in self.REVIEWED_H2 or type(self.config.logger) is not h2.config.DummyLogger:
-            return super()._receive_frame(frame)
-        try:
-            frames, events = self._frame_dispatch_table[frame.__class__](frame)
-        except h2.exceptions.StreamClosedError as e:
-            # closed by RST_STREAM: a stream error, answered with RST_STREAM; else re-raised
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = e.error_code
-                self._prepare_for_sending([f])
-                events = e._events
-            else:
-                raise
-        except h2.exceptions.StreamIDTooLowError as e:
-            if self._stream_is_closed_by_reset(e.stream_id):
-                f = RstStreamFrame(e.stream_id)
-                f.error_code = ErrorCodes.STREAM_CLOSED
-                self._prepare_for_sending([f])
-                events = []
-            elif self._stream_is_closed_by_end(e.stream_id):
-                raise h2.exceptions.StreamClosedError(e.stream_id) from e
-            else:
-                raise
-        else:
-            self._prepare_for_sending(frames)
-        return events
 
 
 class _Exchange:
@@ -104,7 +66,7 @@ class H2ClientConnection(asyncio.Protocol):
     def __init__(self, max_response: int, freed: asyncio.Event):
         self._max_response = max_response
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
-        self._conn = QuietH2Connection(h2.config.H2Configuration(
+        self._conn = h2.connection.H2Connection(h2.config.H2Configuration(
             client_side=True, header_encoding=None,
             # our own header fields are lowercase literals and values we built
             validate_outbound_headers=False, normalize_outbound_headers=False))
