@@ -388,6 +388,9 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         self._written.append(stream_id)
         self.transmit_data(alone=len(self._tasks) <= 1)   # with the other answers of this turn
 
+    def answer_pending(self) -> bool:
+        return bool(self._tasks)
+
     def transmit(self) -> None:
         super().transmit()
         if self._written:
