@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEFAULT_MAX_SIZE = 1 << 20  # 1 MiB: a proposal is ~0.4 KB, a long prompt a few hundred KB
@@ -188,6 +188,32 @@ def encode_into(obj: Any, out: list[bytes]) -> None:
 def head(major: int, value: int) -> bytes:
     """The shortest head of a data item of major type `major` with argument `value`."""
     return _SMALL_HEADS[major][value] if value < 24 else _head(major, value)
+
+
+def uint_array(values: Sequence[int]) -> bytes:
+    """The encoding of an array of unsigned integers (a token list) in one piece: what
+    `dumps(list(values))` gives, without a call per item. Every value must be an int in
+    0..2**64-1 (the caller's check)."""
+    count = len(values)
+    head = _SMALL_HEADS[4][count] if count < 24 else _head(4, count)
+    if not values or max(values) < 24:   # each item is its own head byte
+        return head + bytes(values)
+    out = bytearray(head)
+    for value in values:
+        if value < 24:
+            out.append(value)
+        elif value < 0x100:
+            out += bytes((24, value))
+        elif value < 0x10000:
+            out.append(25)
+            out += value.to_bytes(2, "big")
+        elif value < 0x100000000:
+            out.append(26)
+            out += value.to_bytes(4, "big")
+        else:
+            out.append(27)
+            out += value.to_bytes(8, "big")
+    return bytes(out)
 
 
 def key_bytes(key: str) -> bytes:
