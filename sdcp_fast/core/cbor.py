@@ -299,8 +299,9 @@ class _Reader:
 
     def map(self, count: int, depth: int) -> dict[Any, Any]:
         """`count` entries. A key that is a short text string (every SDCP member name) and a
-        value that is a small unsigned integer are read inline, with the same checks `item`
-        makes (depth, items left, bounds, UTF-8); anything else goes through `item`."""
+        value that is an unsigned integer or a byte or text string (shorter than 256 bytes)
+        are read inline, with the same checks `item` makes (depth, items left, bounds,
+        UTF-8); anything else (and every refusal) goes through `item`."""
         data, end = self.data, len(self.data)
         inline_ok = depth <= self.max_depth
         result: dict[Any, Any] = {}
@@ -324,10 +325,36 @@ class _Reader:
             if key in result:
                 raise DuplicateKey(f"duplicate map key {_short(key)}")
             pos = self.pos
-            if pos < end and data[pos] < 24 and inline_ok and self.items_left > 0:
+            head = data[pos] if pos < end and inline_ok and self.items_left > 0 else 0xFF
+            stop = 0   # where an inline value ends (0: not inline)
+            if head < 24:
+                value, stop = head, pos + 1
+            elif head < 28:   # an unsigned integer with a 1, 2, 4 or 8 byte argument
+                stop = pos + 1 + (1 << (head - 24))
+                if stop <= end:
+                    value = int.from_bytes(data[pos + 1:stop], "big")
+                else:
+                    stop = 0
+            elif 0x40 <= head <= 0x58 or 0x60 <= head <= 0x78:   # a byte or text string
+                start = pos + 1
+                size = head & 0x1F
+                if size == 24:   # a one-byte length
+                    size = data[start] if start < end else end
+                    start += 1
+                stop = start + size
+                if stop <= end:
+                    value = data[start:stop]
+                    if head >= 0x60:
+                        try:
+                            value = value.decode("utf-8")
+                        except UnicodeDecodeError:
+                            stop = 0   # `item` raises the decoder's error for it
+                else:
+                    stop = 0
+            if stop:
                 self.items_left -= 1
-                self.pos = pos + 1
-                result[key] = data[pos]
+                self.pos = stop
+                result[key] = value
             else:
                 result[key] = self.item(depth)
         return result
