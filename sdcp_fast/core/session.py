@@ -64,6 +64,10 @@ MAX_PENDING_POLICIES = 16
 
 
 class State(enum.Enum):
+    # hashed by identity (members are singletons that compare by identity): Enum's own
+    # __hash__ is a Python call, and every transition looks (state, event) up in a dict
+    __hash__ = object.__hash__
+
     OPEN = "open"                      # created; no drafter assigned yet
     SERVING = "serving"                # the assigned drafter may propose
     VERIFYING = "verifying"            # one job (proposal or self-decoded token) is out
@@ -76,6 +80,8 @@ class State(enum.Enum):
 
 
 class Ev(enum.Enum):
+    __hash__ = object.__hash__   # as State's
+
     ASSIGN = "assign"
     PROPOSE = "propose"
     SELF_STEP = "self-step"
@@ -130,6 +136,14 @@ STATE_CODES = {
     S.AWAITING_DRAFTER: Action.SWITCH,
     S.FINISHED: Action.FINISH,
     S.FAILED: Action.FAIL,
+}
+
+
+# the event a committed proposal round's verdict action takes the session through
+_COMMIT_EVENTS = {
+    Action.CONTINUE: Ev.COMMIT_CONTINUE, Action.REDUCE: Ev.COMMIT_CONTINUE,
+    Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
+    Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
 }
 
 
@@ -223,6 +237,7 @@ class VerifierSession:
         self.finish: Action | None = None        # FINISH or FAIL once closed
         self.events: list[Event] = []
         self._uniforms_cache: tuple[int | None, UniformSource] | None = None
+        self._stops = frozenset(contract.stop)
         if self.committed >= contract.max_new or (self.output_tokens and self.output_tokens[-1] in contract.stop):
             self._move(Ev.RESUMED_FINISHED)
             self._close(Action.FINISH)
@@ -380,11 +395,7 @@ class VerifierSession:
                                is_low(accepted, job.m, self.escalation.low_ratio), load)
             verdict = Verdict(self.id, self.epoch, job.round, accepted, tuple(emitted), committed,
                               digest, action, m_cap, low, load)
-            event = {
-                Action.CONTINUE: Ev.COMMIT_CONTINUE, Action.REDUCE: Ev.COMMIT_CONTINUE,
-                Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
-                Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
-            }[action]
+            event = _COMMIT_EVENTS[action]
         self.pending = PendingCommit(record, verdict, event, counters, m_cap, digest)
         self._move(Ev.RESULT)
         return record
@@ -516,16 +527,13 @@ class VerifierSession:
 
     def _truncate(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
         """Cut after the first stop token (kept) and at max_new; True when either ends it."""
-        emitted: list[int] = []
-        room = self.contract.max_new - self.committed
-        stops = self.contract.stop
-        for token in tokens:
-            if len(emitted) >= room:
-                break
-            emitted.append(token)
-            if token in stops:
-                return emitted, True
-        return emitted, self.committed + len(emitted) >= self.contract.max_new
+        committed, max_new = len(self.output_tokens), self.contract.max_new
+        emitted = list(tokens[:max(0, max_new - committed)])
+        if not self._stops.isdisjoint(emitted):   # rare: look for the first stop token
+            for n, token in enumerate(emitted):
+                if token in self._stops:
+                    return emitted[:n + 1], True
+        return emitted, committed + len(emitted) >= max_new
 
     def _expect_inflight(self, job: Job, state: State) -> None:
         if self.inflight is not job or self.state != state:
