@@ -93,6 +93,13 @@ class VerifyBatch:
         if self.q is None and lg.device.type == "cpu" and bool((self.rule == 2).any()):
             # (checked where it costs no device sync; build_batch checks it everywhere)
             raise VerifyInputError("rule-2 proposals need q rows")
+        object.__setattr__(self, "_validated", True)
+
+    def validate_once(self) -> None:
+        """`validate`, unless this batch has passed it already (`build_batch` validates what
+        it builds; the launch need not check the same tensors a second time)."""
+        if not self.__dict__.get("_validated"):
+            self.validate()
 
 
 @dataclass(frozen=True)
@@ -170,8 +177,8 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
             next_q = start + m
         else:
             q_starts.append(-1)
-        tokens.extend(int(x) for x in pr.tokens)
-        accept_u.extend(float(u) for u in pr.accept_uniforms)
+        tokens.extend(map(int, pr.tokens))   # map, not a generator: no Python call per item
+        accept_u.extend(map(float, pr.accept_uniforms))
         num_draft.append(m)
         rules.append(pr.rule)
         temps.append(t)
@@ -180,11 +187,11 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
         if isinstance(pr.extra_uniforms, int | float):
             extra_u.extend([float(pr.extra_uniforms)] * (m + 1))
         elif len(pr.extra_uniforms) == m + 1:
-            extra_u.extend(float(u) for u in pr.extra_uniforms)
+            extra_u.extend(map(float, pr.extra_uniforms))
         else:
             raise VerifyInputError(f"proposal {idx}: need {m + 1} extra-token uniforms")
     v = logits.shape[-1]
-    if any(not 0 <= x < v for x in tokens):
+    if min(tokens) < 0 or max(tokens) >= v:   # every M_b >= 1: never empty
         raise VerifyInputError(f"draft token out of range 0..{v - 1}")
     token_start, row_start, at = [], [], 0
     for idx, m in enumerate(num_draft):
