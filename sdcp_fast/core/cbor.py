@@ -216,6 +216,11 @@ def uint_array(values: Sequence[int]) -> bytes:
     return bytes(out)
 
 
+def small_heads(major: int) -> list[bytes]:
+    """The one-byte heads of major type `major`, argument 0..23 (`head(major, n)` for n < 24)."""
+    return list(_SMALL_HEADS[major])
+
+
 def key_bytes(key: str) -> bytes:
     """The encoding of a map key (cached for text keys)."""
     return _key_bytes(key)

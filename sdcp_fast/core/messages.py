@@ -394,12 +394,13 @@ def _compile_encoder(cls: type[Message]) -> Callable[[Message, list[bytes]], Non
         return Message._encode_into
     order = sorted((cbor.key_bytes(name), name) for name in cls.members)
     env: dict[str, Any] = {"_head": cbor.head, "_uints": cbor.uint_array, "_encode": cbor.encode_into,
+                           "_S0": cbor.small_heads(0), "_S2": cbor.small_heads(2), "_S3": cbor.small_heads(3),
                            "_plain": _plain, "_len": len, "Message": Message, "isinstance": isinstance}
     lines = ["def _encode_into(self, out):", "    d = self.__dict__"]
     required = sum(1 for name in cls.members if not cls.members[name][1])
     optional = [name for name in cls.members if cls.members[name][1]]
     count = " + ".join([str(required), *(f"(d[{name!r}] is not None)" for name in optional)])
-    lines.append(f"    out.append(_head(5, {count}))")
+    lines.append(f"    out.append(_head(5, {count}))" if optional else f"    out.append({cbor.head(5, required)!r})")
     for n, (key, name) in enumerate(order):
         kind = kinds[name]
         env[f"_k{n}"] = key
@@ -410,15 +411,17 @@ def _compile_encoder(cls: type[Message]) -> Callable[[Message, list[bytes]], Non
             pad += "    "
         lines.append(f"{pad}out.append(_k{n})")
         if kind[0] in ("uint", "action"):   # checked: an int (an Action for actions) in range
-            lines.append(f"{pad}out.append(_head(0, v))")
+            lines.append(f"{pad}out.append(_S0[v] if v < 24 else _head(0, v))")
         elif kind[0] == "bstr":
-            lines.append(f"{pad}out.append(_head(2, _len(v)))")
+            lines.append(f"{pad}n = _len(v)")
+            lines.append(f"{pad}out.append(_S2[n] if n < 24 else _head(2, n))")
             lines.append(f"{pad}out.append(v)")
         elif kind[0] == "uints":
             lines.append(f"{pad}out.append(_uints(v))")
         elif kind[0] == "tstr":
             lines.append(f"{pad}b = v.encode('utf-8')")
-            lines.append(f"{pad}out.append(_head(3, _len(b)))")
+            lines.append(f"{pad}n = _len(b)")
+            lines.append(f"{pad}out.append(_S3[n] if n < 24 else _head(3, n))")
             lines.append(f"{pad}out.append(b)")
         elif kind[0] == "nested":
             lines.append(f"{pad}v._encode_into(out)")

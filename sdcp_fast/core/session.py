@@ -30,6 +30,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from .control import (
     Counters,
@@ -168,8 +169,8 @@ class Job:
     self_decoded: bool
     request_key: tuple | None          # identity of the proposal, for in-flight retries
 
-    @property
-    def m(self) -> int:
+    @cached_property
+    def m(self) -> int:   # read several times per job: worked out once
         return len(self.tokens)
 
 
@@ -354,8 +355,9 @@ class VerifierSession:
             raise self._stale_base(f"round {p.round} does not follow round {self.round}")
         # limits
         limit = min(self.contract.m_max, self.m_cap)
-        if p.m == 0 or p.m > limit:
-            raise problem(Kind.LIMIT, f"M = {p.m} is outside 1..{limit} (m_max {self.contract.m_max}, m_cap {self.m_cap})")
+        m = len(p.tokens)
+        if m == 0 or m > limit:
+            raise problem(Kind.LIMIT, f"M = {m} is outside 1..{limit} (m_max {self.contract.m_max}, m_cap {self.m_cap})")
         # preconditions of the rule (the q values themselves are checked by the kernel)
         if self.contract.rule == RULE_SPECULATIVE and p.q_rows is None:
             raise problem(Kind.BAD_PROPOSAL, "rule 2 needs q_rows")
@@ -379,10 +381,11 @@ class VerifierSession:
         self._expect_inflight(job, S.VERIFYING)
         if not 0 <= accepted <= job.m:
             raise ProtocolError(f"accepted {accepted} outside 0..{job.m}")
-        emitted, finished = self._truncate((*job.tokens[:accepted], extra))
-        committed = self.committed + len(emitted)
+        cut, finished = self._truncate((*job.tokens[:accepted], extra))
+        emitted = tuple(cut)   # the record's and the verdict's (immutable: one tuple for both)
+        committed = len(self.output_tokens) + len(emitted)
         digest = extend_digest(self.digest, emitted)
-        record = CommitRecord(self.epoch, job.round, tuple(emitted), committed, digest)
+        record = CommitRecord(self.epoch, job.round, emitted, committed, digest)
         verdict: Verdict | None = None
         counters, m_cap = self.counters, self.m_cap
         if job.self_decoded:
@@ -393,7 +396,7 @@ class VerifierSession:
                 action = Action.FINISH   # takes precedence over any escalation
             m_cap = next_m_cap(self.m_cap, self.contract.m_max, action,
                                is_low(accepted, job.m, self.escalation.low_ratio), load)
-            verdict = Verdict(self.id, self.epoch, job.round, accepted, tuple(emitted), committed,
+            verdict = Verdict(self.id, self.epoch, job.round, accepted, emitted, committed,
                               digest, action, m_cap, low, load)
             event = _COMMIT_EVENTS[action]
         self.pending = PendingCommit(record, verdict, event, counters, m_cap, digest)
