@@ -32,6 +32,7 @@ _ORDER = tuple(sorted(_MEMBERS, key=_KEYS.__getitem__))
 _DIRECT = tuple(CommitRecord.members) == _MEMBERS and _ORDER == ("epoch", "round", "digest", "emitted", "committed")
 _KEY_EPOCH, _KEY_ROUND, _KEY_DIGEST, _KEY_EMITTED, _KEY_COMMITTED = (_KEYS[name] for name in _ORDER)
 _SMALL = [bytes((n,)) for n in range(24)]   # an unsigned integer below 24 is its own head
+_HEAD_32 = cbor.head(2, 32)                   # a digest's head
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def record_bytes(record: CommitRecord) -> bytes:
         b"\xa5",   # a map of five
         _KEY_EPOCH, _SMALL[epoch] if epoch < 24 else cbor.head(0, epoch),
         _KEY_ROUND, _SMALL[round_] if round_ < 24 else cbor.head(0, round_),
-        _KEY_DIGEST, cbor.head(2, len(digest)), digest,
+        _KEY_DIGEST, _HEAD_32 if len(digest) == 32 else cbor.head(2, len(digest)), digest,
         _KEY_EMITTED, cbor.uint_array(record.emitted),   # validated uint32s (CommitRecord's checks)
         _KEY_COMMITTED, _SMALL[committed] if committed < 24 else cbor.head(0, committed),
     ))

@@ -412,6 +412,9 @@ def _compile_encoder(cls: type[Message]) -> Callable[[Message, list[bytes]], Non
         lines.append(f"{pad}out.append(_k{n})")
         if kind[0] in ("uint", "action"):   # checked: an int (an Action for actions) in range
             lines.append(f"{pad}out.append(_S0[v] if v < 24 else _head(0, v))")
+        elif kind[0] == "bstr" and kind[1] is not None:   # checked: exactly that many bytes
+            lines.append(f"{pad}out.append({cbor.head(2, kind[1])!r})")
+            lines.append(f"{pad}out.append(v)")
         elif kind[0] == "bstr":
             lines.append(f"{pad}n = _len(v)")
             lines.append(f"{pad}out.append(_S2[n] if n < 24 else _head(2, n))")
