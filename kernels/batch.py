@@ -61,9 +61,11 @@ class VerifyBatch:
     def vocab_size(self) -> int:
         return int(self.logits.shape[1])
 
-    def validate(self) -> None:
+    def validate(self, *, rule2_has_q: bool = False) -> None:
         """Raise VerifyInputError for inconsistent shapes/dtypes (cheap; no device sync
-        beyond the sizes that are needed anyway)."""
+        beyond the sizes that are needed anyway). `rule2_has_q`: the caller has checked that
+        rule-2 proposals come with q rows (build_batch does, from the Python values), so the
+        rule tensor need not be searched for them."""
         lg = self.logits
         if lg.dim() != 2 or lg.dtype not in LOGIT_DTYPES:
             raise VerifyInputError(f"logits must be [R, V] fp32/bf16/fp16, got {lg.dtype} {tuple(lg.shape)}")
@@ -90,7 +92,7 @@ class VerifyBatch:
                 raise VerifyInputError(f"{name} must be on the logits' device {lg.device}")
         if self.q is not None and self.q.device != lg.device:
             raise VerifyInputError("q must be on the logits' device")
-        if self.q is None and lg.device.type == "cpu" and bool((self.rule == 2).any()):
+        if self.q is None and not rule2_has_q and lg.device.type == "cpu" and bool((self.rule == 2).any()):
             # (checked where it costs no device sync; build_batch checks it everywhere)
             raise VerifyInputError("rule-2 proposals need q rows")
         object.__setattr__(self, "_validated", True)
@@ -210,5 +212,5 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
         temperature_milli=field_of[2], top_k=field_of[3], top_p_milli=field_of[4],
         q=q, q_start=field_of[5], accept_uniforms=floats[:n], extra_uniforms=floats[n:],
         row_start=field_of[6], token_start=field_of[7])
-    batch.validate()
+    batch.validate(rule2_has_q=True)   # each rule-2 proposal's q rows were checked above
     return batch
