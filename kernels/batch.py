@@ -61,9 +61,11 @@ class VerifyBatch:
     def vocab_size(self) -> int:
         return int(self.logits.shape[1])
 
-    def validate(self) -> None:
+    def validate(self, *, rule2_has_q: bool = False) -> None:
         """Raise VerifyInputError for inconsistent shapes/dtypes (cheap; no device sync
-        beyond the sizes that are needed anyway)."""
+        beyond the sizes that are needed anyway). `rule2_has_q`: the caller has checked that
+        rule-2 proposals come with q rows (build_batch does, from the Python values), so the
+        rule tensor need not be searched for them."""
         lg = self.logits
         if lg.dim() != 2 or lg.dtype not in LOGIT_DTYPES:
             raise VerifyInputError(f"logits must be [R, V] fp32/bf16/fp16, got {lg.dtype} {tuple(lg.shape)}")
@@ -90,9 +92,16 @@ class VerifyBatch:
                 raise VerifyInputError(f"{name} must be on the logits' device {lg.device}")
         if self.q is not None and self.q.device != lg.device:
             raise VerifyInputError("q must be on the logits' device")
-        if self.q is None and lg.device.type == "cpu" and bool((self.rule == 2).any()):
+        if self.q is None and not rule2_has_q and lg.device.type == "cpu" and bool((self.rule == 2).any()):
             # (checked where it costs no device sync; build_batch checks it everywhere)
             raise VerifyInputError("rule-2 proposals need q rows")
+        object.__setattr__(self, "_validated", True)
+
+    def validate_once(self) -> None:
+        """`validate`, unless this batch has passed it already (`build_batch` validates what
+        it builds; the launch need not check the same tensors a second time)."""
+        if not self.__dict__.get("_validated"):
+            self.validate()
 
 
 @dataclass(frozen=True)
@@ -170,8 +179,8 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
             next_q = start + m
         else:
             q_starts.append(-1)
-        tokens.extend(int(x) for x in pr.tokens)
-        accept_u.extend(float(u) for u in pr.accept_uniforms)
+        tokens.extend(map(int, pr.tokens))   # map, not a generator: no Python call per item
+        accept_u.extend(map(float, pr.accept_uniforms))
         num_draft.append(m)
         rules.append(pr.rule)
         temps.append(t)
@@ -180,11 +189,11 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
         if isinstance(pr.extra_uniforms, int | float):
             extra_u.extend([float(pr.extra_uniforms)] * (m + 1))
         elif len(pr.extra_uniforms) == m + 1:
-            extra_u.extend(float(u) for u in pr.extra_uniforms)
+            extra_u.extend(map(float, pr.extra_uniforms))
         else:
             raise VerifyInputError(f"proposal {idx}: need {m + 1} extra-token uniforms")
     v = logits.shape[-1]
-    if any(not 0 <= x < v for x in tokens):
+    if min(tokens) < 0 or max(tokens) >= v:   # every M_b >= 1: never empty
         raise VerifyInputError(f"draft token out of range 0..{v - 1}")
     token_start, row_start, at = [], [], 0
     for idx, m in enumerate(num_draft):
@@ -203,5 +212,5 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
         temperature_milli=field_of[2], top_k=field_of[3], top_p_milli=field_of[4],
         q=q, q_start=field_of[5], accept_uniforms=floats[:n], extra_uniforms=floats[n:],
         row_start=field_of[6], token_start=field_of[7])
-    batch.validate()
+    batch.validate(rule2_has_q=True)   # each rule-2 proposal's q rows were checked above
     return batch

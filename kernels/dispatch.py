@@ -88,7 +88,7 @@ def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
 
     Raises VerifyInputError for inconsistent shapes, dtypes, devices or an unknown path.
     """
-    batch.validate()
+    batch.validate_once()   # build_batch's batches are checked there
     chosen = choose_path(batch.logits.device, path)
     if chosen == "reference":
         return reference.verify(batch)

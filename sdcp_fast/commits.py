@@ -30,6 +30,9 @@ _MEMBERS = ("epoch", "round", "emitted", "committed", "digest")
 _KEYS = {name: cbor.dumps(name) for name in _MEMBERS}
 _ORDER = tuple(sorted(_MEMBERS, key=_KEYS.__getitem__))
 _DIRECT = tuple(CommitRecord.members) == _MEMBERS and _ORDER == ("epoch", "round", "digest", "emitted", "committed")
+_KEY_EPOCH, _KEY_ROUND, _KEY_DIGEST, _KEY_EMITTED, _KEY_COMMITTED = (_KEYS[name] for name in _ORDER)
+_SMALL = [bytes((n,)) for n in range(24)]   # an unsigned integer below 24 is its own head
+_HEAD_32 = cbor.head(2, 32)                   # a digest's head
 
 
 @dataclass(frozen=True)
@@ -47,45 +50,15 @@ def record_bytes(record: CommitRecord) -> bytes:
     """`record.to_cbor()`: the bytes the log stores (section 6.8), built directly."""
     if not _DIRECT:
         return record.to_cbor()
-    out = bytearray(b"\xa5")   # a map of five
-    out += _KEYS["epoch"]
-    out += _uint(0, record.epoch)
-    out += _KEYS["round"]
-    out += _uint(0, record.round)
-    out += _KEYS["digest"]
-    out += _uint(2, len(record.digest))
-    out += record.digest
-    out += _KEYS["emitted"]
-    emitted = record.emitted
-    out += _uint(4, len(emitted))
-    for token in emitted:   # validated uint32s (CommitRecord's checks): no call per token
-        if token < 24:
-            out.append(token)
-        elif token < 0x100:
-            out += bytes((24, token))
-        elif token < 0x10000:
-            out.append(25)
-            out += token.to_bytes(2, "big")
-        else:
-            out.append(26)
-            out += token.to_bytes(4, "big")
-    out += _KEYS["committed"]
-    out += _uint(0, record.committed)
-    return bytes(out)
-
-
-def _uint(major: int, value: int) -> bytes:
-    """The head of a data item: major type and argument (RFC 8949 3)."""
-    mt = major << 5
-    if value < 24:
-        return bytes((mt | value,))
-    if value < 0x100:
-        return bytes((mt | 24, value))
-    if value < 0x10000:
-        return bytes((mt | 25,)) + value.to_bytes(2, "big")
-    if value < 0x100000000:
-        return bytes((mt | 26,)) + value.to_bytes(4, "big")
-    return bytes((mt | 27,)) + value.to_bytes(8, "big")
+    epoch, round_, committed, digest = record.epoch, record.round, record.committed, record.digest
+    return b"".join((
+        b"\xa5",   # a map of five
+        _KEY_EPOCH, _SMALL[epoch] if epoch < 24 else cbor.head(0, epoch),
+        _KEY_ROUND, _SMALL[round_] if round_ < 24 else cbor.head(0, round_),
+        _KEY_DIGEST, _HEAD_32 if len(digest) == 32 else cbor.head(2, len(digest)), digest,
+        _KEY_EMITTED, cbor.uint_array(record.emitted),   # validated uint32s (CommitRecord's checks)
+        _KEY_COMMITTED, _SMALL[committed] if committed < 24 else cbor.head(0, committed),
+    ))
 
 
 def _stored(append: RecordAppend) -> Append:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 DEFAULT_MAX_SIZE = 1 << 20  # 1 MiB: a proposal is ~0.4 KB, a long prompt a few hundred KB
@@ -190,6 +190,37 @@ def head(major: int, value: int) -> bytes:
     return _SMALL_HEADS[major][value] if value < 24 else _head(major, value)
 
 
+def uint_array(values: Sequence[int]) -> bytes:
+    """The encoding of an array of unsigned integers (a token list) in one piece: what
+    `dumps(list(values))` gives, without a call per item. Every value must be an int in
+    0..2**64-1 (the caller's check)."""
+    count = len(values)
+    head = _SMALL_HEADS[4][count] if count < 24 else _head(4, count)
+    if not values or max(values) < 24:   # each item is its own head byte
+        return head + bytes(values)
+    out = bytearray(head)
+    for value in values:
+        if value < 24:
+            out.append(value)
+        elif value < 0x100:
+            out += bytes((24, value))
+        elif value < 0x10000:
+            out.append(25)
+            out += value.to_bytes(2, "big")
+        elif value < 0x100000000:
+            out.append(26)
+            out += value.to_bytes(4, "big")
+        else:
+            out.append(27)
+            out += value.to_bytes(8, "big")
+    return bytes(out)
+
+
+def small_heads(major: int) -> list[bytes]:
+    """The one-byte heads of major type `major`, argument 0..23 (`head(major, n)` for n < 24)."""
+    return list(_SMALL_HEADS[major])
+
+
 def key_bytes(key: str) -> bytes:
     """The encoding of a map key (cached for text keys)."""
     return _key_bytes(key)
@@ -273,8 +304,9 @@ class _Reader:
 
     def map(self, count: int, depth: int) -> dict[Any, Any]:
         """`count` entries. A key that is a short text string (every SDCP member name) and a
-        value that is a small unsigned integer are read inline, with the same checks `item`
-        makes (depth, items left, bounds, UTF-8); anything else goes through `item`."""
+        value that is an unsigned integer or a byte or text string (shorter than 256 bytes)
+        are read inline, with the same checks `item` makes (depth, items left, bounds,
+        UTF-8); anything else (and every refusal) goes through `item`."""
         data, end = self.data, len(self.data)
         inline_ok = depth <= self.max_depth
         result: dict[Any, Any] = {}
@@ -298,10 +330,36 @@ class _Reader:
             if key in result:
                 raise DuplicateKey(f"duplicate map key {_short(key)}")
             pos = self.pos
-            if pos < end and data[pos] < 24 and inline_ok and self.items_left > 0:
+            head = data[pos] if pos < end and inline_ok and self.items_left > 0 else 0xFF
+            stop = 0   # where an inline value ends (0: not inline)
+            if head < 24:
+                value, stop = head, pos + 1
+            elif head < 28:   # an unsigned integer with a 1, 2, 4 or 8 byte argument
+                stop = pos + 1 + (1 << (head - 24))
+                if stop <= end:
+                    value = int.from_bytes(data[pos + 1:stop], "big")
+                else:
+                    stop = 0
+            elif 0x40 <= head <= 0x58 or 0x60 <= head <= 0x78:   # a byte or text string
+                start = pos + 1
+                size = head & 0x1F
+                if size == 24:   # a one-byte length
+                    size = data[start] if start < end else end
+                    start += 1
+                stop = start + size
+                if stop <= end:
+                    value = data[start:stop]
+                    if head >= 0x60:
+                        try:
+                            value = value.decode("utf-8")
+                        except UnicodeDecodeError:
+                            stop = 0   # `item` raises the decoder's error for it
+                else:
+                    stop = 0
+            if stop:
                 self.items_left -= 1
-                self.pos = pos + 1
-                result[key] = data[pos]
+                self.pos = stop
+                result[key] = value
             else:
                 result[key] = self.item(depth)
         return result

@@ -78,6 +78,7 @@ def uint(*, le: int = UINT64_MAX, ge: int = 0) -> Check:
             raise ValueError(f"{v} is outside {ge}..{le}")
         return v if type(v) is int else int(v)
     check.bounds = (ge, le)   # lets `array` check a list of plain ints in one pass
+    check.kind = ("uint", ge, le)   # lets a class's compiled checker test it inline (_compile_checker)
     return check
 
 
@@ -88,6 +89,7 @@ def bstr(size: int | None = None) -> Check:
         if size is not None and len(v) != size:
             raise ValueError(f"expected {size} bytes, got {len(v)}")
         return bytes(v)
+    check.kind = ("bstr", size)
     return check
 
 
@@ -95,6 +97,9 @@ def tstr(v: Any) -> str:
     if not isinstance(v, str):
         raise ValueError(f"expected a text string, got {type(v).__name__}")
     return v
+
+
+tstr.kind = ("tstr",)
 
 
 def boolean(v: Any) -> bool:
@@ -123,6 +128,8 @@ def array(item: Check, *, nonempty: bool = False) -> Check:
             except ValueError as exc:
                 raise ValueError(f"[{n}]: {exc}") from None
         return tuple(out)
+    if bounds is not None:
+        check.kind = ("uints", bounds[0], bounds[1], nonempty)
     return check
 
 
@@ -145,6 +152,7 @@ def action(*, strict: bool) -> Check:
     def check(v: Any) -> Action:
         v = base(v)
         return Action(v) if strict else Action.lenient(v)
+    check.kind = ("action",)
     return check
 
 
@@ -162,6 +170,7 @@ def nested(cls: type[Message], *, lenient: bool = False) -> Check:
             return cls.from_obj({k: x for k, x in v.items() if k in cls.members})
         except ProblemError as exc:
             raise ValueError(exc.problem.detail) from None
+    check.kind = ("nested", cls, lenient)
     return check
 
 
@@ -189,20 +198,37 @@ class Message:
     # list of unbounded length (an inline prompt, output) take the decoder's default.
     max_items: ClassVar[int] = 1024
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # each class gets its own checker and encoder, compiled at its first use (once the
+        # dataclass decorator has run): see _compile_checker and _compile_encoder
+        if "__post_init__" not in cls.__dict__:
+            cls.__post_init__ = _first_check
+        if "_encode_into" not in cls.__dict__:
+            cls._encode_into = _first_encode
+
     def __post_init__(self) -> None:
-        for name, (check, optional) in self.members.items():
-            value = getattr(self, name)
-            if value is None:
-                if not optional:
-                    raise MessageError(f"{self._name()}.{name} is required", self.problem_kind)
-                continue
-            try:
-                checked = check(value)
-            except ValueError as exc:
-                raise MessageError(f"{self._name()}.{name}: {exc}", self.problem_kind) from None
-            if checked is not value:   # normalised (a list made a tuple): most values pass as they are
-                object.__setattr__(self, name, checked)
+        """Every member checked in `members` order, then `validate` (the generic path: each
+        class runs its compiled twin, `_compile_checker`, which gives the same answers)."""
+        for name in self.members:
+            self._check_member(name)
         self.validate()
+
+    def _check_member(self, name: str) -> None:
+        """One member: None where optional, else its check; a normalised value (a list made
+        a tuple) is stored. Raises the MessageError naming the member."""
+        check, optional = self.members[name]
+        value = getattr(self, name)
+        if value is None:
+            if not optional:
+                raise MessageError(f"{self._name()}.{name} is required", self.problem_kind)
+            return
+        try:
+            checked = check(value)
+        except ValueError as exc:
+            raise MessageError(f"{self._name()}.{name}: {exc}", self.problem_kind) from None
+        if checked is not value:   # normalised (a list made a tuple): most values pass as they are
+            object.__setattr__(self, name, checked)
 
     def validate(self) -> None:
         """Cross-member rules beyond the CDDL; subclasses override."""
@@ -213,7 +239,7 @@ class Message:
 
     @classmethod
     def from_obj(cls: type[M], obj: Mapping[Any, Any]) -> M:
-        if not isinstance(obj, Mapping):
+        if type(obj) is not dict and not isinstance(obj, Mapping):
             raise MessageError(f"{cls._name()} must be a map", cls.problem_kind)
         if cls.closed:
             unknown = [k for k in obj if k not in cls.members]
@@ -221,7 +247,7 @@ class Message:
                 shown = sorted(str(k)[:40] for k in unknown[:8])   # bounded: keys are untrusted
                 more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
                 raise MessageError(f"{cls._name()} has unknown keys {shown}{more}", cls.problem_kind)
-        values = {name: obj.get(name) for name in cls.members}
+        values = dict(zip(cls.members, map(obj.get, cls.members), strict=True))   # {n: obj.get(n)}: no call per member
         direct = cls.__dict__.get("_direct_init")
         if direct is None:
             # the dataclass __init__ only stores each field (one object.__setattr__ call per
@@ -263,7 +289,7 @@ class Message:
         """The bytes of `cbor.dumps(self.to_obj())`, without building the dict and sorting
         its encoded pairs each time: a class's members, ordered by their encoded keys (the
         deterministic map order), are worked out once. A class with its own `to_obj` takes
-        the general path."""
+        the general path. (Each class runs its compiled twin, `_compile_encoder`.)"""
         cls = type(self)
         if cls.to_obj is not Message.to_obj:
             cbor.encode_into(self.to_obj(), out)
@@ -283,6 +309,139 @@ class Message:
 
     def replace(self: M, **changes: Any) -> M:
         return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- compiled twins
+# A message's checks and its encoding are the bulk of what a verifier does per proposal in
+# Python beside the transport: the generic loops above make a call per member (a check, a
+# getattr, an encode), ~30 per message. Each class compiles, at its first use, one function
+# for each that tests a member's usual case inline (an int in range, bytes of the right
+# size, a tuple of ints in range, a message of the right class) and hands anything else to
+# the generic code for that member: same order, same normalisation, same refusals and
+# messages (tests/core/test_messages.py compares both on valid and broken input).
+
+_INT_ONLY = frozenset({int})
+
+
+def _member_kinds(cls: type[Message]) -> dict[str, tuple] | None:
+    """member -> its check's kind, or None when the class cannot take the compiled path
+    (its fields are not exactly its members)."""
+    if {f.name for f in dataclasses.fields(cls)} != set(cls.members):
+        return None
+    return {name: getattr(check, "kind", ("other",)) for name, (check, _) in cls.members.items()}
+
+
+def _compile_checker(cls: type[Message]) -> Callable[[Message], None]:
+    kinds = _member_kinds(cls)
+    if kinds is None:
+        return Message.__post_init__
+    env: dict[str, Any] = {"_INT_ONLY": _INT_ONLY, "Action": Action, "_min": min, "_max": max,
+                           "_set": set, "_map": map, "_tuple": tuple, "_type": type, "_len": len,
+                           "_bytes": bytes, "_int": int, "_str": str, "_list": list, "_dict": dict,
+                           "_setitem": _setitem}
+    lines = ["def __post_init__(self):", "    d = self.__dict__", "    slow = self._check_member"]
+    for n, (name, (_, optional)) in enumerate(cls.members.items()):
+        kind = kinds[name]
+        lines.append(f"    v = d[{name!r}]")
+        if kind[0] == "uint":
+            ok = f"_type(v) is _int and {kind[1]} <= v <= {kind[2]}"
+        elif kind[0] == "bstr":
+            ok = "_type(v) is _bytes" + (f" and _len(v) == {kind[1]}" if kind[1] is not None else "")
+        elif kind[0] == "tstr":
+            ok = "_type(v) is _str"
+        elif kind[0] == "action":
+            ok = "_type(v) is Action"
+        elif kind[0] == "nested":
+            env[f"_cls{n}"] = kind[1]
+            ok = f"_type(v) is _cls{n}"
+            if not kind[2]:   # a decoded map: what the generic check does with it, at once
+                ok = f"{ok} or (_type(v) is _dict and _setitem(d, {name!r}, _cls{n}.from_obj(v)))"
+        elif kind[0] == "uints":
+            _, ge, le, nonempty = kind
+            values_ok = f"_set(_map(_type, v)) == _INT_ONLY and {ge} <= _min(v) and _max(v) <= {le}"
+            ok = "(_type(v) is _tuple or _type(v) is _list) and " + \
+                 (f"v and {values_ok}" if nonempty else f"(not v or {values_ok})")
+        else:
+            ok = "False"
+        if optional:
+            ok = f"v is None or ({ok})"
+        lines.append(f"    if not ({ok}):")
+        lines.append(f"        slow({name!r})")
+        if kind[0] == "uints":   # a list (as decoded) is held as a tuple
+            lines.append("    elif _type(v) is _list:")
+            lines.append(f"        d[{name!r}] = _tuple(v)")
+    if cls.validate is not Message.validate:
+        lines.append("    self.validate()")
+    exec("\n".join(lines), env)   # noqa: S102 (our own source, built from the class's table)
+    return env["__post_init__"]
+
+
+def _setitem(d: dict, name: str, value: Any) -> bool:
+    d[name] = value
+    return True
+
+
+def _first_check(self: Message) -> None:
+    cls = type(self)
+    checker = _compile_checker(cls)
+    cls.__post_init__ = checker
+    checker(self)
+
+
+def _compile_encoder(cls: type[Message]) -> Callable[[Message, list[bytes]], None]:
+    kinds = _member_kinds(cls)
+    if kinds is None or cls.to_obj is not Message.to_obj:
+        return Message._encode_into
+    order = sorted((cbor.key_bytes(name), name) for name in cls.members)
+    env: dict[str, Any] = {"_head": cbor.head, "_uints": cbor.uint_array, "_encode": cbor.encode_into,
+                           "_S0": cbor.small_heads(0), "_S2": cbor.small_heads(2), "_S3": cbor.small_heads(3),
+                           "_plain": _plain, "_len": len, "Message": Message, "isinstance": isinstance}
+    lines = ["def _encode_into(self, out):", "    d = self.__dict__"]
+    required = sum(1 for name in cls.members if not cls.members[name][1])
+    optional = [name for name in cls.members if cls.members[name][1]]
+    count = " + ".join([str(required), *(f"(d[{name!r}] is not None)" for name in optional)])
+    lines.append(f"    out.append(_head(5, {count}))" if optional else f"    out.append({cbor.head(5, required)!r})")
+    for n, (key, name) in enumerate(order):
+        kind = kinds[name]
+        env[f"_k{n}"] = key
+        pad = "    "
+        lines.append(f"{pad}v = d[{name!r}]")
+        if cls.members[name][1]:
+            lines.append(f"{pad}if v is not None:")
+            pad += "    "
+        lines.append(f"{pad}out.append(_k{n})")
+        if kind[0] in ("uint", "action"):   # checked: an int (an Action for actions) in range
+            lines.append(f"{pad}out.append(_S0[v] if v < 24 else _head(0, v))")
+        elif kind[0] == "bstr" and kind[1] is not None:   # checked: exactly that many bytes
+            lines.append(f"{pad}out.append({cbor.head(2, kind[1])!r})")
+            lines.append(f"{pad}out.append(v)")
+        elif kind[0] == "bstr":
+            lines.append(f"{pad}n = _len(v)")
+            lines.append(f"{pad}out.append(_S2[n] if n < 24 else _head(2, n))")
+            lines.append(f"{pad}out.append(v)")
+        elif kind[0] == "uints":
+            lines.append(f"{pad}out.append(_uints(v))")
+        elif kind[0] == "tstr":
+            lines.append(f"{pad}b = v.encode('utf-8')")
+            lines.append(f"{pad}n = _len(b)")
+            lines.append(f"{pad}out.append(_S3[n] if n < 24 else _head(3, n))")
+            lines.append(f"{pad}out.append(b)")
+        elif kind[0] == "nested":
+            lines.append(f"{pad}v._encode_into(out)")
+        else:   # as the generic path does it
+            lines.append(f"{pad}if isinstance(v, Message):")
+            lines.append(f"{pad}    v._encode_into(out)")
+            lines.append(f"{pad}else:")
+            lines.append(f"{pad}    _encode(_plain(v), out)")
+    exec("\n".join(lines), env)   # noqa: S102 (our own source, built from the class's table)
+    return env["_encode_into"]
+
+
+def _first_encode(self: Message, out: list[bytes]) -> None:
+    cls = type(self)
+    encoder = _compile_encoder(cls)
+    cls._encode_into = encoder
+    encoder(self, out)
 
 
 def _plain(value: Any) -> Any:

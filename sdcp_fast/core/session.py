@@ -30,6 +30,7 @@ import enum
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from .control import (
     Counters,
@@ -64,6 +65,10 @@ MAX_PENDING_POLICIES = 16
 
 
 class State(enum.Enum):
+    # hashed by identity (members are singletons that compare by identity): Enum's own
+    # __hash__ is a Python call, and every transition looks (state, event) up in a dict
+    __hash__ = object.__hash__
+
     OPEN = "open"                      # created; no drafter assigned yet
     SERVING = "serving"                # the assigned drafter may propose
     VERIFYING = "verifying"            # one job (proposal or self-decoded token) is out
@@ -76,6 +81,8 @@ class State(enum.Enum):
 
 
 class Ev(enum.Enum):
+    __hash__ = object.__hash__   # as State's
+
     ASSIGN = "assign"
     PROPOSE = "propose"
     SELF_STEP = "self-step"
@@ -133,6 +140,14 @@ STATE_CODES = {
 }
 
 
+# the event a committed proposal round's verdict action takes the session through
+_COMMIT_EVENTS = {
+    Action.CONTINUE: Ev.COMMIT_CONTINUE, Action.REDUCE: Ev.COMMIT_CONTINUE,
+    Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
+    Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
+}
+
+
 class ProtocolError(RuntimeError):
     """The caller drove the state machine out of order (a bug in the caller, never input)."""
 
@@ -154,8 +169,8 @@ class Job:
     self_decoded: bool
     request_key: tuple | None          # identity of the proposal, for in-flight retries
 
-    @property
-    def m(self) -> int:
+    @cached_property
+    def m(self) -> int:   # read several times per job: worked out once
         return len(self.tokens)
 
 
@@ -223,6 +238,7 @@ class VerifierSession:
         self.finish: Action | None = None        # FINISH or FAIL once closed
         self.events: list[Event] = []
         self._uniforms_cache: tuple[int | None, UniformSource] | None = None
+        self._stops = frozenset(contract.stop)
         if self.committed >= contract.max_new or (self.output_tokens and self.output_tokens[-1] in contract.stop):
             self._move(Ev.RESUMED_FINISHED)
             self._close(Action.FINISH)
@@ -339,8 +355,9 @@ class VerifierSession:
             raise self._stale_base(f"round {p.round} does not follow round {self.round}")
         # limits
         limit = min(self.contract.m_max, self.m_cap)
-        if p.m == 0 or p.m > limit:
-            raise problem(Kind.LIMIT, f"M = {p.m} is outside 1..{limit} (m_max {self.contract.m_max}, m_cap {self.m_cap})")
+        m = len(p.tokens)
+        if m == 0 or m > limit:
+            raise problem(Kind.LIMIT, f"M = {m} is outside 1..{limit} (m_max {self.contract.m_max}, m_cap {self.m_cap})")
         # preconditions of the rule (the q values themselves are checked by the kernel)
         if self.contract.rule == RULE_SPECULATIVE and p.q_rows is None:
             raise problem(Kind.BAD_PROPOSAL, "rule 2 needs q_rows")
@@ -364,10 +381,11 @@ class VerifierSession:
         self._expect_inflight(job, S.VERIFYING)
         if not 0 <= accepted <= job.m:
             raise ProtocolError(f"accepted {accepted} outside 0..{job.m}")
-        emitted, finished = self._truncate((*job.tokens[:accepted], extra))
-        committed = self.committed + len(emitted)
+        cut, finished = self._truncate((*job.tokens[:accepted], extra))
+        emitted = tuple(cut)   # the record's and the verdict's (immutable: one tuple for both)
+        committed = len(self.output_tokens) + len(emitted)
         digest = extend_digest(self.digest, emitted)
-        record = CommitRecord(self.epoch, job.round, tuple(emitted), committed, digest)
+        record = CommitRecord(self.epoch, job.round, emitted, committed, digest)
         verdict: Verdict | None = None
         counters, m_cap = self.counters, self.m_cap
         if job.self_decoded:
@@ -378,13 +396,9 @@ class VerifierSession:
                 action = Action.FINISH   # takes precedence over any escalation
             m_cap = next_m_cap(self.m_cap, self.contract.m_max, action,
                                is_low(accepted, job.m, self.escalation.low_ratio), load)
-            verdict = Verdict(self.id, self.epoch, job.round, accepted, tuple(emitted), committed,
+            verdict = Verdict(self.id, self.epoch, job.round, accepted, emitted, committed,
                               digest, action, m_cap, low, load)
-            event = {
-                Action.CONTINUE: Ev.COMMIT_CONTINUE, Action.REDUCE: Ev.COMMIT_CONTINUE,
-                Action.SWITCH: Ev.COMMIT_SWITCH, Action.SELF_DECODE: Ev.COMMIT_SELF,
-                Action.FINISH: Ev.COMMIT_FINISH, Action.FAIL: Ev.COMMIT_FAIL,
-            }[action]
+            event = _COMMIT_EVENTS[action]
         self.pending = PendingCommit(record, verdict, event, counters, m_cap, digest)
         self._move(Ev.RESULT)
         return record
@@ -516,16 +530,13 @@ class VerifierSession:
 
     def _truncate(self, tokens: Sequence[int]) -> tuple[list[int], bool]:
         """Cut after the first stop token (kept) and at max_new; True when either ends it."""
-        emitted: list[int] = []
-        room = self.contract.max_new - self.committed
-        stops = self.contract.stop
-        for token in tokens:
-            if len(emitted) >= room:
-                break
-            emitted.append(token)
-            if token in stops:
-                return emitted, True
-        return emitted, self.committed + len(emitted) >= self.contract.max_new
+        committed, max_new = len(self.output_tokens), self.contract.max_new
+        emitted = list(tokens[:max(0, max_new - committed)])
+        if not self._stops.isdisjoint(emitted):   # rare: look for the first stop token
+            for n, token in enumerate(emitted):
+                if token in self._stops:
+                    return emitted[:n + 1], True
+        return emitted, committed + len(emitted) >= max_new
 
     def _expect_inflight(self, job: Job, state: State) -> None:
         if self.inflight is not job or self.state != state:

@@ -295,8 +295,7 @@ class Engine:
             self._path_logged = True
             log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device, self._path_reason)
         self.metrics.batch_size.observe(len(batch))
-        for item in batch:
-            self.metrics.queue_wait.observe(started - item.enqueued)
+        self.metrics.observe_each(self.metrics.queue_wait, [started - item.enqueued for item in batch])
         dev = self._dev
         fetches = [item.fetch for item in batch if item.fetch is not None]
         prefetched = sum(f.early for f in fetches)
@@ -394,12 +393,13 @@ class Engine:
         durable write on the file log, one round trip on Redis), then settle each job (a
         committed one's result goes to `verdicts`, released by the caller)."""
         ready: list[tuple[_Queued, object, int, RecordAppend]] = []   # (item, record, accepted, append)
+        load = self.load   # the same for every job of the loop (nothing is queued meanwhile)
         for item, outcome in zip(batch, outcomes, strict=True):
             if outcome.problem is not None:
                 self._refuse(item, outcome.problem)
                 continue
             try:
-                record = item.session.complete(item.job, outcome.accepted, outcome.extra, self.load)
+                record = item.session.complete(item.job, outcome.accepted, outcome.extra, load)
             except Exception as exc:   # a bug: that job alone is answered 503
                 self._broken(item, exc)
                 continue

@@ -15,12 +15,14 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..aio import KeyedLock
 from ..core.messages import Verdict
 from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, State, VerifierSession
+
+_PROPOSING = frozenset({State.SERVING, State.SELF_DECODING})
 
 
 @dataclass(eq=False)
@@ -32,7 +34,7 @@ class ServedSession:
     refusal: tuple[tuple | None, Problem] | None = None  # (request key, problem) last refused
     self_task: asyncio.Task | None = None               # the self-decoding loop, while it runs
     retired: bool = False
-    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+    _changed: asyncio.Event | None = None              # made when someone waits (most rounds: nobody)
 
     @property
     def id(self) -> bytes:
@@ -43,11 +45,14 @@ class ServedSession:
 
     def wake(self) -> None:
         """Wake everyone waiting for this session to change (output readers, retries)."""
-        self._changed.set()
-        self._changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None   # the next waiter makes a new one
 
     async def changed(self, timeout: float) -> None:
         """Return when the session changes, or after `timeout` seconds."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
         event = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
@@ -153,8 +158,8 @@ class ServedSessions:
     def could_propose(self) -> int:
         """Sessions that could add a job now (a drafter proposing, or the verifier
         self-decoding): the engine stops waiting for company once this many are queued."""
-        return sum(1 for r in self._records.values()
-                   if r.machine.state in (State.SERVING, State.SELF_DECODING))
+        # a list, not a generator: no Python call per session (this runs twice per batch)
+        return sum([r.machine.state in _PROPOSING for r in self._records.values()])
 
     @staticmethod
     def _retire(record: ServedSession) -> None:

@@ -113,3 +113,44 @@ def test_error_details_stay_bounded():
         Contract.from_obj(unknown)
     assert "and 4992 more" in refused.value.problem.detail
     assert len(refused.value.problem.detail) <= MAX_DETAIL
+
+
+class _PlainReader(cbor._Reader):
+    """The decoder with every map key and value read through `item` (no inline paths): the
+    reference the inline reads of `_Reader.map` must agree with."""
+
+    def map(self, count, depth):
+        result = {}
+        for _ in range(count):
+            key = self.item(depth)
+            if not isinstance(key, int | str | bytes):
+                raise cbor.Unsupported(f"map key of type {type(key).__name__}")
+            if key in result:
+                raise cbor.DuplicateKey(f"duplicate map key {cbor._short(key)}")
+            result[key] = self.item(depth)
+        return result
+
+
+def _decode_with(reader_cls, data, max_items, max_depth):
+    reader = reader_cls(data, max_depth, max_items)
+    try:
+        value = reader.item(0)
+    except cbor.DecodeError as exc:
+        return type(exc), str(exc)
+    return value, reader.pos
+
+
+map_streams = st.builds(lambda count, body: _head(5, *count) + body,
+                        st.sampled_from([(1, 0), (2, 0), (3, 0), (5, 0), (24, 3), (31, 0)]), streams)
+valid_maps = st.dictionaries(st.text(max_size=30), st.one_of(
+    st.integers(0, (1 << 64) - 1), st.binary(max_size=300), st.text(max_size=300),
+    st.lists(st.integers(0, 1 << 33), max_size=5)), max_size=6).map(cbor.dumps)
+
+
+@FUZZ
+@given(data=map_streams | valid_maps, budget=st.integers(0, 40), depth=st.integers(0, 3))
+def test_inline_map_reads_agree_with_item(data, budget, depth):
+    """Whatever the bytes, the item budget and the depth limit, `map`'s inline reads give
+    the value, the position and the refusal (its class and text) that `item` gives."""
+    assert _decode_with(cbor._Reader, data, budget, depth) == _decode_with(_PlainReader, data, budget, depth)
+    assert _decode_with(cbor._Reader, data, 1 << 16, 16) == _decode_with(_PlainReader, data, 1 << 16, 16)

@@ -48,3 +48,21 @@ def test_observe_times_equals_repeated_observe():
                     if not s.name.endswith("_created"):   # when the histogram was made: differs
                         values.setdefault(family.name, []).append((s.name.removeprefix(family.name), s.labels, s.value))
             assert values["repeated"] == values["at_once"]
+
+
+def test_observe_each_equals_observe_one_by_one():
+    """A batch's queue waits in one update read as one observe per job (buckets exactly;
+    the sum to float rounding), edges of every bucket included."""
+    rng = random.Random(11)
+    for _ in range(30):
+        one_by_one, batched = Metrics(), Metrics()
+        bounds = one_by_one.queue_wait._upper_bounds
+        values = [rng.choice([*bounds[:-1], 0.0, rng.random() * 2, rng.random() / 1e3, 1e6])
+                  for _ in range(rng.randrange(0, 50))]
+        for v in values:
+            one_by_one.queue_wait.observe(v)
+        batched.observe_each(batched.queue_wait, values)
+        a, b = _samples(one_by_one), _samples(batched)
+        assert a.keys() == b.keys()
+        for key in a:
+            assert abs(a[key] - b[key]) <= 1e-9 * max(1.0, abs(a[key])), key
