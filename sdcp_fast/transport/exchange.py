@@ -182,7 +182,8 @@ def response_headers(response: Response, *, head: bool = False) -> HeaderList:
         headers.append((b"content-type", response.content_type.encode()))
     if not head:
         headers.append((b"content-length", str(len(response.body)).encode()))
-    headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
+    if response.headers:   # most answers carry none (no generator for them)
+        headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
 
 

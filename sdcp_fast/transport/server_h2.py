@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
+import types
 from typing import Any
 
 import h2.config
@@ -50,7 +52,7 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .http import Request, Response, body_timeout_response, dispatch, problem_response
+from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
@@ -240,8 +242,10 @@ class ServerConnection(h2.connection.H2Connection):
     connection errors: the shared compression state cannot be trusted after them.
     """
 
+    PRUNE_EVERY = 8   # closed streams kept past their end at most (h2 walks every stream to count)
     _over_limit = False
     _counted: int | None = None   # open inbound streams, as counted for the header block at hand
+    _prune_at = 0                 # the number of streams held at which the next count is due
 
     @property
     def open_inbound_streams(self) -> int:
@@ -255,8 +259,19 @@ class ServerConnection(h2.connection.H2Connection):
     def _receive_headers_frame(self, frame):
         stream_id = frame.stream_id
         if stream_id not in self.streams:
-            self._counted = super().open_inbound_streams
-            self._over_limit = self._counted >= self.local_settings.max_concurrent_streams
+            limit = self.local_settings.max_concurrent_streams
+            # every stream h2 still holds (open ones, and closed ones until a count prunes
+            # them) bounds the open ones from above (a server opens none: push is off).
+            # Below the limit that bound is the count h2's check needs; the walk, which
+            # also prunes the closed ones, runs once PRUNE_EVERY streams have been added
+            # since the last, or when the bound reaches the limit
+            known = len(self.streams)
+            if known < self._prune_at and known < limit:
+                self._counted = known
+            else:
+                self._counted = super().open_inbound_streams
+                self._prune_at = self._counted + self.PRUNE_EVERY
+            self._over_limit = self._counted >= limit
         try:
             frames, events = super()._receive_headers_frame(frame)
         except h2.exceptions.ProtocolError as exc:
@@ -291,6 +306,12 @@ class ServerConnection(h2.connection.H2Connection):
         return [], [StreamError(stream_id, kind, reason, length)]
 
 
+# h2's logger (its `logger=` option): h2 calls debug/trace a dozen times per request, and
+# its default DummyLogger makes each a Python call; a C method that ignores its arguments
+# discards them as well (h2's messages were never shown: it logs only to the logger given)
+_SILENT = types.SimpleNamespace(debug="".format, trace="".format)
+
+
 def _partial_frame(conn: h2.connection.H2Connection) -> bool:
     """Whether h2 holds part of a frame, or a header block awaiting CONTINUATION (private
     names of h2 4.x: without them the header timeout falls back to the idle timeout)."""
@@ -314,7 +335,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         # exchange.response_headers (lowercase names, our own values): h2 checking and
         # normalising them again costs a pass over every field of every answer
         self._conn = ServerConnection(h2.config.H2Configuration(
-            client_side=False, header_encoding=None,
+            client_side=False, header_encoding=None, logger=_SILENT,
             validate_inbound_headers=False, normalize_inbound_headers=False,
             validate_outbound_headers=False, normalize_outbound_headers=False))
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
@@ -604,16 +625,19 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:
-            try:
-                response = await dispatch(self._serving.handler, request)
+            try:   # http.dispatch, one await fewer
+                response = await self._serving.handle(request)
             except asyncio.CancelledError:
                 # cancelled by the time limit (and by nothing else): answer 503, as
                 # asyncio.timeout would (exchange.respond_to, which HTTP/3 uses)
                 if stream_id not in self._handlers_overdue or asyncio.current_task().uncancel() > 0:
                     raise
                 response = overdue_response(request, self._limits.handler_timeout)
+            except Exception as exc:
+                response = failure_response(request, exc)
             self._handler_deadlines.pop(stream_id, None)
-            log_answer(request, response)
+            if log.isEnabledFor(logging.DEBUG):
+                log_answer(request, response)
             await self._send(stream_id, response, head)
             self._count_refused(stream_id, response.status)
         except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
@@ -634,9 +658,19 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     async def _send(self, stream_id: int, response: Response, head: bool) -> None:
         """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
         9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
-        no_content = head or not response.body
-        self._conn.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
-        view = memoryview(b"" if no_content else response.body)
+        conn = self._conn
+        body = b"" if head else response.body
+        conn.send_headers(stream_id, response_headers(response, head=head), end_stream=not body)
+        if body and self._writable.is_set():
+            # the usual answer: one DATA frame within the window. h2 checks the window and
+            # the frame size before it changes any state, so a refusal leaves the loop below
+            # to send it as credit allows
+            try:
+                conn.send_data(stream_id, body, end_stream=True)
+                body = b""
+            except (h2.exceptions.FlowControlError, h2.exceptions.FrameTooLargeError):
+                pass
+        view = memoryview(body)
         loop = asyncio.get_running_loop()
         stalled_since: float | None = None
         while view:
@@ -665,7 +699,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             stalled_since = None
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-            self._flush()
+            if view:
+                self._flush()
         # at once, not at the end of the loop's turn (a call_soon): the turn may hold the
         # engine's next batch, run on the loop, and the answers would wait for it
         self._flush()
