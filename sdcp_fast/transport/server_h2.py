@@ -306,6 +306,17 @@ class ServerConnection(h2.connection.H2Connection):
         return [], [StreamError(stream_id, kind, reason, length)]
 
 
+class PlainConfiguration(h2.config.H2Configuration):
+    """h2's configuration with its options as plain instance attributes. h2 reads them
+    through a Python descriptor or property each (the boolean options check their type when
+    set), about ten times a request; here the class attributes below shadow those, so
+    __init__ stores the values given (our own constants) and a read is an attribute read."""
+
+    client_side = header_encoding = None
+    validate_outbound_headers = normalize_outbound_headers = split_outbound_cookies = None
+    validate_inbound_headers = normalize_inbound_headers = None
+
+
 # h2's logger (its `logger=` option): h2 calls debug/trace a dozen times per request, and
 # its default DummyLogger makes each a Python call; a C method that ignores its arguments
 # discards them as well (h2's messages were never shown: it logs only to the logger given)
@@ -334,7 +345,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         # inbound fields are validated by exchange.malformed; outbound ones are built by
         # exchange.response_headers (lowercase names, our own values): h2 checking and
         # normalising them again costs a pass over every field of every answer
-        self._conn = ServerConnection(h2.config.H2Configuration(
+        self._conn = ServerConnection(PlainConfiguration(
             client_side=False, header_encoding=None, logger=_SILENT,
             validate_inbound_headers=False, normalize_inbound_headers=False,
             validate_outbound_headers=False, normalize_outbound_headers=False))
