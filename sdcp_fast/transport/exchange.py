@@ -15,6 +15,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from sdcp_fast.core.problems import Kind, Problem
 
@@ -112,22 +113,19 @@ class IncomingRequest:
         reason = malformed(headers)
         if reason is not None:
             return Malformed(reason)
-        pseudo: dict[bytes, bytes] = {}
-        content_type: str | None = None
-        content_length: int | None = None
-        size = 0   # header_list_size, in the same pass
-        for name, value in headers:
-            size += len(name) + len(value) + 32
-            if name[0] == 0x3A:
-                pseudo[name] = value
-            elif name == b"content-type":
-                content_type = media_type(value.decode("latin-1"))
-            elif name == b"content-length":
-                content_length = int(value)
+        # header_list_size without a call per field
+        size = sum(map(len, chain.from_iterable(headers))) + 32 * len(headers)
         if size > max_header_list:
             return Problem(Kind.HEADERS_TOO_LARGE, f"header list of {size} bytes exceeds the limit of {max_header_list}")
-        method = pseudo[b":method"].decode("ascii", "replace")
-        target = pseudo[b":path"].decode("ascii", "replace")
+        # by name, the last value winning: malformed() has checked that each pseudo-header
+        # came once and that every content-length says the same
+        fields = dict(headers)
+        raw_type = fields.get(b"content-type")
+        content_type = None if raw_type is None else media_type(raw_type.decode("latin-1"))
+        raw_length = fields.get(b"content-length")
+        content_length = None if raw_length is None else int(raw_length)
+        method = fields[b":method"].decode("ascii", "replace")
+        target = fields[b":path"].decode("ascii", "replace")
         if not method or not target.startswith("/") or len(target) > MAX_PATH:
             return Problem(Kind.BAD_REQUEST, "invalid :method or :path")
         path, _, raw_query = target.partition("?")
