@@ -75,6 +75,7 @@ class TCPListener:
     protocol can pause it, so the peek would find nothing. The same code runs on both loops."""
 
     def __init__(self, serving: Serving, sock: socket.socket):
+        quiet_hpack_debug()
         self._serving = serving
         self.sockets = [sock]
         sock.setblocking(False)
@@ -304,6 +305,18 @@ class ServerConnection(h2.connection.H2Connection):
     def _stream_error(self, stream_id: int, code: ErrorCodes, kind: str, reason: str, length: int = 0):
         self.reset_stream(stream_id, code)
         return [], [StreamError(stream_id, kind, reason, length)]
+
+
+def quiet_hpack_debug() -> None:
+    """hpack logs every header field it codes at DEBUG, through Logger.debug and
+    isEnabledFor: two Python calls each, about twenty a request, for messages nobody sees.
+    Where its loggers are not enabled for DEBUG when a server starts (logs.setup has set the
+    levels by then), their debug() becomes a C method that ignores its arguments, for the
+    life of the process; a process started at DEBUG keeps hpack's messages."""
+    for name in ("hpack.hpack", "hpack.table"):
+        logger = logging.getLogger(name)
+        if not logger.isEnabledFor(logging.DEBUG):
+            logger.debug = "".format   # type: ignore[method-assign]
 
 
 class PlainConfiguration(h2.config.H2Configuration):
