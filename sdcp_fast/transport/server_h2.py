@@ -56,7 +56,7 @@ from .http import Request, Response, body_timeout_response, failure_response, pr
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
-from .strikes import ConnectionStrikes, CountsStrikes
+from .strikes import REFUSED_STATUSES, ConnectionStrikes, CountsStrikes
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
@@ -663,7 +663,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             if log.isEnabledFor(logging.DEBUG):
                 log_answer(request, response)
             await self._send(stream_id, response, head)
-            self._count_refused(stream_id, response.status)
+            if response.status in REFUSED_STATUSES:
+                self._count_refused(stream_id, response.status)
         except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
             # the client reset the stream meanwhile; TooLow: h2 no longer knows the stream
             # (over MAX_CLOSED_STREAMS closed since) and there is nobody to answer. Seen in a
@@ -673,8 +674,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         finally:
             self._handler_deadlines.pop(stream_id, None)
             self._handlers_overdue.discard(stream_id)
-            if self._tasks.get(stream_id) is asyncio.current_task():
-                del self._tasks[stream_id]
+            # this task, or none if the stream was dropped: a stream is started once
+            self._tasks.pop(stream_id, None)
             self._last_activity = asyncio.get_running_loop().time()
             if self._closing and not self._tasks:
                 self._close_now()
