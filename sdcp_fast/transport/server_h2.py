@@ -39,6 +39,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
@@ -231,6 +232,13 @@ class StreamError(h2.events.Event):
         self.flow_controlled_length = flow_controlled_length
 
 
+# the frames of every request, as received, with object's repr (ServerConnection._receive_frame)
+_QUIET_FRAMES: dict[type, type] = {
+    frame_type: type(f"Received{frame_type.__name__}", (frame_type,), {"__repr__": object.__repr__})
+    for frame_type in (hyperframe.frame.HeadersFrame, hyperframe.frame.DataFrame)
+}
+
+
 class ServerConnection(h2.connection.H2Connection):
     """h2's connection, where the errors RFC 9113 makes stream errors stay stream errors.
 
@@ -242,6 +250,20 @@ class ServerConnection(h2.connection.H2Connection):
     5.1.2), each with a StreamError event. HPACK errors and oversized header blocks stay
     connection errors: the shared compression state cannot be trusted after them.
     """
+
+    def __init__(self, config: h2.config.H2Configuration):
+        super().__init__(config)
+        for frame_type, quiet in _QUIET_FRAMES.items():   # h2 dispatches on the exact class
+            self._frame_dispatch_table[quiet] = self._frame_dispatch_table[frame_type]
+
+    def _receive_frame(self, frame):
+        # h2 passes repr(frame) to its logger here, made whether or not anything logs; for
+        # HEADERS and DATA hyperframe serialises the body again to show its first bytes.
+        # The same frame as a subclass whose repr is object's (C) costs nothing of that
+        quiet = _QUIET_FRAMES.get(frame.__class__)
+        if quiet is not None:
+            frame.__class__ = quiet
+        return super()._receive_frame(frame)
 
     PRUNE_EVERY = 8   # closed streams kept past their end at most (h2 walks every stream to count)
     _over_limit = False
