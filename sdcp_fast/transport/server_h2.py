@@ -251,7 +251,7 @@ class ServerConnection(h2.connection.H2Connection):
     connection errors: the shared compression state cannot be trusted after them.
     """
 
-    def __init__(self, config: h2.config.H2Configuration):
+    def __init__(self, config: h2.config.H2Configuration | None = None):
         super().__init__(config)
         for frame_type, quiet in _QUIET_FRAMES.items():   # h2 dispatches on the exact class
             self._frame_dispatch_table[quiet] = self._frame_dispatch_table[frame_type]
