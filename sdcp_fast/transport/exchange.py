@@ -15,6 +15,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 from sdcp_fast.core.problems import Kind, Problem
 
@@ -112,22 +113,19 @@ class IncomingRequest:
         reason = malformed(headers)
         if reason is not None:
             return Malformed(reason)
-        pseudo: dict[bytes, bytes] = {}
-        content_type: str | None = None
-        content_length: int | None = None
-        size = 0   # header_list_size, in the same pass
-        for name, value in headers:
-            size += len(name) + len(value) + 32
-            if name[0] == 0x3A:
-                pseudo[name] = value
-            elif name == b"content-type":
-                content_type = media_type(value.decode("latin-1"))
-            elif name == b"content-length":
-                content_length = int(value)
+        # header_list_size without a call per field
+        size = sum(map(len, chain.from_iterable(headers))) + 32 * len(headers)
         if size > max_header_list:
             return Problem(Kind.HEADERS_TOO_LARGE, f"header list of {size} bytes exceeds the limit of {max_header_list}")
-        method = pseudo[b":method"].decode("ascii", "replace")
-        target = pseudo[b":path"].decode("ascii", "replace")
+        # by name, the last value winning: malformed() has checked that each pseudo-header
+        # came once and that every content-length says the same
+        fields = dict(headers)
+        raw_type = fields.get(b"content-type")
+        content_type = None if raw_type is None else media_type(raw_type.decode("latin-1"))
+        raw_length = fields.get(b"content-length")
+        content_length = None if raw_length is None else int(raw_length)
+        method = fields[b":method"].decode("ascii", "replace")
+        target = fields[b":path"].decode("ascii", "replace")
         if not method or not target.startswith("/") or len(target) > MAX_PATH:
             return Problem(Kind.BAD_REQUEST, "invalid :method or :path")
         path, _, raw_query = target.partition("?")
@@ -175,14 +173,18 @@ def overdue_response(request: Request, timeout: float | None) -> Response:
 
 
 def response_headers(response: Response, *, head: bool = False) -> HeaderList:
-    """The header block of `response`; for HEAD without content-length (RFC 9110 8.6 allows
-    either, and aioquic's client checks a HEAD answer's length against its empty content)."""
+    """The header block of `response`: its status, content-type and extra headers, without
+    content-length. HTTP/2 and HTTP/3 frame the content and end the stream after it (RFC
+    9113 8.1.1, RFC 9114 4.1.2 make the field optional); no client of ours reads it (each
+    counts the bytes against its own limit), and every field costs header compression on
+    both ends of every answer. `head` changes nothing: a HEAD answer is the same fields
+    without content (RFC 9110 9.3.2; aioquic's client would check a HEAD answer's
+    content-length against its empty content)."""
     headers: HeaderList = [(b":status", str(response.status).encode())]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
-    if not head:
-        headers.append((b"content-length", str(len(response.body)).encode()))
-    headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
+    if response.headers:   # most answers carry none (no generator for them)
+        headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
 
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
+import types
 from typing import Any
 
 import h2.config
@@ -37,6 +39,7 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
@@ -50,11 +53,11 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .http import Request, Response, body_timeout_response, dispatch, problem_response
+from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
-from .strikes import ConnectionStrikes, CountsStrikes
+from .strikes import REFUSED_STATUSES, ConnectionStrikes, CountsStrikes
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
@@ -73,6 +76,7 @@ class TCPListener:
     protocol can pause it, so the peek would find nothing. The same code runs on both loops."""
 
     def __init__(self, serving: Serving, sock: socket.socket):
+        quiet_hpack_debug()
         self._serving = serving
         self.sockets = [sock]
         sock.setblocking(False)
@@ -228,6 +232,13 @@ class StreamError(h2.events.Event):
         self.flow_controlled_length = flow_controlled_length
 
 
+# the frames of every request, as received, with object's repr (ServerConnection._receive_frame)
+_QUIET_FRAMES: dict[type, type] = {
+    frame_type: type(f"Received{frame_type.__name__}", (frame_type,), {"__repr__": object.__repr__})
+    for frame_type in (hyperframe.frame.HeadersFrame, hyperframe.frame.DataFrame)
+}
+
+
 class ServerConnection(h2.connection.H2Connection):
     """h2's connection, where the errors RFC 9113 makes stream errors stay stream errors.
 
@@ -240,8 +251,24 @@ class ServerConnection(h2.connection.H2Connection):
     connection errors: the shared compression state cannot be trusted after them.
     """
 
+    def __init__(self, config: h2.config.H2Configuration | None = None):
+        super().__init__(config)
+        for frame_type, quiet in _QUIET_FRAMES.items():   # h2 dispatches on the exact class
+            self._frame_dispatch_table[quiet] = self._frame_dispatch_table[frame_type]
+
+    def _receive_frame(self, frame):
+        # h2 passes repr(frame) to its logger here, made whether or not anything logs; for
+        # HEADERS and DATA hyperframe serialises the body again to show its first bytes.
+        # The same frame as a subclass whose repr is object's (C) costs nothing of that
+        quiet = _QUIET_FRAMES.get(frame.__class__)
+        if quiet is not None:
+            frame.__class__ = quiet
+        return super()._receive_frame(frame)
+
+    PRUNE_EVERY = 8   # closed streams kept past their end at most (h2 walks every stream to count)
     _over_limit = False
     _counted: int | None = None   # open inbound streams, as counted for the header block at hand
+    _prune_at = 0                 # the number of streams held at which the next count is due
 
     @property
     def open_inbound_streams(self) -> int:
@@ -255,8 +282,19 @@ class ServerConnection(h2.connection.H2Connection):
     def _receive_headers_frame(self, frame):
         stream_id = frame.stream_id
         if stream_id not in self.streams:
-            self._counted = super().open_inbound_streams
-            self._over_limit = self._counted >= self.local_settings.max_concurrent_streams
+            limit = self.local_settings.max_concurrent_streams
+            # every stream h2 still holds (open ones, and closed ones until a count prunes
+            # them) bounds the open ones from above (a server opens none: push is off).
+            # Below the limit that bound is the count h2's check needs; the walk, which
+            # also prunes the closed ones, runs once PRUNE_EVERY streams have been added
+            # since the last, or when the bound reaches the limit
+            known = len(self.streams)
+            if known < self._prune_at and known < limit:
+                self._counted = known
+            else:
+                self._counted = super().open_inbound_streams
+                self._prune_at = self._counted + self.PRUNE_EVERY
+            self._over_limit = self._counted >= limit
         try:
             frames, events = super()._receive_headers_frame(frame)
         except h2.exceptions.ProtocolError as exc:
@@ -291,6 +329,35 @@ class ServerConnection(h2.connection.H2Connection):
         return [], [StreamError(stream_id, kind, reason, length)]
 
 
+def quiet_hpack_debug() -> None:
+    """hpack logs every header field it codes at DEBUG, through Logger.debug and
+    isEnabledFor: two Python calls each, about twenty a request, for messages nobody sees.
+    Where its loggers are not enabled for DEBUG when a server starts (logs.setup has set the
+    levels by then), their debug() becomes a C method that ignores its arguments, for the
+    life of the process; a process started at DEBUG keeps hpack's messages."""
+    for name in ("hpack.hpack", "hpack.table"):
+        logger = logging.getLogger(name)
+        if not logger.isEnabledFor(logging.DEBUG):
+            logger.debug = "".format   # type: ignore[method-assign]
+
+
+class PlainConfiguration(h2.config.H2Configuration):
+    """h2's configuration with its options as plain instance attributes. h2 reads them
+    through a Python descriptor or property each (the boolean options check their type when
+    set), about ten times a request; here the class attributes below shadow those, so
+    __init__ stores the values given (our own constants) and a read is an attribute read."""
+
+    client_side = header_encoding = None
+    validate_outbound_headers = normalize_outbound_headers = split_outbound_cookies = None
+    validate_inbound_headers = normalize_inbound_headers = None
+
+
+# h2's logger (its `logger=` option): h2 calls debug/trace a dozen times per request, and
+# its default DummyLogger makes each a Python call; a C method that ignores its arguments
+# discards them as well (h2's messages were never shown: it logs only to the logger given)
+_SILENT = types.SimpleNamespace(debug="".format, trace="".format)
+
+
 def _partial_frame(conn: h2.connection.H2Connection) -> bool:
     """Whether h2 holds part of a frame, or a header block awaiting CONTINUATION (private
     names of h2 4.x: without them the header timeout falls back to the idle timeout)."""
@@ -313,8 +380,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         # inbound fields are validated by exchange.malformed; outbound ones are built by
         # exchange.response_headers (lowercase names, our own values): h2 checking and
         # normalising them again costs a pass over every field of every answer
-        self._conn = ServerConnection(h2.config.H2Configuration(
-            client_side=False, header_encoding=None,
+        self._conn = ServerConnection(PlainConfiguration(
+            client_side=False, header_encoding=None, logger=_SILENT,
             validate_inbound_headers=False, normalize_inbound_headers=False,
             validate_outbound_headers=False, normalize_outbound_headers=False))
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
@@ -604,18 +671,22 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:
-            try:
-                response = await dispatch(self._serving.handler, request)
+            try:   # http.dispatch, one await fewer
+                response = await self._serving.handle(request)
             except asyncio.CancelledError:
                 # cancelled by the time limit (and by nothing else): answer 503, as
                 # asyncio.timeout would (exchange.respond_to, which HTTP/3 uses)
                 if stream_id not in self._handlers_overdue or asyncio.current_task().uncancel() > 0:
                     raise
                 response = overdue_response(request, self._limits.handler_timeout)
+            except Exception as exc:
+                response = failure_response(request, exc)
             self._handler_deadlines.pop(stream_id, None)
-            log_answer(request, response)
+            if log.isEnabledFor(logging.DEBUG):
+                log_answer(request, response)
             await self._send(stream_id, response, head)
-            self._count_refused(stream_id, response.status)
+            if response.status in REFUSED_STATUSES:
+                self._count_refused(stream_id, response.status)
         except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
             # the client reset the stream meanwhile; TooLow: h2 no longer knows the stream
             # (over MAX_CLOSED_STREAMS closed since) and there is nobody to answer. Seen in a
@@ -625,8 +696,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         finally:
             self._handler_deadlines.pop(stream_id, None)
             self._handlers_overdue.discard(stream_id)
-            if self._tasks.get(stream_id) is asyncio.current_task():
-                del self._tasks[stream_id]
+            # this task, or none if the stream was dropped: a stream is started once
+            self._tasks.pop(stream_id, None)
             self._last_activity = asyncio.get_running_loop().time()
             if self._closing and not self._tasks:
                 self._close_now()
@@ -634,9 +705,19 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     async def _send(self, stream_id: int, response: Response, head: bool) -> None:
         """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
         9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
-        no_content = head or not response.body
-        self._conn.send_headers(stream_id, response_headers(response, head=head), end_stream=no_content)
-        view = memoryview(b"" if no_content else response.body)
+        conn = self._conn
+        body = b"" if head else response.body
+        conn.send_headers(stream_id, response_headers(response, head=head), end_stream=not body)
+        if body and self._writable.is_set():
+            # the usual answer: one DATA frame within the window. h2 checks the window and
+            # the frame size before it changes any state, so a refusal leaves the loop below
+            # to send it as credit allows
+            try:
+                conn.send_data(stream_id, body, end_stream=True)
+                body = b""
+            except (h2.exceptions.FlowControlError, h2.exceptions.FrameTooLargeError):
+                pass
+        view = memoryview(body)
         loop = asyncio.get_running_loop()
         stalled_since: float | None = None
         while view:
@@ -665,7 +746,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             stalled_since = None
             chunk, view = view[:window], view[window:]
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-            self._flush()
+            if view:
+                self._flush()
         # at once, not at the end of the loop's turn (a call_soon): the turn may hold the
         # engine's next batch, run on the loop, and the answers would wait for it
         self._flush()

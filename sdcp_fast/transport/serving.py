@@ -17,7 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .certpolicy import CertificatePolicy
-from .http import Handler
+from .http import Handler, handler_entry
 from .limits import Limits
 from .refusals import Kind, Refusals
 from .tlsconfig import TLSConfig
@@ -29,6 +29,7 @@ class Serving:
     def __init__(self, handler: Handler, *, tls: TLSConfig, limits: Limits | None = None,
                  refusals: Refusals | None = None):
         self.handler = handler
+        self.handle = handler_entry(handler)   # what a request is awaited on
         self.tls = tls
         self.limits = limits or Limits()
         self.refusals = refusals or Refusals()

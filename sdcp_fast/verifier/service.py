@@ -202,11 +202,14 @@ class VerifierService(Routed):
         if step.tokens and max(step.tokens) >= vocab:   # one C pass; the list only to say which
             bad = [t for t in step.tokens if t >= vocab]
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
-        # the round runs to its end in the engine even if this request goes away, and what
-        # follows its commit runs from the engine's future (no task per round)
+        # the round runs to its end in the engine even if this request goes away: the request
+        # awaits its own future, which the round's callback settles (asyncio.shield's rule,
+        # without its layers); what follows the commit runs from that callback too (no task
+        # per round)
         future = self.engine.enqueue(served, step)
-        future.add_done_callback(functools.partial(self._round_done, served))
-        result = await asyncio.shield(future)
+        answer = asyncio.get_running_loop().create_future()
+        future.add_done_callback(functools.partial(self._round_done, served, answer))
+        result = await answer
         if result.problem is not None:
             raise ProblemError(result.problem)
         return result.verdict
@@ -249,7 +252,14 @@ class VerifierService(Routed):
             raise ProblemError(result.problem)
         return result.verdict
 
-    def _round_done(self, served: ServedSession, future: asyncio.Future) -> None:
+    def _round_done(self, served: ServedSession, answer: asyncio.Future, future: asyncio.Future) -> None:
+        if not answer.done():   # not cancelled with its request
+            if future.cancelled():
+                answer.cancel()
+            elif future.exception() is not None:
+                answer.set_exception(future.exception())
+            else:
+                answer.set_result(future.result())
         if not future.cancelled() and future.result().settled:
             self._after_commit(served)
 
