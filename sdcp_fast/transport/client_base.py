@@ -12,6 +12,10 @@ from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Problem
 from .http import media_type
 
 DEFAULT_MAX_RESPONSE = 16 << 20
+# A request body at least this long announces its length (content-length), so that a server
+# can refuse one over its limit before the upload; a shorter one (every SDCP round) does not:
+# HTTP/2 and HTTP/3 frame the content, and the field costs HPACK/QPACK work at both ends
+ANNOUNCE_LENGTH_FROM = 16 << 10
 
 
 @functools.lru_cache(maxsize=1024)

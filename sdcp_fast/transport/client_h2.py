@@ -38,7 +38,13 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from .client_base import ClientResponse, RequestTimeout, TransportError, split_https_url
+from .client_base import (
+    ANNOUNCE_LENGTH_FROM,
+    ClientResponse,
+    RequestTimeout,
+    TransportError,
+    split_https_url,
+)
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
@@ -193,7 +199,8 @@ class H2ClientConnection(asyncio.Protocol):
         if body is not None:
             if content_type:
                 headers.append((b"content-type", content_type.encode()))
-            headers.append((b"content-length", str(len(body)).encode()))
+            if len(body) >= ANNOUNCE_LENGTH_FROM:
+                headers.append((b"content-length", str(len(body)).encode()))
         try:
             stream_id = conn.get_next_available_stream_id()
             conn.send_headers(stream_id, headers, end_stream=not body)

@@ -14,7 +14,13 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
 
-from .client_base import ClientResponse, RequestTimeout, TransportError, split_https_url
+from .client_base import (
+    ANNOUNCE_LENGTH_FROM,
+    ClientResponse,
+    RequestTimeout,
+    TransportError,
+    split_https_url,
+)
 from .identity import CertificateRejected, verify_server
 from .quic_lean import LeanAcks, LeanH3
 from .quic_mtls import check_aioquic, peer_certificates
@@ -61,7 +67,8 @@ class H3ClientConnection(LeanAcks):
         if body is not None:
             if content_type:
                 headers.append((b"content-type", content_type.encode()))
-            headers.append((b"content-length", str(len(body)).encode()))
+            if len(body) >= ANNOUNCE_LENGTH_FROM:
+                headers.append((b"content-length", str(len(body)).encode()))
         exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
         self._exchanges[stream_id] = exchange
         if body:
