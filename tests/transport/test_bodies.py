@@ -321,3 +321,38 @@ def test_garbage_is_dropped_and_server_keeps_serving(pki, protocol, transport_lo
                 await _expect_good(client, server.port)
 
     run(main())
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_client_announces_the_length_of_long_bodies_only(pki, protocol, monkeypatch):
+    """Our client sends content-length with a body of ANNOUNCE_LENGTH_FROM bytes or more (a
+    server can refuse it before the upload) and none with a shorter one (every SDCP round:
+    the frames carry the end of the body); both arrive whole."""
+    from sdcp_fast.transport.client_base import ANNOUNCE_LENGTH_FROM
+    from sdcp_fast.transport.exchange import IncomingRequest
+
+    seen: list[dict[bytes, bytes]] = []
+    original = IncomingRequest.from_headers.__func__
+
+    def recording(cls, headers, **kwargs):
+        seen.append(dict(headers))
+        return original(cls, headers, **kwargs)
+
+    monkeypatch.setattr(IncomingRequest, "from_headers", classmethod(recording))
+    handler = RecordingRouter()
+    short, long = PROPOSAL, cbor2.dumps({"pad": bytes(ANNOUNCE_LENGTH_FROM)})
+
+    async def main():
+        async with await serve(handler, host="127.0.0.1", port=0, tls=pki.server, max_body=1 << 20) as server:
+            async with Client(pki.drafter, protocol, timeout=5.0, retries=0) as client:
+                url = f"https://127.0.0.1:{server.port}/proposals"
+                for body in (short, long):
+                    response = await client.request("POST", url, body)
+                    assert response.status == 200, response.body[:200]
+
+    run(main())
+    posts = [headers for headers in seen if headers.get(b":method") == b"POST"]
+    assert len(posts) == 2
+    assert b"content-length" not in posts[0]
+    assert posts[1][b"content-length"] == str(len(long)).encode()
+    assert [call.body for call in handler.calls] == [short, long]
