@@ -31,7 +31,7 @@ _KEYS = {name: cbor.dumps(name) for name in _MEMBERS}
 _ORDER = tuple(sorted(_MEMBERS, key=_KEYS.__getitem__))
 _DIRECT = tuple(CommitRecord.members) == _MEMBERS and _ORDER == ("epoch", "round", "digest", "emitted", "committed")
 _KEY_EPOCH, _KEY_ROUND, _KEY_DIGEST, _KEY_EMITTED, _KEY_COMMITTED = (_KEYS[name] for name in _ORDER)
-_SMALL = [bytes((n,)) for n in range(24)]   # an unsigned integer below 24 is its own head
+_SMALL = cbor.small_heads(0)   # an unsigned integer below 24 is its own head
 _HEAD_32 = cbor.head(2, 32)                   # a digest's head
 
 

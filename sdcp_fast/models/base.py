@@ -92,7 +92,14 @@ def token_list_bytes(n: int) -> int:
     return LIST_OVERHEAD + TOKEN_LIST_BYTES_PER_TOKEN * n
 
 
+_INT_ONLY = {int}
+
+
 def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
+    # the usual input (plain ints in range) in C calls, on every round's hot path; anything
+    # else (and every refusal) item by item
+    if tokens and set(map(type, tokens)) == _INT_ONLY and min(tokens) >= 0 and max(tokens) < vocab_size:
+        return list(tokens)
     out = [int(t) for t in tokens]
     for t in out:
         if not 0 <= t < vocab_size:

@@ -38,9 +38,6 @@ def write_table(path: str | Path, table: torch.Tensor) -> None:
     save_file({TABLE_KEY: table.detach().to(torch.float32).contiguous()}, str(path))
 
 
-_INT_ONLY = {int}
-
-
 class TableBackend(TokenListSessions):
     kind = "table"
 
@@ -81,10 +78,7 @@ class TableBackend(TokenListSessions):
             c = sessions.get(session)
             if c is None:
                 c = self._get(session)   # raises UnknownSession
-            # the usual proposal (plain ints in range) passes in C calls; anything else
-            # (and every refusal) through check_tokens
-            if not x or set(map(type, x)) != _INT_ONLY or min(x) < 0 or max(x) >= v:
-                x = check_tokens(x, v, "proposal")
+            x = check_tokens(x, v, "proposal")
             last.append(c[-1])
             last.extend(x)
         return self.table[torch.tensor(last, dtype=torch.long)]
