@@ -172,14 +172,13 @@ def overdue_response(request: Request, timeout: float | None) -> Response:
     return problem_response(Problem(Kind.UNAVAILABLE, "handler timed out"))
 
 
-def response_headers(response: Response, *, head: bool = False) -> HeaderList:
+def response_headers(response: Response) -> HeaderList:
     """The header block of `response`: its status, content-type and extra headers, without
     content-length. HTTP/2 and HTTP/3 frame the content and end the stream after it (RFC
     9113 8.1.1, RFC 9114 4.1.2 make the field optional); no client of ours reads it (each
     counts the bytes against its own limit), and every field costs header compression on
-    both ends of every answer. `head` changes nothing: a HEAD answer is the same fields
-    without content (RFC 9110 9.3.2; aioquic's client would check a HEAD answer's
-    content-length against its empty content)."""
+    both ends of every answer. A HEAD answer has the same fields without content (RFC 9110
+    9.3.2)."""
     headers: HeaderList = [(b":status", str(response.status).encode())]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))

@@ -707,7 +707,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
         conn = self._conn
         body = b"" if head else response.body
-        conn.send_headers(stream_id, response_headers(response, head=head), end_stream=not body)
+        conn.send_headers(stream_id, response_headers(response), end_stream=not body)
         if body and self._writable.is_set():
             # the usual answer: one DATA frame within the window. h2 checks the window and
             # the frame size before it changes any state, so a refusal leaves the loop below

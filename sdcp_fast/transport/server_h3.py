@@ -380,9 +380,9 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             # aioquic queues the bytes and paces them by QUIC flow control, which covers the
             # HEADERS frame too: a response without content can stall as well
             if no_content:
-                self._h3.send_headers(stream_id, response_headers(response, head=head), end_stream=True)
+                self._h3.send_headers(stream_id, response_headers(response), end_stream=True)
             else:
-                self._h3.send_message(stream_id, response_headers(response, head=head), response.body)
+                self._h3.send_message(stream_id, response_headers(response), response.body)
         except Exception as exc:  # stream already reset or connection closed: nothing to answer
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
         self._written.append(stream_id)

@@ -253,14 +253,20 @@ class VerifierService(Routed):
         return result.verdict
 
     def _round_done(self, served: ServedSession, answer: asyncio.Future, future: asyncio.Future) -> None:
-        if not answer.done():   # not cancelled with its request
-            if future.cancelled():
+        waiting = not answer.done()   # not cancelled with its request
+        if future.cancelled():
+            if waiting:
                 answer.cancel()
-            elif future.exception() is not None:
-                answer.set_exception(future.exception())
-            else:
-                answer.set_result(future.result())
-        if not future.cancelled() and future.result().settled:
+            return
+        failure = future.exception()
+        if failure is not None:
+            if waiting:
+                answer.set_exception(failure)
+            return
+        result = future.result()
+        if waiting:
+            answer.set_result(result)
+        if result.settled:
             self._after_commit(served)
 
     def _after_commit(self, served: ServedSession) -> None:
