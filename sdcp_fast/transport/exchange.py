@@ -149,6 +149,40 @@ class IncomingRequest:
         return Request(self.method, self.path, self.query, self.content_type, bytes(self.body), caller)
 
 
+class RequestHeads:
+    """`IncomingRequest.from_headers` for one server, remembered by the header fields: a
+    session sends the same fields with each of its proposals, and checking and parsing them
+    (RFC 9113 8.2-8.3, path, query, media type, the resource's body limit) is the same work
+    each time. A request gets a fresh `IncomingRequest` (its body and query its own); a
+    refusal (`Problem`, `Malformed`) is worked out again each time (rare, and a problem
+    is not shared between answers). Bounded: header lists of at most `REMEMBER_SIZE`
+    bytes, `REMEMBER` of them (forgotten all at once when full, so a client cycling
+    through new fields costs one parse each, as before)."""
+
+    REMEMBER = 512
+    REMEMBER_SIZE = 1024
+
+    def __init__(self, max_header_list: int, body_limit: Callable[[str, str], int]):
+        self._max_header_list = max_header_list
+        self._body_limit = body_limit
+        self._known: dict[tuple, IncomingRequest] = {}
+
+    def incoming(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
+        key = tuple(headers)
+        head = self._known.get(key)
+        if head is None:
+            head = IncomingRequest.from_headers(headers, max_header_list=self._max_header_list,
+                                                body_limit=self._body_limit)
+            if head.__class__ is not IncomingRequest:
+                return head
+            if sum(map(len, chain.from_iterable(key))) <= self.REMEMBER_SIZE:
+                if len(self._known) >= self.REMEMBER:
+                    self._known.clear()
+                self._known[key] = head
+        return IncomingRequest(head.method, head.path, dict(head.query) if head.query else {},
+                               head.content_type, head.max_body, head.head)
+
+
 async def respond_to(handler: Handler, request: Request, timeout: float | None) -> Response:
     """Run the handler with the server's time limit; log one line per request. The handler
     runs in the stream's own task (asyncio.timeout, not wait_for: no second task per request)."""

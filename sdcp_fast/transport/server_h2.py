@@ -30,7 +30,6 @@ import contextlib
 import logging
 import socket
 import ssl
-import struct
 import types
 from typing import Any
 
@@ -40,14 +39,14 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import h2.stream
 import hpack
+import hpack.table
 import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
 
-from . import clienthello
+from . import clienthello, h2_whole
 from .exchange import (
     IncomingRequest,
     Malformed,
@@ -256,6 +255,9 @@ class ServerConnection(h2.connection.H2Connection):
 
     def __init__(self, config: h2.config.H2Configuration | None = None):
         super().__init__(config)
+        remembering = RememberingDecoder()
+        remembering.max_header_list_size = self.decoder.max_header_list_size
+        self.decoder = remembering
         for frame_type, quiet in _QUIET_FRAMES.items():   # h2 dispatches on the exact class
             self._frame_dispatch_table[quiet] = self._frame_dispatch_table[frame_type]
 
@@ -331,62 +333,78 @@ class ServerConnection(h2.connection.H2Connection):
         self.reset_stream(stream_id, code)
         return [], [StreamError(stream_id, kind, reason, length)]
 
-    def send_whole_answer(self, stream_id: int, header_block: bytes, body: bytes) -> bool:
-        """An answer in one go: its HEADERS frame (`header_block`, from `answer_block`) and at
-        most one DATA frame, the last ending the stream, framed here and queued behind what h2
-        holds, with the connection's and the stream's state moved through h2's own state
-        machines as send_headers + send_data move them. h2 builds a frame object, a flags set
-        and a validation pass per frame and codes the fields again for every answer; about a
-        fifth of the verifier's work per proposal went there.
-
-        False, with nothing changed, where h2's own path must send it: a stream h2 no longer
-        holds, a body over either flow-control window or the frame size, or a change of the
-        header table's size that the next header block must announce (RFC 7541 4.2).
-        Raises what send_headers raises on a stream or connection that can no longer send."""
+    def send_whole_answer(self, stream_id: int, block: bytes, body: bytes) -> bool:
+        """An answer in one go (h2_whole): its HEADERS frame, `block` from `answer_block`,
+        and at most one DATA frame. False, with nothing changed, where h2's own path must
+        send it: a stream h2 no longer holds, or one h2_whole.fits refuses. Raises what
+        send_headers raises on a stream or connection that can no longer send."""
         stream = self.streams.get(stream_id)
-        size = len(body)
-        if (stream is None or self.encoder.header_table.resized or size > self.max_outbound_frame_size
-                or size > self.outbound_flow_control_window or size > stream.outbound_flow_control_window):
+        if stream is None or not h2_whole.fits(self, stream.outbound_flow_control_window, block, body):
             return False
-        connection, machine = self.state_machine, stream.state_machine
-        connection.process_input(_SEND_HEADERS)
-        machine.process_input(h2.stream.StreamInputs.SEND_HEADERS)
-        if size:
-            connection.process_input(_SEND_DATA)
-            machine.process_input(h2.stream.StreamInputs.SEND_DATA)
-        machine.process_input(h2.stream.StreamInputs.SEND_END_STREAM)
-        if size:
-            stream.outbound_flow_control_window -= size
-            self.outbound_flow_control_window -= size
-            self._data_to_send += b"".join((
-                _FRAME_HEAD.pack(len(header_block) >> 16, len(header_block) & 0xFFFF, 0x1, _END_HEADERS, stream_id),
-                header_block,
-                _FRAME_HEAD.pack(size >> 16, size & 0xFFFF, 0x0, _END_STREAM, stream_id),
-                body))
-        else:
-            self._data_to_send += _FRAME_HEAD.pack(len(header_block) >> 16, len(header_block) & 0xFFFF, 0x1,
-                                                   _END_HEADERS | _END_STREAM, stream_id) + header_block
+        h2_whole.send_whole(self, stream, block, body)
         return True
 
 
-# RFC 9113 4.1: length (24 bits, as a byte and 16), type, flags, stream identifier
-_FRAME_HEAD = struct.Struct(">BHBBL")
-_END_STREAM, _END_HEADERS = 0x1, 0x4
-_SEND_HEADERS, _SEND_DATA = h2.connection.ConnectionInputs.SEND_HEADERS, h2.connection.ConnectionInputs.SEND_DATA
+class _CountedTable(hpack.table.HeaderTable):
+    """hpack's table, counting its changes: entries added, the size set."""
+
+    changes = 0
+
+    def add(self, name: bytes, value: bytes) -> None:
+        self.changes += 1
+        super().add(name, value)
+
+    def _set_maxsize(self, value: int) -> None:
+        self.changes += 1
+        hpack.table.HeaderTable.maxsize.fset(self, value)
+
+    maxsize = property(hpack.table.HeaderTable.maxsize.fget, _set_maxsize)
+
+
+class RememberingDecoder(hpack.Decoder):
+    """hpack's decoder, remembering the header blocks that decoded without changing its table.
+
+    Once a session's fields are in the table its client sends the same bytes with each
+    request, all references. What a block decodes to depends only on its bytes, the table and
+    the decoder's limits, so while none of them changed the same bytes give the same fields;
+    hpack decodes field by field in Python (about a twelfth of the verifier's work per
+    proposal). A block that added to the table is not remembered: decoding it again would
+    add again. Bounded: blocks of at most `REMEMBER_SIZE` bytes, `REMEMBER` of them."""
+
+    REMEMBER = 256
+    REMEMBER_SIZE = 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _CountedTable()
+        self._known: dict[bytes, tuple[tuple[int, int, int, bool], tuple]] = {}
+
+    def decode(self, data: bytes, raw: bool = False):
+        state = (self.header_table.changes, self.max_allowed_table_size, self.max_header_list_size, raw)
+        data = bytes(data)
+        known = self._known.get(data)
+        if known is not None and known[0] == state:
+            return list(known[1])
+        headers = super().decode(data, raw)
+        if self.header_table.changes == state[0] and len(data) <= self.REMEMBER_SIZE:
+            if len(self._known) >= self.REMEMBER:
+                self._known.clear()
+            self._known[data] = (state, tuple(headers))
+        return headers
+
+
 _ANSWER_BLOCKS: dict[tuple[int, str | None], bytes] = {}   # (status, content type) -> header block
 _ANSWER_BLOCKS_MAX = 64
 
 
 def answer_block(response: Response) -> bytes | None:
-    """The HPACK header block of an answer of `response`'s status and content-type, coded once
-    for all connections: fields in the static table by index, others as literals never added
-    to the peer's dynamic table, so the same bytes decode alike whatever that table holds.
-    None for an answer with headers of its own, or informational (h2 codes those)."""
+    """The header block of an answer of `response`'s status and content-type, coded once for
+    all connections (h2_whole.header_block). None for an answer with headers of its own, or
+    an informational one (h2 codes those)."""
     key = (response.status, response.content_type)
     block = _ANSWER_BLOCKS.get(key)
     if block is None and not response.headers and response.status >= 200:
-        fields = [hpack.NeverIndexedHeaderTuple(name, value) for name, value in response_headers(response)]
-        block = hpack.Encoder().encode(fields)   # a fresh table, left empty: static references only
+        block = h2_whole.header_block(response_headers(response))
         if len(_ANSWER_BLOCKS) < _ANSWER_BLOCKS_MAX:
             _ANSWER_BLOCKS[key] = block
     return None if response.headers else block
@@ -465,6 +483,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._last_activity = 0.0
         self._strikes = ConnectionStrikes(self._limits)  # early resets and refused requests
         self._closing = False
+        self._flush_queued = False   # a flush of answers waits for the loop's next turn
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -608,8 +627,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
             return
         serving = self._serving
-        incoming = IncomingRequest.from_headers(headers, max_header_list=self._limits.max_header_list,
-                                                body_limit=serving.body_limit)
+        incoming = serving.request_heads.incoming(headers)
         if isinstance(incoming, Malformed):
             self._conn.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
@@ -772,7 +790,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         body = b"" if head else response.body
         block = answer_block(response)
         if block is not None and self._writable.is_set() and conn.send_whole_answer(stream_id, block, body):
-            self._flush()
+            self._flush_answers()
             return
         conn.send_headers(stream_id, response_headers(response), end_stream=not body)
         if body and self._writable.is_set():
@@ -815,15 +833,31 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
             if view:
                 self._flush()
-        # at once, not at the end of the loop's turn (a call_soon): the turn may hold the
-        # engine's next batch, run on the loop, and the answers would wait for it
-        self._flush()
+        self._flush_answers()
 
     # ---- housekeeping --------------------------------------------------------------------
     def _flush(self) -> None:
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+
+    def _flush_answers(self) -> None:
+        """Send what an answer queued: at once when it is the connection's only stream in
+        flight; with other streams in flight, in one write at the start of the loop's next
+        turn. The answers of one batch are set together and their tasks run in the same turn
+        one after another, so they leave as one TLS record and one send instead of one each
+        (per answer, the write and its send cost about a tenth of the verifier's work). The
+        flush is queued behind those tasks and ahead of whatever they wake, the engine's next
+        batch included, so no answer waits for a forward pass."""
+        if len(self._tasks) <= 1:
+            self._flush()
+        elif not self._flush_queued:
+            self._flush_queued = True
+            asyncio.get_running_loop().call_soon(self._flush_queued_answers)
+
+    def _flush_queued_answers(self) -> None:
+        self._flush_queued = False
+        self._flush()
 
     def _arm_header_timer(self) -> None:
         """The client preface, and any frame once begun, must arrive whole within

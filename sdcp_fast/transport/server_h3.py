@@ -269,8 +269,7 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
             self.transmit()
             return
-        incoming = IncomingRequest.from_headers(headers, max_header_list=self._limits.max_header_list,
-                                                body_limit=self._serving.body_limit)
+        incoming = self._serving.request_heads.incoming(headers)
         if isinstance(incoming, Malformed):
             self._quic.reset_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)
             self._quic.stop_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from .certpolicy import CertificatePolicy
+from .exchange import RequestHeads
 from .http import Handler, handler_entry
 from .limits import Limits
 from .refusals import Kind, Refusals
@@ -41,6 +42,7 @@ class Serving:
         self.penalties: dict[str, float] = {}      # identity -> monotonic time its penalty ends
         self._arrivals: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host -> (tokens, when)
         self._resource_of = getattr(handler, "resource_of", None)
+        self.request_heads = RequestHeads(self.limits.max_header_list, self.body_limit)
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- requests ------------------------------------------------------------------------
