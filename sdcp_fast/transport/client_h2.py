@@ -38,6 +38,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
+from . import h2_whole
 from .client_base import (
     ANNOUNCE_LENGTH_FROM,
     ClientResponse,
@@ -50,6 +51,60 @@ from .tlsconfig import H2_ALPN, TLSConfig
 log = logging.getLogger("sdcp_fast.transport")
 MAX_CONNECTIONS = 16   # per origin
 ErrorCodes = h2.errors.ErrorCodes
+
+
+class ClientConnection(h2.connection.H2Connection):
+    """h2's client connection, with a request that fits sent whole (h2_whole)."""
+
+    PRUNE_EVERY = 16   # closed streams kept past their end at most (h2 walks every stream to count)
+    _prune_at = 0
+
+    def send_whole_request(self, stream_id: int, block: bytes, body: bytes, method: bytes,
+                           authority: bytes) -> bool:
+        """Open `stream_id` (the next available) with the header block `block` (from
+        `request_block`) and send `body` ending it, as send_headers + send_data would. False,
+        with nothing changed, where h2's own path must send it: a connection no longer open,
+        a new stream over the server's SETTINGS_MAX_CONCURRENT_STREAMS, or a message
+        h2_whole.fits refuses."""
+        if (self.state_machine.state is h2.connection.ConnectionState.CLOSED
+                or not h2_whole.fits(self, self.remote_settings.initial_window_size, block, body)):
+            return False
+        # h2 counts the open streams by walking them all, dropping the closed ones; every
+        # stream held bounds that count from above (push is off: all are ours), so the walk
+        # runs once PRUNE_EVERY streams were added since the last, or at the limit
+        limit = self.remote_settings.max_concurrent_streams
+        known = len(self.streams)
+        if known >= self._prune_at or known >= limit:
+            known = self.open_outbound_streams
+            self._prune_at = known + self.PRUNE_EVERY
+            if known >= limit:
+                return False
+        stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
+        stream._authority, stream.request_method = authority, method   # as send_headers records them
+        h2_whole.send_whole(self, stream, block, body)
+        return True
+
+
+_REQUEST_BLOCKS: dict[tuple[str, str, str, str | None], bytes] = {}   # (method, authority, path, type) -> block
+_REQUEST_BLOCKS_MAX = 1024
+
+
+def request_block(method: str, authority: str, path: str, content_type: str | None) -> bytes:
+    """The header block of a request (h2_whole.header_block), coded once per method, origin,
+    path and content type: a session sends the same one with each proposal. Bounded (all
+    forgotten at once when full)."""
+    key = (method, authority, path, content_type)
+    block = _REQUEST_BLOCKS.get(key)
+    if block is None:
+        fields = [(b":method", method.encode()), (b":scheme", b"https"),
+                  (b":authority", authority.encode()), (b":path", path.encode())]
+        if content_type:
+            fields.append((b"content-type", content_type.encode()))
+        block = h2_whole.header_block(fields)
+        if len(_REQUEST_BLOCKS) >= _REQUEST_BLOCKS_MAX:
+            _REQUEST_BLOCKS.clear()
+        _REQUEST_BLOCKS[key] = block
+    return block
 
 
 class _Exchange:
@@ -72,7 +127,7 @@ class H2ClientConnection(asyncio.Protocol):
     def __init__(self, max_response: int, freed: asyncio.Event):
         self._max_response = max_response
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
-        self._conn = h2.connection.H2Connection(h2.config.H2Configuration(
+        self._conn = ClientConnection(h2.config.H2Configuration(
             client_side=True, header_encoding=None,
             # our own header fields are lowercase literals and values we built
             validate_outbound_headers=False, normalize_outbound_headers=False))
@@ -194,16 +249,18 @@ class H2ClientConnection(asyncio.Protocol):
         if self._closed is not None:
             raise TransportError(str(self._closed), sent=False)
         conn = self._conn
-        headers = [(b":method", method.encode()), (b":scheme", b"https"),
-                   (b":authority", authority.encode()), (b":path", path.encode())]
-        if body is not None:
-            if content_type:
-                headers.append((b"content-type", content_type.encode()))
-            if len(body) >= ANNOUNCE_LENGTH_FROM:
-                headers.append((b"content-length", str(len(body)).encode()))
         try:
             stream_id = conn.get_next_available_stream_id()
-            conn.send_headers(stream_id, headers, end_stream=not body)
+            # a short body leaves with its headers, framed whole, unless the transport's
+            # buffer is full (then h2 sends the headers and _send_body waits to send it)
+            whole = (body is None or len(body) < ANNOUNCE_LENGTH_FROM) and self._writable.is_set()
+            if whole and conn.send_whole_request(
+                    stream_id, request_block(method, authority, path, None if body is None else content_type),
+                    body or b"", method.encode(), authority.encode()):
+                body = None   # all of it went
+            else:
+                conn.send_headers(stream_id, _request_headers(method, authority, path, body, content_type),
+                                  end_stream=not body)
         except h2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
             raise TransportError(f"HTTP/2 stream not opened: {exc}", sent=False) from exc
         exchange = _Exchange(asyncio.get_running_loop().create_future())
@@ -285,6 +342,18 @@ class H2ClientConnection(asyncio.Protocol):
                 self._conn.close_connection()
             self._flush()
             self._transport.close()
+
+
+def _request_headers(method: str, authority: str, path: str, body: bytes | None,
+                     content_type: str | None) -> list[tuple[bytes, bytes]]:
+    headers = [(b":method", method.encode()), (b":scheme", b"https"),
+               (b":authority", authority.encode()), (b":path", path.encode())]
+    if body is not None:
+        if content_type:
+            headers.append((b"content-type", content_type.encode()))
+        if len(body) >= ANNOUNCE_LENGTH_FROM:
+            headers.append((b"content-length", str(len(body)).encode()))
+    return headers
 
 
 def _code(code: int) -> str:

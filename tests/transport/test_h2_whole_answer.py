@@ -12,9 +12,14 @@ import h2.exceptions
 import h2.settings
 import pytest
 
-from sdcp_fast.transport.http import Response
 from sdcp_fast.transport.exchange import response_headers
-from sdcp_fast.transport.server_h2 import PlainConfiguration, ServerConnection, _SILENT, answer_block
+from sdcp_fast.transport.http import Response
+from sdcp_fast.transport.server_h2 import (
+    _SILENT,
+    PlainConfiguration,
+    ServerConnection,
+    answer_block,
+)
 
 BODY = bytes(range(200)) * 3
 
