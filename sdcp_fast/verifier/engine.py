@@ -238,15 +238,20 @@ class Engine:
                 self._busy = 0
 
     async def _gather(self, batch: list[_Queued]) -> None:
-        """Add to `batch` the jobs that arrive while it waits for company: `max_wait_ms`, and
-        while a session of the last two batches is still to send its next job (its drafter
-        is building it: a session whose draft was refused drafts afresh while the others'
-        proposals, drafted ahead, are already here), up to `company_share` of a batch's
-        measured cost. Waiting less than a pass costs beats a pass of its own, and a
-        session that does not come stops counting after two batches."""
+        """Add to `batch` the jobs that arrive while it waits for company: until its first
+        job has waited `max_wait_ms` since it was queued, and while a session of the last two
+        batches is still to send its next job (its drafter is building it: a session whose
+        draft was refused drafts afresh while the others' proposals, drafted ahead, are
+        already here), up to `company_share` of a batch's measured cost. Waiting less than a
+        pass costs beats a pass of its own, and a session that does not come stops counting
+        after two batches.
+
+        The window counts from the first job's arrival, not from the end of the last pass:
+        under load the jobs that queued while that pass ran have waited already, and
+        max_wait_ms more on top of it only kept the verifier idle."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()   # not loop.time(): uvloop's clock counts whole milliseconds
-        deadline = now + self.config.max_wait_ms / 1000
+        deadline = batch[0].enqueued + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
         # sessions that could still add a job (those with one queued are not counted):
         # once that many more have arrived, nobody else can come, so go at once

@@ -42,7 +42,7 @@ def greedy(backend, seq, n):
 async def start(tmp_path, **engine) -> Harness:
     backend = SlowPasses(load_backend(f"table:{make_table(tmp_path / 'table.safetensors')}"))
     return await Harness.start(tmp_path, backend=backend,
-                               engine_config=EngineConfig(max_wait_ms=1.0, **engine))
+                               engine_config=EngineConfig(**{"max_wait_ms": 1.0, **engine}))
 
 
 async def two_sessions(h: Harness):
@@ -136,3 +136,23 @@ def test_the_batch_log_has_a_line_per_pass(tmp_path):
         assert line["end"] >= line["t"] + PASS_S * 0.9
         assert line["forward_ms"] >= PASS_S * 1e3 * 0.9
         assert len(line["waited_ms"]) == len(line["sessions"])
+
+
+def test_a_job_that_queued_during_a_pass_does_not_wait_max_wait_again(tmp_path):
+    """max_wait_ms is the first job's wait since it was queued: b's proposal, queued while a's
+    pass ran (longer than max_wait_ms), starts the next pass when that one ends, though a
+    could still propose (before, the window restarted at the end of the pass)."""
+    log = tmp_path / "batches.jsonl"
+
+    async def body(h: Harness):
+        a, b = await two_sessions(h)
+        await asyncio.gather(propose(h, a), propose(h, b))       # one pass of both
+        # a waits out max_wait_ms for company, then its pass runs; b queues during that pass
+        await asyncio.gather(propose(h, a), propose(h, b, delay=0.12))
+        return [a[0].hex(), b[0].hex()]
+
+    ids = run(tmp_path, body, company_share=0.0, max_wait_ms=100.0, batch_log=str(log))
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [line["sessions"] for line in lines[1:]] == [[ids[0]], [ids[1]]]
+    assert lines[2]["t"] - lines[1]["end"] < 0.05   # not the 100 ms window again
+    assert min(lines[2]["waited_ms"]) >= 100.0
