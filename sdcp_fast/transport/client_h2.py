@@ -46,6 +46,7 @@ from .client_base import (
     TransportError,
     split_https_url,
 )
+from .hpack_blocks import RememberingDecoder, header_block
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
@@ -54,10 +55,18 @@ ErrorCodes = h2.errors.ErrorCodes
 
 
 class ClientConnection(h2.connection.H2Connection):
-    """h2's client connection, with a request that fits sent whole (h2_whole)."""
+    """h2's client connection, with a request that fits sent whole (h2_whole) and the
+    answers' header blocks decoded once (hpack_blocks: the server sends the same block with
+    every answer of a kind)."""
 
     PRUNE_EVERY = 16   # closed streams kept past their end at most (h2 walks every stream to count)
     _prune_at = 0
+
+    def __init__(self, config: h2.config.H2Configuration | None = None):
+        super().__init__(config)
+        remembering = RememberingDecoder()
+        remembering.max_header_list_size = self.decoder.max_header_list_size
+        self.decoder = remembering
 
     def send_whole_request(self, stream_id: int, block: bytes, body: bytes, method: bytes,
                            authority: bytes) -> bool:
@@ -90,7 +99,7 @@ _REQUEST_BLOCKS_MAX = 1024
 
 
 def request_block(method: str, authority: str, path: str, content_type: str | None) -> bytes:
-    """The header block of a request (h2_whole.header_block), coded once per method, origin,
+    """The header block of a request (hpack_blocks.header_block), coded once per method, origin,
     path and content type: a session sends the same one with each proposal. Bounded (all
     forgotten at once when full)."""
     key = (method, authority, path, content_type)
@@ -100,7 +109,7 @@ def request_block(method: str, authority: str, path: str, content_type: str | No
                   (b":authority", authority.encode()), (b":path", path.encode())]
         if content_type:
             fields.append((b"content-type", content_type.encode()))
-        block = h2_whole.header_block(fields)
+        block = header_block(fields)
         if len(_REQUEST_BLOCKS) >= _REQUEST_BLOCKS_MAX:
             _REQUEST_BLOCKS.clear()
         _REQUEST_BLOCKS[key] = block

@@ -1,16 +1,16 @@
 """A whole HTTP/2 message (a request, an answer) in one go over h2's state.
 
-h2 sends a header block and a body as frame objects: a frame, a flags set and a
-validation pass each, every field coded by HPACK again, and its own checks before each.
-For the messages that make up nearly all of SDCP's traffic (a small body that fits the
-flow-control windows and one frame) this frames them directly: a HEADERS frame with a
-header block coded once (`header_block`) and at most one DATA frame, the last one ending the
-stream, queued behind what h2 holds. The connection's and the stream's state move through
-h2's own state machines, as send_headers + send_data move them, so h2 keeps its books (stream
-states, flow-control windows) and raises what it would raise on a stream or connection that
-can no longer send. Everything else goes through h2 (the callers fall back when
-`fits` says no). Relies on h2 4.x: `_data_to_send`, `state_machine` of the connection and of
-each stream, their inputs.
+h2 sends a header block and a body as frame objects: a frame, a flags set and a validation
+pass each, every field coded by HPACK again, and its own checks before each. For the
+messages that make up nearly all of SDCP's traffic (a small body that fits the flow-control
+windows and one frame) this frames them directly: a HEADERS frame with a header block coded
+once (hpack_blocks.header_block) and at most one DATA frame, the last one ending the stream,
+queued behind what h2 holds. The connection's and the stream's state move through h2's own
+state machines, as send_headers + send_data move them, so h2 keeps its books (stream states,
+flow-control windows) and raises what it would raise on a stream or connection that can no
+longer send. Everything else goes through h2 (the callers fall back when `fits` says no).
+Relies on h2 4.x: `_data_to_send`, `state_machine` of the connection and of each stream,
+their inputs.
 """
 
 from __future__ import annotations
@@ -19,9 +19,6 @@ import struct
 
 import h2.connection
 import h2.stream
-import hpack
-
-HeaderList = list[tuple[bytes, bytes]]
 
 # RFC 9113 4.1: length (24 bits, as a byte and 16), type, flags, stream identifier
 _FRAME_HEAD = struct.Struct(">BHBBL")
@@ -29,16 +26,6 @@ _DATA, _HEADERS = 0x0, 0x1
 _END_STREAM, _END_HEADERS = 0x1, 0x4
 _CONNECTION = h2.connection.ConnectionInputs
 _STREAM = h2.stream.StreamInputs
-
-
-def header_block(fields: HeaderList) -> bytes:
-    """`fields` as an HPACK header block that decodes alike whatever the peer's dynamic table
-    holds and leaves it as it was: fields of the static table by index, the others as
-    literals never indexed, not Huffman-coded (the peer decodes these bytes with every
-    message; a raw literal is a slice). Coded by a fresh hpack encoder, whose own table
-    stays empty."""
-    return hpack.Encoder().encode([hpack.NeverIndexedHeaderTuple(name, value) for name, value in fields],
-                                  huffman=False)
 
 
 def fits(conn: h2.connection.H2Connection, stream_window: int, block: bytes, body: bytes) -> bool:

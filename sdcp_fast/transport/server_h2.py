@@ -39,8 +39,6 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import hpack
-import hpack.table
 import hyperframe.frame
 from hpack.exceptions import HPACKError
 
@@ -55,6 +53,7 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
+from .hpack_blocks import RememberingDecoder, header_block
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
@@ -345,66 +344,18 @@ class ServerConnection(h2.connection.H2Connection):
         return True
 
 
-class _CountedTable(hpack.table.HeaderTable):
-    """hpack's table, counting its changes: entries added, the size set."""
-
-    changes = 0
-
-    def add(self, name: bytes, value: bytes) -> None:
-        self.changes += 1
-        super().add(name, value)
-
-    def _set_maxsize(self, value: int) -> None:
-        self.changes += 1
-        hpack.table.HeaderTable.maxsize.fset(self, value)
-
-    maxsize = property(hpack.table.HeaderTable.maxsize.fget, _set_maxsize)
-
-
-class RememberingDecoder(hpack.Decoder):
-    """hpack's decoder, remembering the header blocks that decoded without changing its table.
-
-    Once a session's fields are in the table its client sends the same bytes with each
-    request, all references. What a block decodes to depends only on its bytes, the table and
-    the decoder's limits, so while none of them changed the same bytes give the same fields;
-    hpack decodes field by field in Python (about a twelfth of the verifier's work per
-    proposal). A block that added to the table is not remembered: decoding it again would
-    add again. Bounded: blocks of at most `REMEMBER_SIZE` bytes, `REMEMBER` of them."""
-
-    REMEMBER = 256
-    REMEMBER_SIZE = 512
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.header_table = _CountedTable()
-        self._known: dict[bytes, tuple[tuple[int, int, int, bool], tuple]] = {}
-
-    def decode(self, data: bytes, raw: bool = False):
-        state = (self.header_table.changes, self.max_allowed_table_size, self.max_header_list_size, raw)
-        data = bytes(data)
-        known = self._known.get(data)
-        if known is not None and known[0] == state:
-            return list(known[1])
-        headers = super().decode(data, raw)
-        if self.header_table.changes == state[0] and len(data) <= self.REMEMBER_SIZE:
-            if len(self._known) >= self.REMEMBER:
-                self._known.clear()
-            self._known[data] = (state, tuple(headers))
-        return headers
-
-
 _ANSWER_BLOCKS: dict[tuple[int, str | None], bytes] = {}   # (status, content type) -> header block
 _ANSWER_BLOCKS_MAX = 64
 
 
 def answer_block(response: Response) -> bytes | None:
     """The header block of an answer of `response`'s status and content-type, coded once for
-    all connections (h2_whole.header_block). None for an answer with headers of its own, or
+    all connections (hpack_blocks.header_block). None for an answer with headers of its own, or
     an informational one (h2 codes those)."""
     key = (response.status, response.content_type)
     block = _ANSWER_BLOCKS.get(key)
     if block is None and not response.headers and response.status >= 200:
-        block = h2_whole.header_block(response_headers(response))
+        block = header_block(response_headers(response))
         if len(_ANSWER_BLOCKS) < _ANSWER_BLOCKS_MAX:
             _ANSWER_BLOCKS[key] = block
     return None if response.headers else block

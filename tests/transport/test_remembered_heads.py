@@ -9,7 +9,7 @@ import pytest
 
 from sdcp_fast.core.problems import Problem
 from sdcp_fast.transport.exchange import IncomingRequest, Malformed, RequestHeads
-from sdcp_fast.transport.server_h2 import RememberingDecoder
+from sdcp_fast.transport.hpack_blocks import RememberingDecoder
 
 FIELDS = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"verifier"),
           (b":path", b"/v1/sessions/ab/proposals"), (b"content-type", b"application/sdcp+cbor")]
