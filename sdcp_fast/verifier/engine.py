@@ -39,6 +39,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections import deque
@@ -91,6 +92,9 @@ class _Queued:
     future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
     fetch: QFetch | None = None       # its q rows on their way (rule 2)
+
+
+TURNAROUND_ALPHA = 0.25   # weight of a session's latest turnaround in its average
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,10 @@ class Engine:
         """Queue a job; the future resolves with what became of it (it is never cancelled by
         the engine: a job that cannot run gets a problem)."""
         future: asyncio.Future[RoundResult] = asyncio.get_running_loop().create_future()
+        if served.answered_at:   # how long its drafter takes to come back (the company wait's guide)
+            gap = time.perf_counter() - served.answered_at
+            served.turnaround_s = gap if not served.turnaround_s else \
+                served.turnaround_s + TURNAROUND_ALPHA * (gap - served.turnaround_s)
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
@@ -244,7 +252,10 @@ class Engine:
         draft was refused drafts afresh while the others' proposals, drafted ahead, are
         already here), up to `company_share` of a batch's measured cost. Waiting less than a
         pass costs beats a pass of its own, and a session that does not come stops counting
-        after two batches.
+        after two batches; nor is a session waited for whose drafter, by the time it has been
+        taking from an answer to the next proposal, would come after the wait's end (it
+        starts the next pass instead: 32 table-model sessions, answered in two groups, had
+        the verifier wait out every company window for the group still drafting).
 
         The window counts from the first job's arrival, not from the end of the last pass:
         under load the jobs that queued while that pass ran have waited already, and
@@ -263,7 +274,7 @@ class Engine:
             await asyncio.sleep(0)
             await asyncio.sleep(0)
             could_come = self.sessions.could_propose() + self._queue.qsize()
-        expected = self._expected()
+        expected = self._expected(arriving_by=company_deadline)
         seen = 0   # jobs of `batch` already taken off `expected`
         timer_for = None   # the `until` the timer was set for
         try:   # one timer for the whole wait, moved when its end changes (not one per arrival)
@@ -287,12 +298,14 @@ class Engine:
         except TimeoutError:
             return
 
-    def _expected(self) -> set[bytes]:
-        """Sessions of the last two batches that could send a job and have none queued."""
+    def _expected(self, arriving_by: float = math.inf) -> set[bytes]:
+        """Sessions of the last two batches that could send a job, and would by `arriving_by`
+        (perf_counter) if their drafters take as long as they have been taking."""
         recent = set().union(*self._recent) if self._recent else set()
         serving = (State.SERVING, State.SELF_DECODING)
         return {sid for sid in recent
-                if (record := self.sessions.get(sid)) is not None and record.machine.state in serving}
+                if (record := self.sessions.get(sid)) is not None and record.machine.state in serving
+                and record.answered_at + record.turnaround_s <= arriving_by}
 
     async def _process(self, batch: list[_Queued]) -> None:
         started, wall = time.perf_counter(), time.time()
@@ -359,7 +372,9 @@ class Engine:
         finally:
             # the verdicts go out once the batch is on record (a request resumes as soon as
             # its future resolves: whoever reads the batch's times then finds them)
+            answered = time.perf_counter()
             for item, result in verdicts:
+                item.served.answered_at = answered
                 if not item.future.done():
                     item.future.set_result(result)
 
@@ -532,6 +547,7 @@ class Engine:
 
     def _fail(self, item: _Queued, prob: Problem, *, settled: bool = False) -> None:
         self.metrics.problem(prob.kind)
+        item.served.answered_at = time.perf_counter()
         if not item.future.done():
             item.future.set_result(RoundResult(problem=prob, settled=settled))
 

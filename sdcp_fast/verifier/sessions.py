@@ -34,6 +34,8 @@ class ServedSession:
     refusal: tuple[tuple | None, Problem] | None = None  # (request key, problem) last refused
     self_task: asyncio.Task | None = None               # the self-decoding loop, while it runs
     retired: bool = False
+    answered_at: float = 0.0                            # perf_counter when its last job's answer went out
+    turnaround_s: float = 0.0                           # from an answer to its next job (EWMA; 0: unknown)
     _changed: asyncio.Event | None = None              # made when someone waits (most rounds: nobody)
 
     @property

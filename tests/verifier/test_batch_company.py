@@ -156,3 +156,22 @@ def test_a_job_that_queued_during_a_pass_does_not_wait_max_wait_again(tmp_path):
     assert [line["sessions"] for line in lines[1:]] == [[ids[0]], [ids[1]]]
     assert lines[2]["t"] - lines[1]["end"] < 0.05   # not the 100 ms window again
     assert min(lines[2]["waited_ms"]) >= 100.0
+
+
+def test_a_session_whose_drafter_takes_longer_than_the_wait_is_not_waited_for(tmp_path):
+    """b comes back 120 ms after each answer, past any wait of half a pass (75 ms): once the
+    engine has seen that, a's pass starts at once instead of waiting out the window for b."""
+    log = tmp_path / "batches.jsonl"
+
+    async def body(h: Harness):
+        a, b = await two_sessions(h)
+        await asyncio.gather(propose(h, a), propose(h, b))
+        for _ in range(4):
+            await asyncio.gather(propose(h, a), propose(h, b, delay=0.12))
+        return a[0].hex()
+
+    a_id = run(tmp_path, body, company_share=0.5, batch_log=str(log))
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    a_alone = [line for line in lines if line["sessions"] == [a_id]]
+    assert len(a_alone) == 4
+    assert all(line["waited_ms"][0] < 30 for line in a_alone[1:])   # b's turnaround known by then
