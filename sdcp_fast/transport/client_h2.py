@@ -38,7 +38,6 @@ import h2.events
 import h2.exceptions
 import h2.settings
 
-from . import h2_whole
 from .client_base import (
     ANNOUNCE_LENGTH_FROM,
     ClientResponse,
@@ -46,7 +45,8 @@ from .client_base import (
     TransportError,
     split_https_url,
 )
-from .hpack_blocks import RememberingDecoder, header_block
+from .h2_lean import LeanConnection, lean_config
+from .hpack_blocks import header_block
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
@@ -54,19 +54,11 @@ MAX_CONNECTIONS = 16   # per origin
 ErrorCodes = h2.errors.ErrorCodes
 
 
-class ClientConnection(h2.connection.H2Connection):
-    """h2's client connection, with a request that fits sent whole (h2_whole) and the
-    answers' header blocks decoded once (hpack_blocks: the server sends the same block with
-    every answer of a kind)."""
+class ClientConnection(LeanConnection):
+    """h2's client connection (h2_lean), with a request that fits sent whole."""
 
     PRUNE_EVERY = 16   # closed streams kept past their end at most (h2 walks every stream to count)
     _prune_at = 0
-
-    def __init__(self, config: h2.config.H2Configuration | None = None):
-        super().__init__(config)
-        remembering = RememberingDecoder()
-        remembering.max_header_list_size = self.decoder.max_header_list_size
-        self.decoder = remembering
 
     def send_whole_request(self, stream_id: int, block: bytes, body: bytes, method: bytes,
                            authority: bytes) -> bool:
@@ -74,9 +66,9 @@ class ClientConnection(h2.connection.H2Connection):
         `request_block`) and send `body` ending it, as send_headers + send_data would. False,
         with nothing changed, where h2's own path must send it: a connection no longer open,
         a new stream over the server's SETTINGS_MAX_CONCURRENT_STREAMS, or a message
-        h2_whole.fits refuses."""
+        `fits` refuses."""
         if (self.state_machine.state is h2.connection.ConnectionState.CLOSED
-                or not h2_whole.fits(self, self.remote_settings.initial_window_size, block, body)):
+                or not self.fits(self.remote_settings.initial_window_size, block, body)):
             return False
         # h2 counts the open streams by walking them all, dropping the closed ones; every
         # stream held bounds that count from above (push is off: all are ours), so the walk
@@ -90,7 +82,7 @@ class ClientConnection(h2.connection.H2Connection):
                 return False
         stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
         stream._authority, stream.request_method = authority, method   # as send_headers records them
-        h2_whole.send_whole(self, stream, block, body)
+        self.send_whole(stream, block, body)
         return True
 
 
@@ -136,10 +128,9 @@ class H2ClientConnection(asyncio.Protocol):
     def __init__(self, max_response: int, freed: asyncio.Event):
         self._max_response = max_response
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
-        self._conn = ClientConnection(h2.config.H2Configuration(
-            client_side=True, header_encoding=None,
-            # our own header fields are lowercase literals and values we built
-            validate_outbound_headers=False, normalize_outbound_headers=False))
+        # the answers' fields are checked by h2 (any server may answer); our own are
+        # lowercase literals and values we built
+        self._conn = ClientConnection(lean_config(client_side=True))
         self._conn.local_settings = h2.settings.Settings(client=True, initial_values={
             h2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._transport: asyncio.Transport | None = None

@@ -30,7 +30,6 @@ import contextlib
 import logging
 import socket
 import ssl
-import types
 from typing import Any
 
 import h2.config
@@ -39,12 +38,11 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
-import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
 
-from . import clienthello, h2_whole
+from . import clienthello
 from .exchange import (
     IncomingRequest,
     Malformed,
@@ -53,7 +51,8 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .hpack_blocks import RememberingDecoder, header_block
+from .h2_lean import LeanConnection, lean_config
+from .hpack_blocks import header_block
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
 from .refusals import Kind, log
@@ -77,7 +76,6 @@ class TCPListener:
     protocol can pause it, so the peek would find nothing. The same code runs on both loops."""
 
     def __init__(self, serving: Serving, sock: socket.socket):
-        quiet_hpack_debug()
         self._serving = serving
         self.sockets = [sock]
         sock.setblocking(False)
@@ -233,14 +231,7 @@ class StreamError(h2.events.Event):
         self.flow_controlled_length = flow_controlled_length
 
 
-# the frames of every request, as received, with object's repr (ServerConnection._receive_frame)
-_QUIET_FRAMES: dict[type, type] = {
-    frame_type: type(f"Received{frame_type.__name__}", (frame_type,), {"__repr__": object.__repr__})
-    for frame_type in (hyperframe.frame.HeadersFrame, hyperframe.frame.DataFrame)
-}
-
-
-class ServerConnection(h2.connection.H2Connection):
+class ServerConnection(LeanConnection):
     """h2's connection, where the errors RFC 9113 makes stream errors stay stream errors.
 
     h2 raises a malformed request (here: a bad or conflicting content-length, a body that does
@@ -251,23 +242,6 @@ class ServerConnection(h2.connection.H2Connection):
     5.1.2), each with a StreamError event. HPACK errors and oversized header blocks stay
     connection errors: the shared compression state cannot be trusted after them.
     """
-
-    def __init__(self, config: h2.config.H2Configuration | None = None):
-        super().__init__(config)
-        remembering = RememberingDecoder()
-        remembering.max_header_list_size = self.decoder.max_header_list_size
-        self.decoder = remembering
-        for frame_type, quiet in _QUIET_FRAMES.items():   # h2 dispatches on the exact class
-            self._frame_dispatch_table[quiet] = self._frame_dispatch_table[frame_type]
-
-    def _receive_frame(self, frame):
-        # h2 passes repr(frame) to its logger here, made whether or not anything logs; for
-        # HEADERS and DATA hyperframe serialises the body again to show its first bytes.
-        # The same frame as a subclass whose repr is object's (C) costs nothing of that
-        quiet = _QUIET_FRAMES.get(frame.__class__)
-        if quiet is not None:
-            frame.__class__ = quiet
-        return super()._receive_frame(frame)
 
     PRUNE_EVERY = 8   # closed streams kept past their end at most (h2 walks every stream to count)
     _over_limit = False
@@ -333,14 +307,14 @@ class ServerConnection(h2.connection.H2Connection):
         return [], [StreamError(stream_id, kind, reason, length)]
 
     def send_whole_answer(self, stream_id: int, block: bytes, body: bytes) -> bool:
-        """An answer in one go (h2_whole): its HEADERS frame, `block` from `answer_block`,
+        """An answer in one go (h2_lean): its HEADERS frame, `block` from `answer_block`,
         and at most one DATA frame. False, with nothing changed, where h2's own path must
-        send it: a stream h2 no longer holds, or one h2_whole.fits refuses. Raises what
+        send it: a stream h2 no longer holds, or a message `fits` refuses. Raises what
         send_headers raises on a stream or connection that can no longer send."""
         stream = self.streams.get(stream_id)
-        if stream is None or not h2_whole.fits(self, stream.outbound_flow_control_window, block, body):
+        if stream is None or not self.fits(stream.outbound_flow_control_window, block, body):
             return False
-        h2_whole.send_whole(self, stream, block, body)
+        self.send_whole(stream, block, body)
         return True
 
 
@@ -359,35 +333,6 @@ def answer_block(response: Response) -> bytes | None:
         if len(_ANSWER_BLOCKS) < _ANSWER_BLOCKS_MAX:
             _ANSWER_BLOCKS[key] = block
     return None if response.headers else block
-
-
-def quiet_hpack_debug() -> None:
-    """hpack logs every header field it codes at DEBUG, through Logger.debug and
-    isEnabledFor: two Python calls each, about twenty a request, for messages nobody sees.
-    Where its loggers are not enabled for DEBUG when a server starts (logs.setup has set the
-    levels by then), their debug() becomes a C method that ignores its arguments, for the
-    life of the process; a process started at DEBUG keeps hpack's messages."""
-    for name in ("hpack.hpack", "hpack.table"):
-        logger = logging.getLogger(name)
-        if not logger.isEnabledFor(logging.DEBUG):
-            logger.debug = "".format   # type: ignore[method-assign]
-
-
-class PlainConfiguration(h2.config.H2Configuration):
-    """h2's configuration with its options as plain instance attributes. h2 reads them
-    through a Python descriptor or property each (the boolean options check their type when
-    set), about ten times a request; here the class attributes below shadow those, so
-    __init__ stores the values given (our own constants) and a read is an attribute read."""
-
-    client_side = header_encoding = None
-    validate_outbound_headers = normalize_outbound_headers = split_outbound_cookies = None
-    validate_inbound_headers = normalize_inbound_headers = None
-
-
-# h2's logger (its `logger=` option): h2 calls debug/trace a dozen times per request, and
-# its default DummyLogger makes each a Python call; a C method that ignores its arguments
-# discards them as well (h2's messages were never shown: it logs only to the logger given)
-_SILENT = types.SimpleNamespace(debug="".format, trace="".format)
 
 
 def _partial_frame(conn: h2.connection.H2Connection) -> bool:
@@ -412,10 +357,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         # inbound fields are validated by exchange.malformed; outbound ones are built by
         # exchange.response_headers (lowercase names, our own values): h2 checking and
         # normalising them again costs a pass over every field of every answer
-        self._conn = ServerConnection(PlainConfiguration(
-            client_side=False, header_encoding=None, logger=_SILENT,
-            validate_inbound_headers=False, normalize_inbound_headers=False,
-            validate_outbound_headers=False, normalize_outbound_headers=False))
+        self._conn = ServerConnection(lean_config(
+            client_side=False, validate_inbound_headers=False, normalize_inbound_headers=False))
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered

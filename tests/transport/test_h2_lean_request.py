@@ -13,6 +13,7 @@ import pytest
 
 from sdcp_fast.transport import client_h2
 from sdcp_fast.transport.client_h2 import ClientConnection, _request_headers, request_block
+from sdcp_fast.transport.h2_lean import lean_config
 
 BODY = bytes(range(256)) * 2
 PATH = "/v1/sessions/ab/proposals"
@@ -20,8 +21,7 @@ TYPE = "application/sdcp+cbor"
 
 
 def _pair(max_streams: int | None = None) -> tuple[ClientConnection, h2.connection.H2Connection]:
-    client = ClientConnection(h2.config.H2Configuration(
-        client_side=True, header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False))
+    client = ClientConnection(lean_config(client_side=True))
     server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
     client.initiate_connection()
     server.initiate_connection()

@@ -13,10 +13,9 @@ import h2.settings
 import pytest
 
 from sdcp_fast.transport.exchange import response_headers
+from sdcp_fast.transport.h2_lean import lean_config
 from sdcp_fast.transport.http import Response
 from sdcp_fast.transport.server_h2 import (
-    _SILENT,
-    PlainConfiguration,
     ServerConnection,
     answer_block,
 )
@@ -26,10 +25,8 @@ BODY = bytes(range(200)) * 3
 
 def _pair() -> tuple[h2.connection.H2Connection, ServerConnection]:
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-    server = ServerConnection(PlainConfiguration(
-        client_side=False, header_encoding=None, logger=_SILENT,
-        validate_inbound_headers=False, normalize_inbound_headers=False,
-        validate_outbound_headers=False, normalize_outbound_headers=False))
+    server = ServerConnection(lean_config(
+        client_side=False, validate_inbound_headers=False, normalize_inbound_headers=False))
     client.initiate_connection()
     server.initiate_connection()
     _exchange(client, server)
