@@ -92,9 +92,11 @@ class _Queued:
     future: asyncio.Future[RoundResult]
     enqueued: float = field(default_factory=time.perf_counter)
     fetch: QFetch | None = None       # its q rows on their way (rule 2)
+    during_pass: bool = False         # queued while a pass ran, or in the turns that read what came meanwhile
 
 
 TURNAROUND_ALPHA = 0.25   # weight of a session's latest turnaround in its average
+PASS_OVER_TURNS = 3       # loop turns after a pass whose arrivals still count as during it (_pass_over)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,8 @@ class Engine:
         self._batch_s = 0.0                                 # EWMA of a batch's seconds
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
         self._busy = 0                                # jobs in the batch being processed
+        self._in_pass = False                         # a pass runs, or its arrivals are being read
+        self._passes = 0                              # passes begun
         self.load_override: int | None = None         # pins the reported load (tests, drills)
         self._loop = LoopTask(self._run, "verifier-engine")
         self._batch_file = open(config.batch_log, "a") if config.batch_log else None  # noqa: SIM115
@@ -224,7 +228,8 @@ class Engine:
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
-        self._queue.put_nowait(_Queued(served, served.machine, job, future, fetch=fetch))
+        self._queue.put_nowait(_Queued(served, served.machine, job, future, fetch=fetch,
+                                       during_pass=self._in_pass))
         return future
 
     # ------------------------------------------------------------------ the loop
@@ -236,6 +241,8 @@ class Engine:
                 await self._gather(batch)
             self._recent.append({item.session.id for item in batch})
             self._busy = len(batch)
+            self._in_pass = True
+            self._passes += 1
             try:
                 await self._process(batch)
             except Exception as exc:   # a bug or a backend failure: refuse, never hang callers
@@ -244,6 +251,19 @@ class Engine:
                     self._refuse(item, Problem(Kind.UNAVAILABLE, f"verification failed: {exc}"))
             finally:
                 self._busy = 0
+                self._pass_over(self._passes, PASS_OVER_TURNS)
+
+    def _pass_over(self, pass_number: int, turns: int) -> None:
+        """A pass that ran on the loop held it: requests that came meanwhile are read in the
+        next turn and reach `enqueue` in the one after (on uvloop and on asyncio's loop
+        alike). Jobs queued until then count as having come during the pass (unless the
+        next pass has begun: it keeps the mark)."""
+        if pass_number != self._passes:
+            return
+        if turns:
+            asyncio.get_running_loop().call_soon(self._pass_over, pass_number, turns - 1)
+        else:
+            self._in_pass = False
 
     async def _gather(self, batch: list[_Queued]) -> None:
         """Add to `batch` the jobs that arrive while it waits for company: until its first
@@ -257,12 +277,14 @@ class Engine:
         starts the next pass instead: 32 table-model sessions, answered in two groups, had
         the verifier wait out every company window for the group still drafting).
 
-        The window counts from the first job's arrival, not from the end of the last pass:
-        under load the jobs that queued while that pass ran have waited already, and
-        max_wait_ms more on top of it only kept the verifier idle."""
+        The window is the wait of a first job that came to an idle engine, counted from its
+        arrival: a job that came while a pass ran (`_Queued.during_pass`) has waited for
+        that pass, where the jobs of the next one gathered, and max_wait_ms more on top of it
+        only kept the verifier idle."""
         loop = asyncio.get_running_loop()
         now = time.perf_counter()   # not loop.time(): uvloop's clock counts whole milliseconds
-        deadline = batch[0].enqueued + self.config.max_wait_ms / 1000
+        first = batch[0]
+        deadline = now if first.during_pass else first.enqueued + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
         # sessions that could still add a job (those with one queued are not counted):
         # once that many more have arrived, nobody else can come, so go at once
