@@ -740,9 +740,9 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         flight; with other streams in flight, in one write at the start of the loop's next
         turn. The answers of one batch are set together and their tasks run in the same turn
         one after another, so they leave as one TLS record and one send instead of one each
-        (per answer, the write and its send cost about a tenth of the verifier's work). The
-        flush is queued behind those tasks and ahead of whatever they wake, the engine's next
-        batch included, so no answer waits for a forward pass."""
+        (and the client reads them in one wake-up). The flush is queued behind those tasks
+        and ahead of whatever they wake, the engine's next batch included, so no answer waits
+        for a forward pass."""
         if len(self._tasks) <= 1:
             self._flush()
         elif not self._flush_queued:
