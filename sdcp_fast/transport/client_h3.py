@@ -163,12 +163,14 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
     family, _, _, _, addr = infos[0]
     connection = QuicConnection(configuration=configuration)
+    # a socket connected to the server: each datagram is sent without an address (no route
+    # lookup per send), and the kernel delivers only the server's datagrams to it
     transport, protocol = await loop.create_datagram_endpoint(
-        lambda: H3ClientConnection(connection), family=family,
-        local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0),
+        lambda: H3ClientConnection(connection), family=family, remote_addr=addr,
     )
     assert isinstance(protocol, H3ClientConnection)
     protocol._datagram_transport = transport
+    protocol._connected_to = addr
     protocol.connect(addr)
     try:
         async with asyncio.timeout(timeout):

@@ -46,6 +46,8 @@ quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks t
 
 from __future__ import annotations
 
+import logging
+
 import pylsqpack
 from aioquic import tls
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -62,6 +64,7 @@ from aioquic.h3.connection import (
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
+log = logging.getLogger(__name__)
 
 
 class LeanH3(H3Connection):
@@ -158,10 +161,56 @@ class LeanAcks(QuicConnectionProtocol):
         return False
 
     def transmit(self) -> None:
+        """Send what aioquic has to send, then make sure its timer (ACK, loss detection,
+        idle, pacing) fires no later than it asks. Unlike aioquic's own transmit, a timer
+        already armed for an earlier moment stays armed (`_handle_timer` re-arms it for the
+        later moment when it fires too early): the loss-detection deadline moves later with
+        every packet sent, so aioquic cancelled and re-armed a loop timer in every round."""
         if self._answer_wait is not None:
             self._answer_wait.cancel()
             self._answer_wait = None
-        super().transmit()
+        self._transmit_task = None
+        quic = self._quic
+        peer = self._connected_to
+        send = self._transport.sendto
+        for data, addr in quic.datagrams_to_send(now=self._loop.time()):
+            if peer is None:
+                send(data, addr)
+            elif addr == peer:
+                send(data)   # the transport's socket is connected to the peer: no address per send
+            else:
+                self._send_elsewhere(data, addr)
+        timer_at = quic.get_timer()
+        timer = self._timer
+        if timer is not None and (timer_at is None or timer_at < self._armed_at):
+            timer.cancel()
+            timer = self._timer = None
+        if timer is None and timer_at is not None:
+            self._timer = self._loop.call_at(timer_at, self._handle_timer)
+            self._armed_at = timer_at
+        self._timer_at = timer_at
+
+    _armed_at = 0.0         # when the armed timer (`_timer`) fires; `_timer_at` may be later
+    _connected_to = None    # the peer's address when the transport's socket is connected to it
+
+    def _handle_timer(self) -> None:
+        timer_at = self._timer_at
+        if timer_at is not None and timer_at > self._armed_at:
+            # armed for a deadline that has since moved later: wait for the new one (aioquic's
+            # handler would take the new deadline as the present: loss detection too early)
+            self._timer = self._loop.call_at(timer_at, self._handle_timer)
+            self._armed_at = timer_at
+            return
+        if timer_at is None:   # nothing is due any more
+            self._timer = None
+            return
+        super()._handle_timer()
+
+    def _send_elsewhere(self, data: bytes, addr) -> None:
+        """A datagram for another address than the connected peer's (a path probe aioquic
+        may send to a server's preferred address, which our servers do not announce): the
+        connected socket cannot send it, so it is dropped, as the network might."""
+        log.debug("h3: datagram for %s dropped: the socket is connected to %s", addr, self._connected_to)
 
     def ack_with_data(self) -> None:
         """Make an owed ACK due now: the packet about to carry data carries it too."""
