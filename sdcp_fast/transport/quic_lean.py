@@ -40,7 +40,13 @@ does not describe, and every SDCP message is the same bytes:
     ACK was not due yet) and still cost aioquic a packet built and dropped, about a fifth of
     the verifier's HTTP/3 work per round, on the round's critical path.
 
-These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`):
+  - `LeanAcks.transmit`: aioquic's loop timer (ACK, loss detection, idle) is re-armed only
+    when it must fire earlier than the armed one; fired too early, it re-arms for the later
+    deadline instead of acting. aioquic cancelled and armed one every round at each end: the
+    loss-detection deadline moves later with every packet sent. On the client, whose UDP
+    socket is connected to its server, datagrams are sent without an address.
+
+These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
 """
 

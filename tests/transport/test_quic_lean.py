@@ -55,3 +55,83 @@ def test_send_message_after_headers_is_aioquics_send_headers_and_send_data():
     lean.send_headers(4, REQUEST)
     with pytest.raises(FrameUnexpected):   # a second header block is trailers: no DATA after them
         lean.send_message(4, REQUEST, b"hello")
+
+
+class TimerQuic:
+    """A QuicConnection reduced to its timer: `deadline` is what get_timer() answers."""
+
+    def __init__(self):
+        self.deadline: float | None = None
+        self.handled: list[float] = []
+
+    def datagrams_to_send(self, now: float):
+        return []
+
+    def get_timer(self) -> float | None:
+        return self.deadline
+
+    def handle_timer(self, now: float) -> None:
+        self.handled.append(now)
+        self.deadline = None
+
+    def next_event(self):
+        return None
+
+
+class FakeLoop:
+    """Timers recorded, not run: `armed` lists (when, handle) as call_at made them."""
+
+    def __init__(self):
+        self.now = 100.0
+        self.armed: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_at(self, when, callback):
+        import asyncio
+        handle = asyncio.TimerHandle(when, callback, (), self)
+        self.armed.append((when, handle))
+        return handle
+
+    def _timer_handle_cancelled(self, handle) -> None:
+        pass
+
+    def get_debug(self) -> bool:
+        return False
+
+
+def test_the_loop_timer_is_rearmed_only_to_fire_earlier_and_never_acts_before_its_deadline():
+    import asyncio
+
+    from sdcp_fast.transport.quic_lean import LeanAcks
+
+    async def made() -> LeanAcks:   # aioquic's protocol takes the running loop
+        return LeanAcks(quic)
+
+    quic, loop = TimerQuic(), FakeLoop()
+    protocol = asyncio.run(made())
+    protocol._loop = loop
+    protocol._transport = type("Transport", (), {"sendto": lambda *args: None})()
+    quic.deadline = 100.030
+    protocol.transmit()
+    assert [when for when, _ in loop.armed] == [100.030]
+    quic.deadline = 100.050   # later (loss detection after another packet): the armed timer stays
+    protocol.transmit()
+    assert len(loop.armed) == 1 and not loop.armed[0][1].cancelled()
+    quic.deadline = 100.010   # earlier (an ACK owed): re-armed for it
+    protocol.transmit()
+    assert loop.armed[0][1].cancelled() and loop.armed[-1][0] == 100.010
+    quic.deadline = 100.040
+    protocol.transmit()
+    loop.now = 100.010
+    protocol._handle_timer()   # fires for 100.010, the deadline is now 100.040: re-armed, nothing handled
+    assert quic.handled == [] and loop.armed[-1][0] == 100.040
+    loop.now = 100.040
+    protocol._handle_timer()
+    assert quic.handled == [100.040] and protocol._timer is None   # handled; nothing asked after it
+    quic.deadline = 100.060
+    protocol.transmit()
+    quic.deadline = None      # nothing to wait for: the armed timer goes
+    protocol.transmit()
+    assert loop.armed[-1][1].cancelled() and protocol._timer is None
