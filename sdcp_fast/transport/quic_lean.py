@@ -66,7 +66,10 @@ from aioquic.h3.connection import (
     Setting,
     encode_frame,
     is_interim_response,
+    validate_request_headers,
+    validate_response_headers,
 )
+from aioquic.h3.events import DataReceived, HeadersReceived
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
@@ -111,6 +114,55 @@ class LeanH3(H3Connection):
             self._quic.send_stream_data(self._local_encoder_stream_id, encoder)
         return frame_data
 
+    # The largest HEADERS frame read whole by `_receive_request_or_push_data`; a longer one
+    # takes aioquic's path (the server's limit on header blocks is checked there).
+    whole_headers_limit = 16384
+
+    def _receive_request_or_push_data(self, stream, data: bytes, stream_ended: bool) -> list:
+        """A whole message in one piece of stream data (a HEADERS frame, then one DATA frame
+        that ends the stream, nothing before or after: every SDCP request and answer) is read
+        here with the checks, stream states and events aioquic's frame loop would give; any
+        other shape (or qlog on) goes to aioquic's loop."""
+        head = data[:1]
+        if head != b"\x01" or not stream_ended or stream.frame_type is not None or stream.buffer \
+                or stream.blocked or stream.push_id is not None or self._quic_logger is not None \
+                or stream.headers_recv_state != HeadersState.INITIAL:
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        start, size = _varint(data, 1)
+        end = start + size
+        if start < 0 or size > self.whole_headers_limit or data[end:end + 1] != b"\x00":
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        body_start, body_size = _varint(data, end + 1)
+        if body_start < 0 or body_start + body_size != len(data):
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        stream.receiving_ended = True
+        stream_id = stream.stream_id
+        try:
+            headers = self._decode_headers(stream_id, data[start:end])
+            if not self._is_client:
+                validate_request_headers(headers, stream)
+            else:
+                interim = is_interim_response(headers)
+                validate_response_headers(headers, None if interim else stream)
+                if interim:   # a 1xx cannot be followed by DATA
+                    stream.interim_response_received = True
+                    raise FrameUnexpected("DATA frame is not allowed in this state")
+            stream.headers_recv_state = HeadersState.AFTER_HEADERS
+            body = data[body_start:]
+            stream.content_length += body_size
+            self._check_content_length(stream)
+        except pylsqpack.StreamBlocked:   # as aioquic leaves a blocked HEADERS frame
+            stream.blocked = True
+            stream.blocked_frame_size = size
+            stream.blocked_frame_type = FrameType.HEADERS
+            stream.buffer = data[end:]
+            return []
+        except BaseException:   # a refusal leaves the stream as aioquic's loop leaves it
+            stream.buffer = data
+            raise
+        return [HeadersReceived(headers=headers, stream_id=stream_id, stream_ended=False),
+                DataReceived(data=body, stream_id=stream_id, stream_ended=True)]
+
     def send_message(self, stream_id: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """`send_headers(headers)` then `send_data(body, end_stream=True)`: the same HEADERS
         and DATA frames and the same checks and stream states, in one QUIC stream write (one
@@ -131,6 +183,21 @@ class LeanH3(H3Connection):
             stream.finish_sending()
         self._quic.send_stream_data(
             stream_id, encode_frame(FrameType.HEADERS, frame_data) + encode_frame(FrameType.DATA, body), True)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """(offset after, value) of the QUIC variable-length integer at `at` (RFC 9000 16);
+    (-1, 0) when `data` ends inside it."""
+    if at >= len(data):
+        return -1, 0
+    first = data[at]
+    length = 1 << (first >> 6)
+    after = at + length
+    if after > len(data):
+        return -1, 0
+    if length == 1:
+        return after, first
+    return after, int.from_bytes(data[at:after], "big") & ((1 << (8 * length - 2)) - 1)
 
 
 class LeanAcks(QuicConnectionProtocol):

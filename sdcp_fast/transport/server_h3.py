@@ -71,6 +71,7 @@ class ServerH3Connection(LeanH3):
 
     def __init__(self, quic: QuicConnection, *, max_header_list: int):
         self._max_header_list = max_header_list
+        self.whole_headers_limit = max_header_list   # a longer HEADERS frame is refused below
         self._refused: dict[int, None] = {}   # ordered: the oldest forgotten first
         super().__init__(quic)
 

@@ -135,3 +135,62 @@ def test_the_loop_timer_is_rearmed_only_to_fire_earlier_and_never_acts_before_it
     quic.deadline = None      # nothing to wait for: the armed timer goes
     protocol.transmit()
     assert loop.armed[-1][1].cancelled() and protocol._timer is None
+
+
+def _message(headers, body: bytes, *, is_client_sending: bool, long_lengths: bool = False) -> bytes:
+    """HEADERS + DATA as a peer sends them (QPACK without the dynamic table)."""
+    import pylsqpack
+    from aioquic.buffer import encode_uint_var
+
+    encoder = pylsqpack.Encoder()
+    _, block = encoder.encode(0, headers)
+
+    def frame(kind: int, payload: bytes) -> bytes:
+        if long_lengths:   # a non-minimal 4-byte length: allowed (RFC 9000 16)
+            return bytes([kind]) + (0x80000000 | len(payload)).to_bytes(4, "big") + payload
+        return encode_uint_var(kind) + encode_uint_var(len(payload)) + payload
+
+    return frame(1, block) + frame(0, body)
+
+
+def _outcome(h3, data: bytes, generic: bool):
+    from aioquic.h3.connection import H3Connection, H3Stream
+
+    stream = H3Stream(0)
+    try:
+        if generic:
+            events = H3Connection._receive_request_or_push_data(h3, stream, data, True)
+        else:
+            events = h3._receive_request_or_push_data(stream, data, True)
+        result = ("events", events)
+    except Exception as exc:   # the same refusal, with the same reason
+        result = ("raised", type(exc).__name__, str(exc))
+    return result, {name: value for name, value in vars(stream).items() if name != "interim_response_received"} \
+        | {"interim": getattr(stream, "interim_response_received", False)}
+
+
+BODY = b"\xa1\x01\x02"
+WHOLE_MESSAGES = [
+    (False, _message(REQUEST[:5], BODY, is_client_sending=True)),
+    (False, _message(REQUEST, b"12345", is_client_sending=True)),                      # content-length agrees
+    (False, _message(REQUEST, b"1234", is_client_sending=True)),                       # ... or not
+    (False, _message(REQUEST[:5], BODY * 100, is_client_sending=True, long_lengths=True)),
+    (False, _message([(b":method", b"POST"), (b":path", b"/x")], BODY, is_client_sending=True)),   # no :authority
+    (False, _message(REQUEST[:5] + [(b"Upper", b"x")], BODY, is_client_sending=True)),
+    (False, _message(REQUEST[:5], b"", is_client_sending=True)),
+    (False, _message(REQUEST[:5], BODY, is_client_sending=True) + b"\x00\x01x"),          # another frame: aioquic's loop
+    (False, _message(REQUEST[:5], BODY, is_client_sending=True)[:-1]),                   # truncated
+    (False, b"\x01\x03\x00\x00\xff\x00\x01x"),                                               # a broken header block
+    (True, _message(ANSWER[:2], BODY, is_client_sending=False)),
+    (True, _message(ANSWER, b"12345", is_client_sending=False)),
+    (True, _message(ANSWER, b"123456", is_client_sending=False)),
+    (True, _message([(b":status", b"103")], BODY, is_client_sending=False)),               # interim, then DATA
+    (True, _message([(b":status", b"20x")], BODY, is_client_sending=False)),
+    (True, _message([(b"content-type", b"x")], BODY, is_client_sending=False)),            # no :status
+]
+
+
+@pytest.mark.parametrize("is_client, data", WHOLE_MESSAGES)
+def test_a_whole_message_is_read_as_aioquics_frame_loop_reads_it(is_client, data):
+    fast, generic = LeanH3(RecordingQuic(is_client)), LeanH3(RecordingQuic(is_client))
+    assert _outcome(fast, data, generic=False) == _outcome(generic, data, generic=True)
