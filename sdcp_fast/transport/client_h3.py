@@ -42,6 +42,15 @@ class _Exchange:
         self.body = bytearray()
 
 
+def _read_head(exchange: _Exchange, headers) -> None:
+    """The answer's status and fields (names lowercased) into `exchange`."""
+    for name, value in headers:
+        if name == b":status":
+            exchange.status = int(value)
+        elif not name.startswith(b":"):
+            exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+
 class H3ClientConnection(LeanAcks):
     def __init__(self, quic: QuicConnection, **kwargs):
         super().__init__(quic, **kwargs)
@@ -118,16 +127,24 @@ class H3ClientConnection(LeanAcks):
                 exchange.future.set_exception(
                     TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent)
                 )
-        for h3_event in self._h3.handle_event(event):
+        h3_events = self._h3.handle_event(event)
+        if len(h3_events) == 2:
+            head, data = h3_events
+            if head.__class__ is HeadersReceived and data.__class__ is DataReceived and data.stream_ended \
+                    and head.stream_id == data.stream_id and not head.stream_ended:
+                # a whole answer (as every SDCP answer comes): settled at once
+                exchange = self._exchanges.get(head.stream_id)
+                if exchange is not None and not exchange.future.done() and not exchange.body \
+                        and len(data.data) <= exchange.max_response:
+                    _read_head(exchange, head.headers)
+                    exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, data.data))
+                    return
+        for h3_event in h3_events:
             exchange = self._exchanges.get(getattr(h3_event, "stream_id", -1))
             if exchange is None or exchange.future.done():
                 continue
             if isinstance(h3_event, HeadersReceived):
-                for name, value in h3_event.headers:
-                    if name == b":status":
-                        exchange.status = int(value)
-                    elif not name.startswith(b":"):
-                        exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+                _read_head(exchange, h3_event.headers)
             elif isinstance(h3_event, DataReceived):
                 exchange.body += h3_event.data
                 if len(exchange.body) > exchange.max_response:
