@@ -84,6 +84,7 @@ class LeanH3(H3Connection):
         # the SETTINGS frame (queued by super().__init__) already said 0: decode accordingly
         self._max_table_capacity = self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(0, 0)
+        self._header_frames: dict[tuple, bytes] = {}
 
     def _get_local_settings(self) -> dict[int, int]:
         settings = super()._get_local_settings()
@@ -170,19 +171,42 @@ class LeanH3(H3Connection):
         Anything else than a first, final header block (trailers, a 1xx, qlog on) takes
         aioquic's two calls."""
         stream = self._stream.get(stream_id)
+        key = tuple(headers)
+        frame = self._header_frames.get(key)   # remembered: a final header block (not a 1xx)
         if (stream is not None and stream.headers_send_state != HeadersState.INITIAL) \
-                or self._quic_logger is not None or (not self._is_client and is_interim_response(headers)):
+                or self._quic_logger is not None \
+                or (frame is None and not self._is_client and is_interim_response(headers)):
             self.send_headers(stream_id, headers)
             self.send_data(stream_id, body, end_stream=True)
             return
         with self._get_or_create_stream(stream_id) as stream:
             if stream.sending_ended:   # what send_headers' finish_sending() would refuse
                 raise FrameUnexpected("stream was already ended")
-            frame_data = self._encode_headers(stream_id, headers)
+            if frame is None:
+                frame_data = self._encode_headers(stream_id, headers)
+                frame = encode_frame(FrameType.HEADERS, frame_data)
+                self._remember_header_frame(key, frame_data, frame)
             stream.headers_send_state = HeadersState.AFTER_HEADERS
             stream.finish_sending()
-        self._quic.send_stream_data(
-            stream_id, encode_frame(FrameType.HEADERS, frame_data) + encode_frame(FrameType.DATA, body), True)
+        self._quic.send_stream_data(stream_id, frame + encode_frame(FrameType.DATA, body), True)
+
+    # HEADERS frames coded once per connection and header list: with the table off (ours and
+    # our peers') a header block is a function of the fields alone
+    REMEMBERED_HEADER_FRAMES = 64
+    REMEMBERED_HEADER_FRAME_SIZE = 512
+
+    def _remember_header_frame(self, key: tuple, frame_data: bytes, frame: bytes) -> None:
+        # only once the peer's SETTINGS allowed the encoder no dynamic table (ours say 0;
+        # another peer's table would make a block depend on what the encoder saw before), and
+        # a block that refers to no table entry (Required Insert Count 0, Base 0: its first two
+        # octets, RFC 9204 4.5.1), valid whatever the table holds
+        settings = self._received_settings
+        if settings is None or settings.get(Setting.QPACK_MAX_TABLE_CAPACITY, 0) \
+                or frame_data[:2] != b"\x00\x00" or len(frame) > self.REMEMBERED_HEADER_FRAME_SIZE:
+            return
+        if len(self._header_frames) >= self.REMEMBERED_HEADER_FRAMES:
+            self._header_frames.clear()
+        self._header_frames[key] = frame
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:

@@ -91,7 +91,8 @@ def _missing_lean_names() -> list[str]:
     h3 = H3Connection(connection)
     names += [f"H3Connection().{name}" for name in ("_stream", "_quic_logger", "_is_client", "_encoder", "_decoder",
                                                     "_encoder_bytes_sent", "_decoder_bytes_sent",
-                                                    "_local_encoder_stream_id", "_local_decoder_stream_id")
+                                                    "_local_encoder_stream_id", "_local_decoder_stream_id",
+                                                    "_received_settings")
               if not hasattr(h3, name)]
     return names
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from aioquic.h3.connection import FrameUnexpected
+from aioquic.h3.connection import FrameUnexpected, Setting
 from aioquic.quic.configuration import QuicConfiguration
 
 from sdcp_fast.transport.quic_lean import LeanH3
@@ -41,13 +41,32 @@ ANSWER = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor"), (b"
 def test_send_message_writes_the_frames_send_headers_and_send_data_write(is_client, headers):
     lean_quic, plain_quic = RecordingQuic(is_client), RecordingQuic(is_client)
     lean, plain = LeanH3(lean_quic), LeanH3(plain_quic)
-    for stream_id in (0, 4):   # a second stream: the QPACK state carries over alike
+    lean._received_settings = lean._get_local_settings()   # our peer's: no QPACK table
+    for stream_id in (0, 4, 8):   # more streams: the QPACK state carries over alike, blocks remembered
         lean.send_message(stream_id, headers, b"hello")
         plain.send_headers(stream_id, headers)
         plain.send_data(stream_id, b"hello", end_stream=True)
     assert lean_quic.sent == plain_quic.sent
-    assert lean_quic.ended == plain_quic.ended == {0, 4}
+    assert lean_quic.ended == plain_quic.ended == {0, 4, 8}
+    assert len(lean._header_frames) == 1
     assert lean._stream.keys() == plain._stream.keys()
+
+
+def test_a_header_block_referring_to_the_dynamic_table_is_not_remembered():
+    """A peer (not ours) whose SETTINGS allow a QPACK table: blocks that use it are coded
+    each time, as aioquic codes them."""
+    lean_quic, plain_quic = RecordingQuic(False), RecordingQuic(False)
+    lean, plain = LeanH3(lean_quic), LeanH3(plain_quic)
+    for h3 in (lean, plain):   # as the peer's SETTINGS would
+        h3._received_settings = {Setting.QPACK_MAX_TABLE_CAPACITY: 4096, Setting.QPACK_BLOCKED_STREAMS: 16}
+        h3._encoder.apply_settings(4096, 16)
+    headers = [(b":status", b"200"), (b"x-custom-field", b"a value worth indexing")]
+    for stream_id in (1, 5, 9):
+        lean.send_message(stream_id, headers, b"hello")
+        plain.send_headers(stream_id, headers)
+        plain.send_data(stream_id, b"hello", end_stream=True)
+    assert lean_quic.sent == plain_quic.sent
+    assert lean._encoder_bytes_sent and not lean._header_frames
 
 
 def test_send_message_after_headers_is_aioquics_send_headers_and_send_data():
