@@ -27,6 +27,7 @@ from .quic_mtls import check_aioquic, peer_certificates
 from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
+REMEMBERED_HEADS = 256   # request header lists kept per connection (forgotten all at once when full)
 
 
 class _Exchange:
@@ -58,6 +59,9 @@ class H3ClientConnection(LeanAcks):
         self._exchanges: dict[int, _Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
+        # request header lists by (method, authority, target, content type): a session's
+        # proposals all go to one URL with the same fields
+        self._heads: dict[tuple, list[tuple[bytes, bytes]]] = {}
 
     @property
     def usable(self) -> bool:
@@ -71,13 +75,18 @@ class H3ClientConnection(LeanAcks):
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
         stream_id = self._quic.get_next_available_stream_id()
-        headers = [(b":method", method.encode()), (b":scheme", b"https"),
-                   (b":authority", authority.encode()), (b":path", target.encode())]
-        if body is not None:
-            if content_type:
+        key = (method, authority, target, content_type if body is not None else None)
+        headers = self._heads.get(key)
+        if headers is None:
+            headers = [(b":method", method.encode()), (b":scheme", b"https"),
+                       (b":authority", authority.encode()), (b":path", target.encode())]
+            if content_type and body is not None:
                 headers.append((b"content-type", content_type.encode()))
-            if len(body) >= ANNOUNCE_LENGTH_FROM:
-                headers.append((b"content-length", str(len(body)).encode()))
+            if len(self._heads) >= REMEMBERED_HEADS:
+                self._heads.clear()
+            self._heads[key] = headers
+        if body is not None and len(body) >= ANNOUNCE_LENGTH_FROM:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
         exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
         self._exchanges[stream_id] = exchange
         if body:

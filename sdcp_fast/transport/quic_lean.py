@@ -70,6 +70,7 @@ from aioquic.h3.connection import (
     validate_response_headers,
 )
 from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.events import StreamDataReceived
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
@@ -252,6 +253,17 @@ class LeanAcks(QuicConnectionProtocol):
             self._transmit_soon()
 
     _answer_wait = None   # the timer that sends what a datagram led to if no answer does first
+
+    def _process_events(self) -> None:
+        """aioquic's, with stream data (nearly every event) handed on without first testing it
+        against the five event types the protocol itself handles; the first other event and
+        all after it go to aioquic's own loop, in order."""
+        events = self._quic._events
+        while events:
+            if events[0].__class__ is not StreamDataReceived:
+                super()._process_events()
+                return
+            self.quic_event_received(events.popleft())
 
     def answer_pending(self) -> bool:
         """Whether a request is being answered on this connection (a server's hook)."""

@@ -80,7 +80,8 @@ def _missing_lean_names() -> list[str]:
     from aioquic.quic.configuration import QuicConfiguration
 
     connection = QuicConnection(configuration=QuicConfiguration(is_client=True))
-    names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces") if not hasattr(connection, name)]
+    names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces", "_events")
+             if not hasattr(connection, name)]
     names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events", "_handle_timer")
               if not hasattr(QuicConnectionProtocol, name)]
     # the attributes its __init__ sets (LeanAcks.transmit keeps aioquic's timer in them)

@@ -80,8 +80,11 @@ class TimerQuic:
     """A QuicConnection reduced to its timer: `deadline` is what get_timer() answers."""
 
     def __init__(self):
+        import collections
+
         self.deadline: float | None = None
         self.handled: list[float] = []
+        self._events: collections.deque = collections.deque()
 
     def datagrams_to_send(self, now: float):
         return []
@@ -213,3 +216,36 @@ WHOLE_MESSAGES = [
 def test_a_whole_message_is_read_as_aioquics_frame_loop_reads_it(is_client, data):
     fast, generic = LeanH3(RecordingQuic(is_client)), LeanH3(RecordingQuic(is_client))
     assert _outcome(fast, data, generic=False) == _outcome(generic, data, generic=True)
+
+
+def test_events_reach_the_protocol_in_order_and_aioquic_still_handles_its_own():
+    import asyncio
+
+    from aioquic.quic.events import HandshakeCompleted, PingAcknowledged, StreamDataReceived
+
+    from sdcp_fast.transport.quic_lean import LeanAcks
+
+    quic = TimerQuic()
+
+    class Recording(LeanAcks):
+        def __init__(self, quic):
+            super().__init__(quic)
+            self.seen: list = []
+
+        def quic_event_received(self, event) -> None:
+            self.seen.append(event)
+
+    async def main():
+        protocol = Recording(quic)
+        protocol._connected_waiter = asyncio.get_running_loop().create_future()
+        ping = asyncio.get_running_loop().create_future()
+        protocol._ping_waiters[7] = ping
+        events = [StreamDataReceived(b"a", False, 0), HandshakeCompleted("h3", False, False),
+                  StreamDataReceived(b"b", True, 0), PingAcknowledged(7), StreamDataReceived(b"c", False, 4)]
+        quic._events.extend(events)
+        quic.next_event = lambda: quic._events.popleft() if quic._events else None
+        protocol._process_events()
+        assert protocol.seen == events and not quic._events
+        assert protocol._connected and ping.done()   # aioquic's own handling ran
+
+    asyncio.run(main())
