@@ -61,6 +61,7 @@ from aioquic.h3.connection import (
     FrameType,
     FrameUnexpected,
     H3Connection,
+    H3Stream,
     HeadersState,
     QpackDecompressionFailed,
     Setting,
@@ -175,12 +176,14 @@ class LeanH3(H3Connection):
         key = tuple(headers)
         frame = self._header_frames.get(key)   # remembered: a final header block (not a 1xx)
         if (stream is not None and stream.headers_send_state != HeadersState.INITIAL) \
-                or self._quic_logger is not None \
+                or self._quic_logger is not None or (stream is None and stream_id & 2) \
                 or (frame is None and not self._is_client and is_interim_response(headers)):
             self.send_headers(stream_id, headers)
             self.send_data(stream_id, body, end_stream=True)
             return
-        with self._get_or_create_stream(stream_id) as stream:
+        if stream is None:   # a request stream's first use (the client's)
+            stream = self._stream[stream_id] = H3Stream(stream_id)
+        try:
             if stream.sending_ended:   # what send_headers' finish_sending() would refuse
                 raise FrameUnexpected("stream was already ended")
             if frame is None:
@@ -189,7 +192,28 @@ class LeanH3(H3Connection):
                 self._remember_header_frame(key, frame_data, frame)
             stream.headers_send_state = HeadersState.AFTER_HEADERS
             stream.finish_sending()
+        finally:
+            self._forget_if_ended(stream)
         self._quic.send_stream_data(stream_id, frame + encode_frame(FrameType.DATA, body), True)
+
+    # aioquic looks a stream up (and forgets it once ended both ways) in a generator-based
+    # context manager, about six Python calls each time; for request streams (bidirectional:
+    # no half ended from the start) these two do the same in line
+    def _receive_stream_data(self, event) -> list:
+        stream_id = event.stream_id
+        if stream_id & 2:   # unidirectional: aioquic's
+            return super()._receive_stream_data(event)
+        stream = self._stream.get(stream_id)
+        if stream is None:
+            stream = self._stream[stream_id] = H3Stream(stream_id)
+        try:
+            return self._receive_request_or_push_data(stream, event.data, event.end_stream)
+        finally:
+            self._forget_if_ended(stream)
+
+    def _forget_if_ended(self, stream) -> None:
+        if stream.sending_ended and stream.receiving_ended and not stream.blocked:   # H3Stream.is_ended()
+            self._stream.pop(stream.stream_id, None)
 
     # HEADERS frames coded once per connection and header list: with the table off (ours and
     # our peers') a header block is a function of the fields alone

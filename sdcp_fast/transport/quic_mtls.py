@@ -88,7 +88,8 @@ def _missing_lean_names() -> list[str]:
     names += [f"QuicConnectionProtocol().{name}" for name in ("_timer", "_timer_at", "_transmit_task", "_transport")
               if name not in QuicConnectionProtocol.__init__.__code__.co_names]
     names += [f"H3Connection.{name}" for name in ("_get_local_settings", "_get_or_create_stream", "_encode_headers",
-                                                  "_decode_headers") if not hasattr(H3Connection, name)]
+                                                  "_decode_headers", "_receive_stream_data", "_receive_request_or_push_data")
+              if not hasattr(H3Connection, name)]
     h3 = H3Connection(connection)
     names += [f"H3Connection().{name}" for name in ("_stream", "_quic_logger", "_is_client", "_encoder", "_decoder",
                                                     "_encoder_bytes_sent", "_decoder_bytes_sent",

@@ -249,3 +249,22 @@ def test_events_reach_the_protocol_in_order_and_aioquic_still_handles_its_own():
         assert protocol._connected and ping.done()   # aioquic's own handling ran
 
     asyncio.run(main())
+
+
+def test_a_request_stream_is_kept_and_forgotten_as_aioquic_keeps_it():
+    from aioquic.h3.connection import H3Connection
+    from aioquic.quic.events import StreamDataReceived
+
+    data = _message(REQUEST[:5], BODY, is_client_sending=True)
+    lean, plain = LeanH3(RecordingQuic(False)), LeanH3(RecordingQuic(False))
+    for stream_id, chunks in ((0, [data]), (4, [data[:7], data[7:]])):   # whole; in two pieces
+        for at, chunk in enumerate(chunks):
+            event = StreamDataReceived(chunk, at == len(chunks) - 1, stream_id)
+            assert lean._receive_stream_data(event) == H3Connection._receive_stream_data(plain, event)
+            assert lean._stream.keys() == plain._stream.keys() == {0, 4} & set(range(stream_id + 1))
+    for stream_id in (0, 4):
+        lean.send_message(stream_id, ANSWER, b"hello")
+        plain.send_headers(stream_id, ANSWER)
+        plain.send_data(stream_id, b"hello", end_stream=True)
+        assert lean._stream.keys() == plain._stream.keys()
+    assert not lean._stream   # both ways ended: forgotten
