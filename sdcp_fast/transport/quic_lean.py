@@ -39,14 +39,21 @@ does not describe, and every SDCP message is the same bytes:
     end of the loop turn. On a lone session's verifier that `transmit()` sent nothing (the
     ACK was not due yet) and still cost aioquic a packet built and dropped, about a fifth of
     the verifier's HTTP/3 work per round, on the round's critical path.
-
   - `LeanAcks.transmit`: aioquic's loop timer (ACK, loss detection, idle) is re-armed only
     when it must fire earlier than the armed one; fired too early, it re-arms for the later
     deadline instead of acting. aioquic cancelled and armed one every round at each end: the
     loss-detection deadline moves later with every packet sent. On the client, whose UDP
     socket is connected to its server, datagrams are sent without an address.
+  - `LeanH3`: a whole message in one piece of stream data (HEADERS, then one DATA frame
+    ending the stream: every SDCP request and answer) is read without aioquic's frame loop,
+    with the same checks, states, events and refusals; a final HEADERS frame is coded once
+    per connection and header list once the peer's SETTINGS allow no QPACK table; request
+    streams are looked up in line (aioquic's generator-based context manager costs about
+    six calls each time). `LeanAcks._process_events`: stream data skips aioquic's five
+    event-type tests.
 
-These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`):
+These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`,
+`_events`, `_stream`, `_received_settings`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
 """
 
