@@ -27,6 +27,7 @@ from .quic_mtls import check_aioquic, peer_certificates
 from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
+REMEMBERED_HEADS = 256   # request header lists kept per connection (forgotten all at once when full)
 
 
 class _Exchange:
@@ -42,6 +43,15 @@ class _Exchange:
         self.body = bytearray()
 
 
+def _read_head(exchange: _Exchange, headers) -> None:
+    """The answer's status and fields (names lowercased) into `exchange`."""
+    for name, value in headers:
+        if name == b":status":
+            exchange.status = int(value)
+        elif not name.startswith(b":"):
+            exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+
 class H3ClientConnection(LeanAcks):
     def __init__(self, quic: QuicConnection, **kwargs):
         super().__init__(quic, **kwargs)
@@ -49,6 +59,9 @@ class H3ClientConnection(LeanAcks):
         self._exchanges: dict[int, _Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
+        # request header lists by (method, authority, target, content type): a session's
+        # proposals all go to one URL with the same fields
+        self._heads: dict[tuple, list[tuple[bytes, bytes]]] = {}
 
     @property
     def usable(self) -> bool:
@@ -62,13 +75,18 @@ class H3ClientConnection(LeanAcks):
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
         stream_id = self._quic.get_next_available_stream_id()
-        headers = [(b":method", method.encode()), (b":scheme", b"https"),
-                   (b":authority", authority.encode()), (b":path", target.encode())]
-        if body is not None:
-            if content_type:
+        key = (method, authority, target, content_type if body is not None else None)
+        headers = self._heads.get(key)
+        if headers is None:
+            headers = [(b":method", method.encode()), (b":scheme", b"https"),
+                       (b":authority", authority.encode()), (b":path", target.encode())]
+            if content_type and body is not None:
                 headers.append((b"content-type", content_type.encode()))
-            if len(body) >= ANNOUNCE_LENGTH_FROM:
-                headers.append((b"content-length", str(len(body)).encode()))
+            if len(self._heads) >= REMEMBERED_HEADS:
+                self._heads.clear()
+            self._heads[key] = headers
+        if body is not None and len(body) >= ANNOUNCE_LENGTH_FROM:
+            headers = [*headers, (b"content-length", str(len(body)).encode())]
         exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
         self._exchanges[stream_id] = exchange
         if body:
@@ -118,16 +136,24 @@ class H3ClientConnection(LeanAcks):
                 exchange.future.set_exception(
                     TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent)
                 )
-        for h3_event in self._h3.handle_event(event):
+        h3_events = self._h3.handle_event(event)
+        if len(h3_events) == 2:
+            head, data = h3_events
+            if head.__class__ is HeadersReceived and data.__class__ is DataReceived and data.stream_ended \
+                    and head.stream_id == data.stream_id and not head.stream_ended:
+                # a whole answer (as every SDCP answer comes): settled at once
+                exchange = self._exchanges.get(head.stream_id)
+                if exchange is not None and not exchange.future.done() and not exchange.body \
+                        and len(data.data) <= exchange.max_response:
+                    _read_head(exchange, head.headers)
+                    exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, data.data))
+                    return
+        for h3_event in h3_events:
             exchange = self._exchanges.get(getattr(h3_event, "stream_id", -1))
             if exchange is None or exchange.future.done():
                 continue
             if isinstance(h3_event, HeadersReceived):
-                for name, value in h3_event.headers:
-                    if name == b":status":
-                        exchange.status = int(value)
-                    elif not name.startswith(b":"):
-                        exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+                _read_head(exchange, h3_event.headers)
             elif isinstance(h3_event, DataReceived):
                 exchange.body += h3_event.data
                 if len(exchange.body) > exchange.max_response:
@@ -163,12 +189,14 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
     family, _, _, _, addr = infos[0]
     connection = QuicConnection(configuration=configuration)
+    # a socket connected to the server: each datagram is sent without an address (no route
+    # lookup per send), and the kernel delivers only the server's datagrams to it
     transport, protocol = await loop.create_datagram_endpoint(
-        lambda: H3ClientConnection(connection), family=family,
-        local_addr=("::" if family == socket.AF_INET6 else "0.0.0.0", 0),
+        lambda: H3ClientConnection(connection), family=family, remote_addr=addr,
     )
     assert isinstance(protocol, H3ClientConnection)
     protocol._datagram_transport = transport
+    protocol._connected_to = addr
     protocol.connect(addr)
     try:
         async with asyncio.timeout(timeout):

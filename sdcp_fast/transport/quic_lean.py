@@ -39,12 +39,27 @@ does not describe, and every SDCP message is the same bytes:
     end of the loop turn. On a lone session's verifier that `transmit()` sent nothing (the
     ACK was not due yet) and still cost aioquic a packet built and dropped, about a fifth of
     the verifier's HTTP/3 work per round, on the round's critical path.
+  - `LeanAcks.transmit`: aioquic's loop timer (ACK, loss detection, idle) is re-armed only
+    when it must fire earlier than the armed one; fired too early, it re-arms for the later
+    deadline instead of acting. aioquic cancelled and armed one every round at each end: the
+    loss-detection deadline moves later with every packet sent. On the client, whose UDP
+    socket is connected to its server, datagrams are sent without an address.
+  - `LeanH3`: a whole message in one piece of stream data (HEADERS, then one DATA frame
+    ending the stream: every SDCP request and answer) is read without aioquic's frame loop,
+    with the same checks, states, events and refusals; a final HEADERS frame is coded once
+    per connection and header list once the peer's SETTINGS allow no QPACK table; request
+    streams are looked up in line (aioquic's generator-based context manager costs about
+    six calls each time). `LeanAcks._process_events`: stream data skips aioquic's five
+    event-type tests.
 
-These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`):
+These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`,
+`_events`, `_stream`, `_received_settings`):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pylsqpack
 from aioquic import tls
@@ -53,15 +68,21 @@ from aioquic.h3.connection import (
     FrameType,
     FrameUnexpected,
     H3Connection,
+    H3Stream,
     HeadersState,
     QpackDecompressionFailed,
     Setting,
     encode_frame,
     is_interim_response,
+    validate_request_headers,
+    validate_response_headers,
 )
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.events import StreamDataReceived
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
+log = logging.getLogger(__name__)
 
 
 class LeanH3(H3Connection):
@@ -72,6 +93,7 @@ class LeanH3(H3Connection):
         # the SETTINGS frame (queued by super().__init__) already said 0: decode accordingly
         self._max_table_capacity = self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(0, 0)
+        self._header_frames: dict[tuple, bytes] = {}
 
     def _get_local_settings(self) -> dict[int, int]:
         settings = super()._get_local_settings()
@@ -102,6 +124,55 @@ class LeanH3(H3Connection):
             self._quic.send_stream_data(self._local_encoder_stream_id, encoder)
         return frame_data
 
+    # The largest HEADERS frame read whole by `_receive_request_or_push_data`; a longer one
+    # takes aioquic's path (the server's limit on header blocks is checked there).
+    whole_headers_limit = 16384
+
+    def _receive_request_or_push_data(self, stream, data: bytes, stream_ended: bool) -> list:
+        """A whole message in one piece of stream data (a HEADERS frame, then one DATA frame
+        that ends the stream, nothing before or after: every SDCP request and answer) is read
+        here with the checks, stream states and events aioquic's frame loop would give; any
+        other shape (or qlog on) goes to aioquic's loop."""
+        head = data[:1]
+        if head != b"\x01" or not stream_ended or stream.frame_type is not None or stream.buffer \
+                or stream.blocked or stream.push_id is not None or self._quic_logger is not None \
+                or stream.headers_recv_state != HeadersState.INITIAL:
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        start, size = _varint(data, 1)
+        end = start + size
+        if start < 0 or size > self.whole_headers_limit or data[end:end + 1] != b"\x00":
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        body_start, body_size = _varint(data, end + 1)
+        if body_start < 0 or body_start + body_size != len(data):
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        stream.receiving_ended = True
+        stream_id = stream.stream_id
+        try:
+            headers = self._decode_headers(stream_id, data[start:end])
+            if not self._is_client:
+                validate_request_headers(headers, stream)
+            else:
+                interim = is_interim_response(headers)
+                validate_response_headers(headers, None if interim else stream)
+                if interim:   # a 1xx cannot be followed by DATA
+                    stream.interim_response_received = True
+                    raise FrameUnexpected("DATA frame is not allowed in this state")
+            stream.headers_recv_state = HeadersState.AFTER_HEADERS
+            body = data[body_start:]
+            stream.content_length += body_size
+            self._check_content_length(stream)
+        except pylsqpack.StreamBlocked:   # as aioquic leaves a blocked HEADERS frame
+            stream.blocked = True
+            stream.blocked_frame_size = size
+            stream.blocked_frame_type = FrameType.HEADERS
+            stream.buffer = data[end:]
+            return []
+        except BaseException:   # a refusal leaves the stream as aioquic's loop leaves it
+            stream.buffer = data
+            raise
+        return [HeadersReceived(headers=headers, stream_id=stream_id, stream_ended=False),
+                DataReceived(data=body, stream_id=stream_id, stream_ended=True)]
+
     def send_message(self, stream_id: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
         """`send_headers(headers)` then `send_data(body, end_stream=True)`: the same HEADERS
         and DATA frames and the same checks and stream states, in one QUIC stream write (one
@@ -109,19 +180,80 @@ class LeanH3(H3Connection):
         Anything else than a first, final header block (trailers, a 1xx, qlog on) takes
         aioquic's two calls."""
         stream = self._stream.get(stream_id)
+        key = tuple(headers)
+        frame = self._header_frames.get(key)   # remembered: a final header block (not a 1xx)
         if (stream is not None and stream.headers_send_state != HeadersState.INITIAL) \
-                or self._quic_logger is not None or (not self._is_client and is_interim_response(headers)):
+                or self._quic_logger is not None or (stream is None and stream_id & 2) \
+                or (frame is None and not self._is_client and is_interim_response(headers)):
             self.send_headers(stream_id, headers)
             self.send_data(stream_id, body, end_stream=True)
             return
-        with self._get_or_create_stream(stream_id) as stream:
+        if stream is None:   # a request stream's first use (the client's)
+            stream = self._stream[stream_id] = H3Stream(stream_id)
+        try:
             if stream.sending_ended:   # what send_headers' finish_sending() would refuse
                 raise FrameUnexpected("stream was already ended")
-            frame_data = self._encode_headers(stream_id, headers)
+            if frame is None:
+                frame_data = self._encode_headers(stream_id, headers)
+                frame = encode_frame(FrameType.HEADERS, frame_data)
+                self._remember_header_frame(key, frame_data, frame)
             stream.headers_send_state = HeadersState.AFTER_HEADERS
             stream.finish_sending()
-        self._quic.send_stream_data(
-            stream_id, encode_frame(FrameType.HEADERS, frame_data) + encode_frame(FrameType.DATA, body), True)
+        finally:
+            self._forget_if_ended(stream)
+        self._quic.send_stream_data(stream_id, frame + encode_frame(FrameType.DATA, body), True)
+
+    # aioquic looks a stream up (and forgets it once ended both ways) in a generator-based
+    # context manager, about six Python calls each time; for request streams (bidirectional:
+    # no half ended from the start) these two do the same in line
+    def _receive_stream_data(self, event) -> list:
+        stream_id = event.stream_id
+        if stream_id & 2:   # unidirectional: aioquic's
+            return super()._receive_stream_data(event)
+        stream = self._stream.get(stream_id)
+        if stream is None:
+            stream = self._stream[stream_id] = H3Stream(stream_id)
+        try:
+            return self._receive_request_or_push_data(stream, event.data, event.end_stream)
+        finally:
+            self._forget_if_ended(stream)
+
+    def _forget_if_ended(self, stream) -> None:
+        if stream.sending_ended and stream.receiving_ended and not stream.blocked:   # H3Stream.is_ended()
+            self._stream.pop(stream.stream_id, None)
+
+    # HEADERS frames coded once per connection and header list: with the table off (ours and
+    # our peers') a header block is a function of the fields alone
+    REMEMBERED_HEADER_FRAMES = 64
+    REMEMBERED_HEADER_FRAME_SIZE = 512
+
+    def _remember_header_frame(self, key: tuple, frame_data: bytes, frame: bytes) -> None:
+        # only once the peer's SETTINGS allowed the encoder no dynamic table (ours say 0;
+        # another peer's table would make a block depend on what the encoder saw before), and
+        # a block that refers to no table entry (Required Insert Count 0, Base 0: its first two
+        # octets, RFC 9204 4.5.1), valid whatever the table holds
+        settings = self._received_settings
+        if settings is None or settings.get(Setting.QPACK_MAX_TABLE_CAPACITY, 0) \
+                or frame_data[:2] != b"\x00\x00" or len(frame) > self.REMEMBERED_HEADER_FRAME_SIZE:
+            return
+        if len(self._header_frames) >= self.REMEMBERED_HEADER_FRAMES:
+            self._header_frames.clear()
+        self._header_frames[key] = frame
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """(offset after, value) of the QUIC variable-length integer at `at` (RFC 9000 16);
+    (-1, 0) when `data` ends inside it."""
+    if at >= len(data):
+        return -1, 0
+    first = data[at]
+    length = 1 << (first >> 6)
+    after = at + length
+    if after > len(data):
+        return -1, 0
+    if length == 1:
+        return after, first
+    return after, int.from_bytes(data[at:after], "big") & ((1 << (8 * length - 2)) - 1)
 
 
 class LeanAcks(QuicConnectionProtocol):
@@ -153,15 +285,72 @@ class LeanAcks(QuicConnectionProtocol):
 
     _answer_wait = None   # the timer that sends what a datagram led to if no answer does first
 
+    def _process_events(self) -> None:
+        """aioquic's, with stream data (nearly every event) handed on without first testing it
+        against the five event types the protocol itself handles; the first other event and
+        all after it go to aioquic's own loop, in order."""
+        events = self._quic._events
+        while events:
+            if events[0].__class__ is not StreamDataReceived:
+                super()._process_events()
+                return
+            self.quic_event_received(events.popleft())
+
     def answer_pending(self) -> bool:
         """Whether a request is being answered on this connection (a server's hook)."""
         return False
 
     def transmit(self) -> None:
+        """Send what aioquic has to send, then make sure its timer (ACK, loss detection,
+        idle, pacing) fires no later than it asks. Unlike aioquic's own transmit, a timer
+        already armed for an earlier moment stays armed (`_handle_timer` re-arms it for the
+        later moment when it fires too early): the loss-detection deadline moves later with
+        every packet sent, so aioquic cancelled and re-armed a loop timer in every round."""
         if self._answer_wait is not None:
             self._answer_wait.cancel()
             self._answer_wait = None
-        super().transmit()
+        self._transmit_task = None
+        quic = self._quic
+        peer = self._connected_to
+        send = self._transport.sendto
+        for data, addr in quic.datagrams_to_send(now=self._loop.time()):
+            if peer is None:
+                send(data, addr)
+            elif addr == peer:
+                send(data)   # the transport's socket is connected to the peer: no address per send
+            else:
+                self._send_elsewhere(data, addr)
+        timer_at = quic.get_timer()
+        timer = self._timer
+        if timer is not None and (timer_at is None or timer_at < self._armed_at):
+            timer.cancel()
+            timer = self._timer = None
+        if timer is None and timer_at is not None:
+            self._timer = self._loop.call_at(timer_at, self._handle_timer)
+            self._armed_at = timer_at
+        self._timer_at = timer_at
+
+    _armed_at = 0.0         # when the armed timer (`_timer`) fires; `_timer_at` may be later
+    _connected_to = None    # the peer's address when the transport's socket is connected to it
+
+    def _handle_timer(self) -> None:
+        timer_at = self._timer_at
+        if timer_at is not None and timer_at > self._armed_at:
+            # armed for a deadline that has since moved later: wait for the new one (aioquic's
+            # handler would take the new deadline as the present: loss detection too early)
+            self._timer = self._loop.call_at(timer_at, self._handle_timer)
+            self._armed_at = timer_at
+            return
+        if timer_at is None:   # nothing is due any more
+            self._timer = None
+            return
+        super()._handle_timer()
+
+    def _send_elsewhere(self, data: bytes, addr) -> None:
+        """A datagram for another address than the connected peer's (a path probe aioquic
+        may send to a server's preferred address, which our servers do not announce): the
+        connected socket cannot send it, so it is dropped, as the network might."""
+        log.debug("h3: datagram for %s dropped: the socket is connected to %s", addr, self._connected_to)
 
     def ack_with_data(self) -> None:
         """Make an owed ACK due now: the packet about to carry data carries it too."""

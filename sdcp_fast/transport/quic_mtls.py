@@ -74,21 +74,27 @@ def check_aioquic() -> None:
 
 
 def _missing_lean_names() -> list[str]:
-    """The private names quic_lean.py uses (ACK timing, QPACK settings and streams, deferred transmit)."""
+    """The private names quic_lean.py uses (ACK timing, QPACK settings and streams, deferred transmit, the timer)."""
     from aioquic.asyncio.protocol import QuicConnectionProtocol
     from aioquic.h3.connection import H3Connection
     from aioquic.quic.configuration import QuicConfiguration
 
     connection = QuicConnection(configuration=QuicConfiguration(is_client=True))
-    names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces") if not hasattr(connection, name)]
-    names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events")
+    names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces", "_events")
+             if not hasattr(connection, name)]
+    names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events", "_handle_timer")
               if not hasattr(QuicConnectionProtocol, name)]
+    # the attributes its __init__ sets (LeanAcks.transmit keeps aioquic's timer in them)
+    names += [f"QuicConnectionProtocol().{name}" for name in ("_timer", "_timer_at", "_transmit_task", "_transport")
+              if name not in QuicConnectionProtocol.__init__.__code__.co_names]
     names += [f"H3Connection.{name}" for name in ("_get_local_settings", "_get_or_create_stream", "_encode_headers",
-                                                  "_decode_headers") if not hasattr(H3Connection, name)]
+                                                  "_decode_headers", "_receive_stream_data", "_receive_request_or_push_data")
+              if not hasattr(H3Connection, name)]
     h3 = H3Connection(connection)
     names += [f"H3Connection().{name}" for name in ("_stream", "_quic_logger", "_is_client", "_encoder", "_decoder",
                                                     "_encoder_bytes_sent", "_decoder_bytes_sent",
-                                                    "_local_encoder_stream_id", "_local_decoder_stream_id")
+                                                    "_local_encoder_stream_id", "_local_decoder_stream_id",
+                                                    "_received_settings")
               if not hasattr(h3, name)]
     return names
 

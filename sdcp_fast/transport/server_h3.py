@@ -71,6 +71,7 @@ class ServerH3Connection(LeanH3):
 
     def __init__(self, quic: QuicConnection, *, max_header_list: int):
         self._max_header_list = max_header_list
+        self.whole_headers_limit = max_header_list   # a longer HEADERS frame is refused below
         self._refused: dict[int, None] = {}   # ordered: the oldest forgotten first
         super().__init__(quic)
 
@@ -171,15 +172,13 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             # block, which for a request in one datagram saves a timer armed and cancelled)
             self._highest_stream = event.stream_id
             self._awaiting_headers[event.stream_id] = None
-            for h3_event in self._h3.handle_event(event):
-                self._on_h3_event(h3_event)
+            self._on_h3_events(self._h3.handle_event(event))
             if event.stream_id in self._awaiting_headers:
                 self._awaiting_headers[event.stream_id] = asyncio.get_running_loop().call_later(
                     self._limits.header_timeout, self._headers_overdue, event.stream_id)
             return
         if self._h3 is not None:
-            for h3_event in self._h3.handle_event(event):
-                self._on_h3_event(h3_event)
+            self._on_h3_events(self._h3.handle_event(event))
 
     # ---- admission -----------------------------------------------------------------------
     def _handshake_done(self) -> None:
@@ -240,6 +239,19 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
                       event.reason_phrase or f"code {event.error_code:#x}")
 
     # ---- streams -------------------------------------------------------------------------
+    def _on_h3_events(self, events: list[H3Event]) -> None:
+        if len(events) == 2:
+            head, data = events
+            if head.__class__ is HeadersReceived and data.__class__ is DataReceived and data.stream_ended \
+                    and head.stream_id == data.stream_id and not head.stream_ended:
+                # a whole request (as every SDCP request comes): its body is known with its
+                # headers, so it is not awaited (no body deadline armed and cancelled)
+                self._headers_arrived(head.stream_id)
+                self._on_headers(head.stream_id, head.headers, False, data.data)
+                return
+        for event in events:
+            self._on_h3_event(event)
+
     def _on_h3_event(self, event: H3Event) -> None:
         if isinstance(event, HeadersReceived):
             self._headers_arrived(event.stream_id)
@@ -264,7 +276,8 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             else:
                 self.transmit()
 
-    def _on_headers(self, stream_id: int, headers, ended: bool) -> None:
+    def _on_headers(self, stream_id: int, headers, ended: bool, body: bytes | None = None) -> None:
+        """`body`: the request's whole body, arrived with its headers (None: not yet known)."""
         if self._closing:
             self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
             self.transmit()
@@ -280,6 +293,12 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             self._refuse(stream_id, incoming, request_complete=ended)
         elif ended:
             self._start(stream_id, incoming)
+        elif body is not None:   # as DataReceived below would take it, without the wait
+            refusal = incoming.add_body(body)
+            if refusal is not None:
+                self._refuse(stream_id, refusal, request_complete=True)
+            else:
+                self._start(stream_id, incoming)
         else:
             self._pending.add(stream_id, incoming)
 

@@ -77,6 +77,27 @@ def test_bad_body_answers_problem_and_server_keeps_serving(pki, protocol, body, 
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_oversize_body_arriving_whole_with_its_headers_is_refused(pki, protocol):
+    """A body past the limit in the same packet as its headers (no content-length: short
+    bodies announce none): 413, the handler never sees it, the connection keeps serving."""
+    handler = RecordingRouter()
+    limit = 256
+
+    async def main():
+        async with await serve(handler, host="127.0.0.1", port=0, tls=pki.server, max_body=limit) as server:
+            async with Client(pki.drafter, protocol, timeout=5.0, retries=0) as client:
+                url = f"https://127.0.0.1:{server.port}/proposals"
+                response = await client.request("POST", url, b"\x00" * (limit + 200),
+                                                content_type="application/sdcp+cbor")
+                assert response.status == 413
+                assert _problem(response)["detail"] == f"body exceeds the limit of {limit} bytes"
+                await _expect_good(client, server.port)
+
+    run(main())
+    assert len(handler.calls) == 1
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_oversize_body_without_content_length_is_cut_off(pki, protocol):
     """No declared length: 413 as soon as the received bytes pass the limit."""
     handler = RecordingRouter()
