@@ -49,10 +49,12 @@ class RememberingDecoder(hpack.Decoder):
     the decoder's limits, so while none of them changed the same bytes give the same fields;
     hpack decodes field by field in Python (about a twelfth of the verifier's work per
     proposal). A block that added to the table is not remembered: decoding it again would
-    add again. Bounded: blocks of at most `REMEMBER_SIZE` bytes, `REMEMBER` of them."""
+    add again. Bounded per connection: blocks of at most `REMEMBER_SIZE` bytes (a proposal's
+    is about 120), `REMEMBER` of them (forgotten all at once when full), 32 KiB at most
+    however many distinct blocks a client sends."""
 
-    REMEMBER = 256
-    REMEMBER_SIZE = 512
+    REMEMBER = 128
+    REMEMBER_SIZE = 256
 
     def __init__(self) -> None:
         super().__init__()
