@@ -11,6 +11,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import pytest
+from transport_h2pair import exchange, received
 
 from sdcp_fast.transport.exchange import response_headers
 from sdcp_fast.transport.h2_lean import lean_config
@@ -35,15 +36,7 @@ def _pair() -> tuple[h2.connection.H2Connection, ServerConnection]:
 
 def _exchange(client, server) -> list[h2.events.Event]:
     """Move bytes both ways until quiet; the client's events."""
-    events = []
-    while True:
-        to_server, to_client = client.data_to_send(), server.data_to_send()
-        if not to_server and not to_client:
-            return events
-        if to_server:
-            server.receive_data(to_server)
-        if to_client:
-            events += client.receive_data(to_client)
+    return exchange(client, server)[0]
 
 
 def _request(client, server) -> int:
@@ -52,19 +45,6 @@ def _request(client, server) -> int:
                                     (b":path", b"/v1/x")], end_stream=True)
     _exchange(client, server)
     return stream_id
-
-
-def _seen(events) -> list[tuple]:
-    """What a client learns of its answers, in order."""
-    seen = []
-    for event in events:
-        if isinstance(event, h2.events.ResponseReceived):
-            seen.append(("headers", event.stream_id, list(event.headers), event.stream_ended is not None))
-        elif isinstance(event, h2.events.DataReceived):
-            seen.append(("data", event.stream_id, event.data))
-        elif isinstance(event, h2.events.StreamEnded):
-            seen.append(("end", event.stream_id))
-    return seen
 
 
 @pytest.mark.parametrize("response", [Response(200, BODY), Response(204, content_type=None),
@@ -82,7 +62,7 @@ def test_the_client_sees_what_h2s_own_path_sends(response: Response):
                 server.send_headers(stream_id, response_headers(response), end_stream=not response.body)
                 if response.body:
                     server.send_data(stream_id, response.body, end_stream=True)
-            answers += _seen(_exchange(client, server))
+            answers += received(_exchange(client, server))
             stream = server.streams[stream_id]
             assert stream.closed and stream.closed_by == h2.stream.StreamClosedBy.SEND_END_STREAM
         seen[way] = (answers, server.outbound_flow_control_window, client.inbound_flow_control_window)
@@ -128,7 +108,7 @@ def test_a_table_size_change_is_left_to_h2s_encoder():
     _exchange(client, server)
     later = _request(client, server)
     assert server.send_whole_answer(later, answer_block(Response(200, b"y")), b"y")
-    assert ("data", later, b"y") in _seen(_exchange(client, server))
+    assert ("data", later, b"y") in received(_exchange(client, server))
 
 
 def test_a_stream_reset_by_the_client_raises_as_h2_would():

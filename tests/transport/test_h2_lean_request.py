@@ -10,6 +10,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import pytest
+from transport_h2pair import exchange, received
 
 from sdcp_fast.transport import client_h2
 from sdcp_fast.transport.client_h2 import ClientConnection, _request_headers, request_block
@@ -33,27 +34,7 @@ def _pair(max_streams: int | None = None) -> tuple[ClientConnection, h2.connecti
 
 def _exchange(client, server) -> list[h2.events.Event]:
     """Move bytes both ways until quiet; the server's events."""
-    events = []
-    while True:
-        to_server, to_client = client.data_to_send(), server.data_to_send()
-        if not to_server and not to_client:
-            return events
-        if to_server:
-            events += server.receive_data(to_server)
-        if to_client:
-            client.receive_data(to_client)
-
-
-def _seen(events) -> list[tuple]:
-    seen = []
-    for event in events:
-        if isinstance(event, h2.events.RequestReceived):
-            seen.append(("headers", event.stream_id, list(event.headers), event.stream_ended is not None))
-        elif isinstance(event, h2.events.DataReceived):
-            seen.append(("data", event.stream_id, event.data))
-        elif isinstance(event, h2.events.StreamEnded):
-            seen.append(("end", event.stream_id))
-    return seen
+    return exchange(client, server)[1]
 
 
 def _answer(server, stream_id):
@@ -77,7 +58,7 @@ def test_the_server_sees_what_h2s_own_path_sends():
                                     end_stream=not body)
                 if body:
                     client.send_data(stream_id, body, end_stream=True)
-            requests += _seen(_exchange(client, server))
+            requests += received(_exchange(client, server))
             _answer(server, stream_id)
             _exchange(client, server)
             assert client.streams[stream_id].closed
