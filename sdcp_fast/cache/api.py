@@ -102,12 +102,24 @@ async def append_batch(commit_log: CommitLog, appends: Sequence[Append]) -> list
 
 
 async def append_each(commit_log: CommitLog, appends: Sequence[Append]) -> list[int | Exception]:
-    """`append_batch` without a batched path: the appends concurrently."""
-    answers = await asyncio.gather(*(commit_log.append(a.log, a.record, epoch=a.epoch, expected=a.expected)
-                                     for a in appends), return_exceptions=True)
-    for answer in answers:
-        if isinstance(answer, BaseException) and not isinstance(answer, Exception):
-            raise answer   # cancellation goes on up
+    """`append_batch` without a batched path: distinct logs concurrently, and the appends of
+    a log named more than once one after another in batch order (run concurrently, the
+    second could reach the store first and be answered Conflict)."""
+    answers: list[int | Exception] = [0] * len(appends)
+    positions_by_log: dict[str, list[int]] = {}
+    for position, one in enumerate(appends):
+        positions_by_log.setdefault(one.log, []).append(position)
+
+    async def append_in_order(positions: list[int]) -> None:
+        for position in positions:
+            one = appends[position]
+            try:
+                answers[position] = await commit_log.append(one.log, one.record, epoch=one.epoch,
+                                                            expected=one.expected)
+            except Exception as error:   # cancellation goes on up
+                answers[position] = error
+
+    await asyncio.gather(*(append_in_order(positions) for positions in positions_by_log.values()))
     return answers
 
 
