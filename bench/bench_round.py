@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from sdcp_fast import aio  # noqa: E402
+from sdcp_fast import aio, gcfreeze  # noqa: E402
 from sdcp_fast.core.digest import prefix_digest  # noqa: E402
 from sdcp_fast.core.messages import (  # noqa: E402
     Action,
@@ -194,6 +194,7 @@ async def _drafter(index: int, verifier: str, certs: str, router_uri: str, proto
     latencies: list[float] = []
     stages = Stages()
     window = Window(go, times, None, sessions, index, out)
+    gcfreeze.freeze_startup_objects()   # as `serve` does for a drafter role
     try:
         await asyncio.gather(*(_session(verifier, router, client, DRAFTERS[index], contract, next_token,
                                         window, latencies, stages) for _ in range(sessions)))

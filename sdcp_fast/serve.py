@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from . import aio, heap, logs
+from . import aio, gcfreeze, heap, logs
 from .config import ConfigError, InstanceConfig, load
 from .memprobe import MemoryProbe
 from .metrics import Health, StatusPage, log_check, refusal_counter, store_check
@@ -325,6 +325,7 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             loop.add_signal_handler(sig, stop.set)
         probe = MemoryProbe.from_env(role)       # SDCP_TRACEMALLOC=N: memprobe.py
         probing = loop.create_task(probe.run()) if probe is not None else None
+        gcfreeze.freeze_startup_objects()        # full collections stop walking start-up's objects
         health.mark_ready()
         if cfg.ready_file:
             info = {"uri": cfg.uri, "port": server.port, "pid": os.getpid(), **built.ready}

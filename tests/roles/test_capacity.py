@@ -48,6 +48,8 @@ def test_sessions_refused_for_capacity_are_placed_on_the_other_verifier(tmp_path
             cluster.certs, cluster.router_uri)))
         page = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=5.0).text
         assert 'sdcp_refusals_total{kind="malformed"} 1' in page
+        for instance in cluster.instances.values():   # serve.py froze start-up's objects (gcfreeze)
+            assert "start-up objects out of the cyclic collector" in instance.log_path.read_text()
     finally:
         fd.close()
         cluster.stop()
