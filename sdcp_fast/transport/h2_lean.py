@@ -15,12 +15,23 @@
 - received HEADERS and DATA frames without hyperframe's repr: h2 passes repr(frame) to its
   logger for every frame received, made whether or not anything logs, and for these two
   hyperframe serialises the body again to show its first bytes. The same frame as a
-  subclass whose repr is object's (C) costs nothing of that.
+  subclass whose repr is object's (C) costs nothing of that;
+- received frames split without h2's frame buffer (`receive_data`): h2 copies what arrives
+  into a buffer, then per frame makes a header view, a frame object with a flags set (a
+  Python object checking each flag added), a body view and a copy. A whole HEADERS frame
+  carrying a whole header block, and a whole DATA frame, neither padded nor with a
+  priority (every SDCP message), is read here straight from the bytes received into the
+  same frame object, fields set, and handed to h2's own `_receive_frame`: the stream states,
+  flow-control books, events and every error are h2's. Any other frame, a frame cut at the
+  end of what arrived, and everything while h2 holds part of a frame or of a header block,
+  goes through h2's buffer as before.
 
 `lean_config` gives h2's options as plain attributes and a logger whose calls are C no-ops;
 `quiet_hpack_debug` does the same for hpack's module loggers. Relies on h2 4.x:
-`_data_to_send`, `_receive_frame`, `_frame_dispatch_table`, `state_machine` of the
-connection and of each stream, their inputs (h2 is pinned below 5).
+`_data_to_send`, `_receive_frame`, `_frame_dispatch_table`, `_terminate_connection`,
+`incoming_buffer`'s `_data`, `_headers_buffer` and `_preamble_len`, `state_machine` of the
+connection and of each stream, their inputs (h2 is pinned below 5), and the attributes
+hyperframe's HEADERS and DATA frames get from parsing.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ import types
 
 import h2.config
 import h2.connection
+import h2.events
+import h2.exceptions
 import h2.stream
 import hyperframe.frame
 
@@ -43,11 +56,21 @@ _END_STREAM, _END_HEADERS = 0x1, 0x4
 _CONNECTION = h2.connection.ConnectionInputs
 _STREAM = h2.stream.StreamInputs
 
+_PADDED, _PRIORITY = 0x8, 0x20
+_STREAM_ID = 0x7FFFFFFF   # the reserved bit is ignored on receipt (RFC 9113 4.1)
+
 # the frames of every message, as received, with object's repr (LeanConnection._receive_frame)
 _QUIET_FRAMES: dict[type, type] = {
     frame_type: type(f"Received{frame_type.__name__}", (frame_type,), {"__repr__": object.__repr__})
     for frame_type in (hyperframe.frame.HeadersFrame, hyperframe.frame.DataFrame)
 }
+_RECEIVED_HEADERS = _QUIET_FRAMES[hyperframe.frame.HeadersFrame]
+_RECEIVED_DATA = _QUIET_FRAMES[hyperframe.frame.DataFrame]
+# the flags of a frame read in receive_data, by flag byte ('END_STREAM' in frame.flags is all
+# h2 asks of them; a header block h2 assembles from CONTINUATION frames never comes here)
+_HEADERS_FLAGS = {_END_HEADERS: frozenset({"END_HEADERS"}),
+                  _END_HEADERS | _END_STREAM: frozenset({"END_HEADERS", "END_STREAM"})}
+_DATA_FLAGS = {0: frozenset(), _END_STREAM: frozenset({"END_STREAM"})}
 
 
 class LeanConnection(h2.connection.H2Connection):
@@ -67,6 +90,54 @@ class LeanConnection(h2.connection.H2Connection):
         if quiet is not None:
             frame.__class__ = quiet
         return super()._receive_frame(frame)
+
+    def receive_data(self, data) -> list[h2.events.Event]:
+        """h2's `receive_data`, with whole HEADERS and DATA frames read here (see the
+        module's docstring); everything else is h2's, frame by frame, in order."""
+        buffer = self.incoming_buffer
+        if buffer._data or buffer._headers_buffer or buffer._preamble_len:
+            return super().receive_data(data)
+        data = bytes(data)
+        events: list[h2.events.Event] = []
+        pos, size, limit = 0, len(data), self.max_inbound_frame_size
+        while pos < size:
+            if size - pos < 9:
+                events += super().receive_data(data[pos:])   # h2 keeps the start of a frame
+                break
+            high, low, kind, flags, stream_id = _FRAME_HEAD.unpack_from(data, pos)
+            length = high << 16 | low
+            end = pos + 9 + length
+            stream_id &= _STREAM_ID
+            frame = None
+            if end <= size and length <= limit and stream_id:
+                if kind == _DATA and flags in _DATA_FLAGS:
+                    frame = object.__new__(_RECEIVED_DATA)
+                    frame.flags = _DATA_FLAGS[flags]
+                elif kind == _HEADERS and flags in _HEADERS_FLAGS:
+                    frame = object.__new__(_RECEIVED_HEADERS)
+                    frame.flags = _HEADERS_FLAGS[flags]
+                    frame.depends_on = frame.stream_weight = 0
+                    frame.exclusive = False
+            if frame is None:   # h2's
+                if end >= size:   # the last frame, whole or cut (h2 keeps what is cut)
+                    events += super().receive_data(data[pos:])
+                    break
+                events += super().receive_data(data[pos:end])
+                pos = end
+                if buffer._headers_buffer:   # a header block goes on in CONTINUATION frames
+                    events += super().receive_data(data[pos:])
+                    break
+                limit = self.max_inbound_frame_size   # a SETTINGS ack may have changed it
+                continue
+            frame.stream_id, frame.pad_length, frame.body_len = stream_id, 0, length
+            frame.data = data[pos + 9:end]
+            pos = end
+            try:
+                events += self._receive_frame(frame)
+            except h2.exceptions.ProtocolError as exc:   # as h2's receive_data: GOAWAY queued, raised
+                self._terminate_connection(exc.error_code)
+                raise
+        return events
 
     def fits(self, stream_window: int, block: bytes, body: bytes) -> bool:
         """Whether a message can leave in one HEADERS and one DATA frame now: the body within

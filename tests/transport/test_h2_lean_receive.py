@@ -1,0 +1,218 @@
+"""Received frames read without h2's frame buffer (LeanConnection.receive_data): for every
+byte stream, cut anywhere, the connection's events, the bytes it queues, the error it
+raises and its books (stream states, flow-control windows) are those of h2's own
+receive_data. Sans-IO: byte streams made by an h2 client, and frames made by hand for the
+cases h2 would not send."""
+
+from __future__ import annotations
+
+import random
+import re
+import struct
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import pytest
+
+from sdcp_fast.transport.client_h2 import ClientConnection
+from sdcp_fast.transport.h2_lean import lean_config
+from sdcp_fast.transport.server_h2 import ServerConnection
+
+REQUEST = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"v"), (b":path", b"/v1/x"),
+           (b"content-type", b"application/sdcp+cbor")]
+BODY = bytes(range(256)) * 3
+
+
+class H2Server(ServerConnection):
+    """The server connection with h2's own receive_data: what the lean one must equal."""
+
+    receive_data = h2.connection.H2Connection.receive_data
+
+
+class H2Client(ClientConnection):
+    receive_data = h2.connection.H2Connection.receive_data
+
+
+def _server(cls):
+    server = cls(lean_config(client_side=False, validate_inbound_headers=False, normalize_inbound_headers=False))
+    server.initiate_connection()
+    server.data_to_send()
+    return server
+
+
+def _client() -> h2.connection.H2Connection:
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    return client
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    size = len(payload)
+    return struct.pack(">BHBBL", size >> 16, size & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def _requests() -> bytes:
+    """What an h2 client sends for a mix of requests: whole messages (the lean path), padded
+    DATA, a HEADERS frame with a priority, a header block continued in CONTINUATION frames,
+    a body in several DATA frames, PING, WINDOW_UPDATE, a reset stream."""
+    client = _client()
+    out = [client.data_to_send()]
+    for body in (BODY, b"", b"x" * 5000):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, REQUEST, end_stream=not body)
+        if body:
+            client.send_data(stream_id, body, end_stream=True)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    client.send_data(stream_id, b"padded", pad_length=7, end_stream=True)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST, priority_weight=200, end_stream=True)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, [*REQUEST, (b"x-long", b"v" * 20000)], end_stream=True)   # CONTINUATION
+    client.ping(b"12345678")
+    client.increment_flow_control_window(1000)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    client.send_data(stream_id, b"part")
+    client.reset_stream(stream_id)
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    client.send_data(stream_id, b"a" * 100)
+    client.send_data(stream_id, b"b" * 100, end_stream=True)
+    out.append(client.data_to_send())
+    return b"".join(out)
+
+
+def _after_reset() -> bytes:
+    """DATA on a stream the client reset (h2 answers RST_STREAM, no error)."""
+    client = _client()
+    stream_id = client.get_next_available_stream_id()
+    client.send_headers(stream_id, REQUEST)
+    client.reset_stream(stream_id)
+    return client.data_to_send() + _frame(0x0, 0x1, stream_id, b"late")
+
+
+def _with_preface(*frames: bytes) -> bytes:
+    return _client().data_to_send() + b"".join(frames)
+
+
+HEADERS_BLOCK = h2.connection.H2Connection().encoder.encode(REQUEST)   # a valid block, coded once
+
+STREAMS = {
+    "requests": _requests(),
+    "data after a reset": _after_reset(),
+    "data on stream 0": _with_preface(_frame(0x0, 0x1, 0, b"x")),
+    "headers on stream 0": _with_preface(_frame(0x1, 0x5, 0, HEADERS_BLOCK)),
+    "headers on an even stream": _with_preface(_frame(0x1, 0x5, 2, HEADERS_BLOCK)),
+    "data on an idle stream": _with_preface(_frame(0x0, 0x1, 3, b"x")),
+    "the reserved bit set": _with_preface(_frame(0x1, 0x5, 0x80000001, HEADERS_BLOCK)),
+    "a frame over the size limit": _with_preface(_frame(0x0, 0x0, 1, b"x" * 16385)),
+    "a header block that does not decode": _with_preface(_frame(0x1, 0x5, 1, b"\xff\xff\xff\xff")),
+    "headers after end of stream": _with_preface(_frame(0x1, 0x5, 1, HEADERS_BLOCK),
+                                                 _frame(0x1, 0x5, 1, HEADERS_BLOCK)),
+    "a cut header block then data": _with_preface(_frame(0x1, 0x0, 1, HEADERS_BLOCK),
+                                                  _frame(0x0, 0x1, 1, b"x")),
+    "unknown flags on data": _with_preface(_frame(0x1, 0x4, 1, HEADERS_BLOCK), _frame(0x0, 0x41, 1, b"x")),
+}
+
+
+def _cuts(size: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return sorted(rng.sample(range(1, size), min(size - 1, rng.randint(1, 12))))
+
+
+def _ways(data: bytes) -> list[list[bytes]]:
+    """The byte stream whole, a byte at a time (short ones), and cut at random places."""
+    ways = [[data]]
+    if len(data) < 400:
+        ways.append([data[i:i + 1] for i in range(len(data))])
+    for seed in range(8):
+        points = [0, *_cuts(len(data), seed), len(data)]
+        ways.append([data[a:b] for a, b in zip(points, points[1:])])
+    return ways
+
+
+def _books(conn) -> tuple:
+    streams = {sid: (s.state_machine.state, s.inbound_flow_control_window, s.outbound_flow_control_window)
+               for sid, s in conn.streams.items()}
+    return (conn.state_machine.state, conn.inbound_flow_control_window, conn.outbound_flow_control_window,
+            conn.highest_inbound_stream_id, streams)
+
+
+def _feed(conn, pieces: list[bytes]) -> tuple:
+    """What the connection makes of the pieces: (events, error, bytes queued, its books)."""
+    events, error = [], None
+    for piece in pieces:
+        try:
+            events.append([repr(e) for e in conn.receive_data(piece)])
+        except h2.exceptions.ProtocolError as exc:
+            error = (type(exc).__name__, re.sub(r"0x[0-9a-f]+", "0x", str(exc)))   # no addresses
+            break
+    return events, error, conn.data_to_send(), _books(conn)
+
+
+@pytest.mark.parametrize("name", list(STREAMS))
+def test_the_server_receives_as_h2s_receive_data(name):
+    for pieces in _ways(STREAMS[name]):
+        assert _feed(_server(ServerConnection), pieces) == _feed(_server(H2Server), pieces)
+
+
+def test_the_lean_path_takes_whole_messages():
+    """A whole message is read here, and it is the bulk of what arrives (the point of it)."""
+    read_here = []
+
+    class Counting(ServerConnection):
+        def _receive_frame(self, frame):
+            read_here.append(type(frame).__name__)
+            return super()._receive_frame(frame)
+
+    server = _server(Counting)
+    client = _client()
+    server.receive_data(client.data_to_send())
+    h2_frames = len(read_here)
+    for _ in range(4):
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, REQUEST)
+        client.send_data(stream_id, BODY, end_stream=True)
+    before = server.incoming_buffer._data
+    events = server.receive_data(client.data_to_send())
+    assert [type(e).__name__ for e in events].count("StreamEnded") == 4
+    assert read_here[h2_frames:] == ["ReceivedHeadersFrame", "ReceivedDataFrame"] * 4
+    assert not before and not server.incoming_buffer._data
+
+
+def _responses() -> bytes:
+    """What an h2 server sends a client: answers (the lean path), SETTINGS, WINDOW_UPDATE,
+    PING, a padded answer, GOAWAY."""
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding=None))
+    server.initiate_connection()
+    client = _client()
+    for _ in range(4):
+        client.send_headers(client.get_next_available_stream_id(), REQUEST, end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(b":status", b"200")])
+    server.send_data(1, BODY, end_stream=True)
+    server.send_headers(3, [(b":status", b"204")], end_stream=True)
+    server.increment_flow_control_window(5000)
+    server.ping(b"abcdefgh")
+    server.send_headers(5, [(b":status", b"200")])
+    server.send_data(5, b"padded", pad_length=3, end_stream=True)
+    server.close_connection(last_stream_id=5)
+    return server.data_to_send()
+
+
+def _lean_client(cls):
+    client = cls(lean_config(client_side=True))
+    client.initiate_connection()
+    for _ in range(4):
+        client.send_headers(client.get_next_available_stream_id(), REQUEST, end_stream=True)
+    client.data_to_send()
+    return client
+
+
+def test_the_client_receives_as_h2s_receive_data():
+    data = _responses()
+    for pieces in _ways(data):
+        assert _feed(_lean_client(ClientConnection), pieces) == _feed(_lean_client(H2Client), pieces)
