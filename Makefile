@@ -7,8 +7,8 @@ STAMP   := $(VENV)/.installed
 
 .PHONY: demo test lint bench system-deps clean
 
-# the native verify op (csrc/) is compiled by setup.py when the package is installed
-NATIVE_SRC := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.h csrc/*/*.inc)
+# the native verify op and the CBOR fast path (csrc/) are compiled by setup.py when the package is installed
+NATIVE_SRC := $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.c csrc/*/*.h csrc/*/*.inc)
 
 $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -51,4 +51,4 @@ bench: $(STAMP)
 	$(VPY) bench/bench_hostile.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kernels/_native*.so
+	rm -rf $(VENV) build *.egg-info kernels/_native*.so sdcp_fast/core/_cbor_c*.so

@@ -1,5 +1,6 @@
 """What pyproject.toml cannot say: the package list under the kernels/ -> sdcp_fast.kernels
-mapping, and the native CPU op (csrc/) built with torch's extension tools.
+mapping, the native CPU op (csrc/) built with torch's extension tools, and the strict CBOR
+decoder's fast path (csrc/cbor/, a plain CPython extension: core never needs torch).
 
 The op compiles against the torch of the environment that installs the package, so build
 without pip's build isolation (which would fetch another torch, a CUDA build of several GB on
@@ -11,6 +12,7 @@ The op is optional. Without torch at build time (an isolated build) or without a
 compiler the package installs without it, this script says so, and sdcp_fast.kernels uses
 kernels/cpu.py (kernels/native.py says so once at run time). The library is loaded with
 torch.ops.load_library, not imported: it has no Python bindings, only TORCH_LIBRARY ops.
+The CBOR fast path is optional too: without it core/cbor.py decodes everything in Python.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 packages = ["sdcp_fast", *(f"sdcp_fast.{p}" for p in find_packages("sdcp_fast"))]
 packages += ["sdcp_fast.kernels", *(f"sdcp_fast.kernels.{p}" for p in find_packages("kernels"))]
@@ -36,14 +38,21 @@ def say(message: str) -> None:
     print(f"sdcp-fast setup: {message}", file=sys.stderr)
 
 
+CBOR_C = "sdcp_fast.core._cbor_c"
+# the fast path of core/cbor.py's decoder; optional: a failed compile leaves the Python reader
+CBOR_EXT = Extension(CBOR_C, sources=[str(CSRC / "cbor" / "cbor_decode.c")],
+                     extra_compile_args=["-O2", "-Wall"], optional=True)
+
+
 def native_build() -> dict:
-    """ext_modules and cmdclass for the native op, or nothing when torch is not importable."""
+    """ext_modules and cmdclass for the native op and the CBOR fast path, or the CBOR fast
+    path alone when torch is not importable."""
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         say(f"torch is not importable here (isolated build?): {NATIVE} is not built; "
             "kernels/cpu.py serves. Build with `pip install --no-build-isolation`.")
-        return {}
+        return {"ext_modules": [CBOR_EXT]}
 
     class OptionalBuildExtension(BuildExtension):
         """A failed compile leaves the package without the op instead of failing the install."""
@@ -62,7 +71,7 @@ def native_build() -> dict:
         extra_compile_args=["-O3", "-Wall", "-Wno-unused-parameter"],
     )
     # ninja is not a dependency: setuptools compiles the sources one by one
-    return {"ext_modules": [ext],
+    return {"ext_modules": [ext, CBOR_EXT],
             "cmdclass": {"build_ext": OptionalBuildExtension.with_options(use_ninja=False)}}
 
 

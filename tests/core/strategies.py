@@ -1,4 +1,5 @@
-"""Hypothesis strategies for every SDCP message (valid by construction)."""
+"""Hypothesis strategies for every SDCP message (valid by construction), and byte streams
+that are mostly not CBOR (`streams`)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,17 @@ MESSAGES = {
     m.Event: st.builds(m.Event, session=sid, epoch=uint, kind=action, committed=uint, digest=hash32),
     m.Policy: st.builds(m.Policy, session=sid, from_round=u32, sampling=sampling),
 }
+
+
+def head(major: int, info: int, argument: int) -> bytes:
+    """A data item head with any additional information, lies and reserved values included."""
+    first = bytes([(major << 5) | info])
+    size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info, 0)
+    return first + (argument % (1 << (8 * size))).to_bytes(size, "big") if size else first
+
+
+heads = st.builds(head, st.integers(0, 7), st.integers(0, 31), st.integers(0, (1 << 64) - 1))
+payload = st.binary(max_size=24)
+# a stream of heads and raw bytes: nesting, lying lengths and counts, tags, breaks, floats
+streams = st.lists(st.one_of(heads, payload, st.just(b"\x81" * 20), st.just(b"\xff")),
+                   max_size=40).map(b"".join)

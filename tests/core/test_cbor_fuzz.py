@@ -14,22 +14,11 @@ from hypothesis import strategies as st
 from sdcp_fast.core import cbor
 from sdcp_fast.core.messages import Contract, Proposal, SessionOpen
 from sdcp_fast.core.problems import MAX_DETAIL, ProblemError
+from tests.core.strategies import head, streams
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def _head(major: int, info: int, argument: int) -> bytes:
-    """A data item head with any additional information, lies and reserved values included."""
-    first = bytes([(major << 5) | info])
-    size = {24: 1, 25: 2, 26: 4, 27: 8}.get(info, 0)
-    return first + (argument % (1 << (8 * size))).to_bytes(size, "big") if size else first
-
-
-heads = st.builds(_head, st.integers(0, 7), st.integers(0, 31), st.integers(0, (1 << 64) - 1))
-payload = st.binary(max_size=24)
-# a stream of heads and raw bytes: nesting, lying lengths and counts, tags, breaks, floats
-streams = st.lists(st.one_of(heads, payload, st.just(b"\x81" * 20), st.just(b"\xff")),
-                   max_size=40).map(b"".join)
 
 
 @FUZZ
@@ -140,7 +129,7 @@ def _decode_with(reader_cls, data, max_items, max_depth):
     return value, reader.pos
 
 
-map_streams = st.builds(lambda count, body: _head(5, *count) + body,
+map_streams = st.builds(lambda count, body: head(5, *count) + body,
                         st.sampled_from([(1, 0), (2, 0), (3, 0), (5, 0), (24, 3), (31, 0)]), streams)
 valid_maps = st.dictionaries(st.text(max_size=30), st.one_of(
     st.integers(0, (1 << 64) - 1), st.binary(max_size=300), st.text(max_size=300),

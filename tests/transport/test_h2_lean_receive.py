@@ -6,6 +6,7 @@ cases h2 would not send."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 import struct
@@ -130,7 +131,7 @@ def _ways(data: bytes) -> list[list[bytes]]:
         ways.append([data[i:i + 1] for i in range(len(data))])
     for seed in range(8):
         points = [0, *_cuts(len(data), seed), len(data)]
-        ways.append([data[a:b] for a, b in zip(points, points[1:])])
+        ways.append([data[a:b] for a, b in itertools.pairwise(points)])
     return ways
 
 
