@@ -24,14 +24,19 @@
   same frame object, fields set, and handed to h2's own `_receive_frame`: the stream states,
   flow-control books, events and every error are h2's. Any other frame, a frame cut at the
   end of what arrived, and everything while h2 holds part of a frame or of a header block,
-  goes through h2's buffer as before.
+  goes through h2's buffer as before. A HEADERS frame followed by the DATA frame that ends
+  its stream, both whole, is offered to `_receive_message` first: a server takes a new
+  request there in one go (server_h2.ServerConnection), through h2's state machines and
+  stream methods, without the frame dispatch between them.
 
 `lean_config` gives h2's options as plain attributes and a logger whose calls are C no-ops;
 `quiet_hpack_debug` does the same for hpack's module loggers. Relies on h2 4.x:
 `_data_to_send`, `_receive_frame`, `_frame_dispatch_table`, `_terminate_connection`,
 `incoming_buffer`'s `_data`, `_headers_buffer` and `_preamble_len`, `state_machine` of the
 connection and of each stream, their inputs (h2 is pinned below 5), and the attributes
-hyperframe's HEADERS and DATA frames get from parsing.
+hyperframe's HEADERS and DATA frames get from parsing; the server's `_receive_message` also
+`_decode_headers`, `_begin_new_stream`, `AllowedStreamIDs`, `ConnectionState` and the
+inbound window manager.
 """
 
 from __future__ import annotations
@@ -73,6 +78,15 @@ _HEADERS_FLAGS = {_END_HEADERS: frozenset({"END_HEADERS"}),
 _DATA_FLAGS = {0: frozenset(), _END_STREAM: frozenset({"END_STREAM"})}
 
 
+def received_data_frame(stream_id: int, data: bytes, flags: int = _END_STREAM):
+    """A DATA frame as received (no padding), for h2's `_receive_frame`; `flags` 0 or
+    END_STREAM."""
+    frame = object.__new__(_RECEIVED_DATA)
+    frame.stream_id, frame.flags, frame.pad_length, frame.body_len, frame.data = (
+        stream_id, _DATA_FLAGS[flags], 0, len(data), data)
+    return frame
+
+
 class LeanConnection(h2.connection.H2Connection):
     """h2's connection, lean where SDCP's messages go (see the module's docstring)."""
 
@@ -110,6 +124,22 @@ class LeanConnection(h2.connection.H2Connection):
             stream_id &= _STREAM_ID
             frame = None
             if end <= size and length <= limit and stream_id:
+                if kind == _HEADERS and flags == _END_HEADERS and size - end >= 9:
+                    # a message whose DATA frame follows: the connection may take both at once
+                    high, low, next_kind, next_flags, next_id = _FRAME_HEAD.unpack_from(data, end)
+                    next_length = high << 16 | low
+                    after = end + 9 + next_length
+                    if (next_kind == _DATA and next_flags == _END_STREAM and next_id & _STREAM_ID == stream_id
+                            and next_length <= limit and after <= size):
+                        try:
+                            taken = self._receive_message(stream_id, data[pos + 9:end], data[end + 9:after])
+                        except h2.exceptions.ProtocolError as exc:   # as below
+                            self._terminate_connection(exc.error_code)
+                            raise
+                        if taken is not None:
+                            events += taken
+                            pos = after
+                            continue
                 if kind == _DATA and flags in _DATA_FLAGS:
                     frame = object.__new__(_RECEIVED_DATA)
                     frame.flags = _DATA_FLAGS[flags]
@@ -138,6 +168,13 @@ class LeanConnection(h2.connection.H2Connection):
                 self._terminate_connection(exc.error_code)
                 raise
         return events
+
+    def _receive_message(self, stream_id: int, block: bytes, body: bytes) -> list[h2.events.Event] | None:
+        """A whole message received: a HEADERS frame holding header block `block` that does not
+        end the stream, then the DATA frame of `body` that does, both whole. The events h2
+        would give for the two frames, or None, with nothing changed, where they must go
+        through h2's frame handling one by one (here: always; a server takes its requests)."""
+        return None
 
     def fits(self, stream_window: int, block: bytes, body: bytes) -> bool:
         """Whether a message can leave in one HEADERS and one DATA frame now: the body within

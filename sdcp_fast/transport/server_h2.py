@@ -51,7 +51,7 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .h2_lean import LeanConnection, lean_config
+from .h2_lean import LeanConnection, lean_config, received_data_frame
 from .hpack_blocks import header_block
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
@@ -62,6 +62,9 @@ from .strikes import REFUSED_STATUSES, ConnectionStrikes, CountsStrikes
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
 ErrorCodes = h2.errors.ErrorCodes
+_CONNECTION = h2.connection.ConnectionInputs
+# connection states in which h2 takes a request's HEADERS and then its DATA
+_TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
 
 
 # ---------------------------------------------------------------------------------------
@@ -293,6 +296,47 @@ class ServerConnection(LeanConnection):
         except h2.exceptions.InvalidBodyLengthError as exc:
             return self._stream_error(frame.stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED,
                                       str(exc), frame.flow_controlled_length)
+
+    def _receive_message(self, stream_id: int, block: bytes, body: bytes):
+        """A request whose HEADERS and DATA frames arrived whole together (h2_lean), taken in
+        one go on a new stream when nothing unusual can happen to it: the connection open,
+        the stream id the next one allowed, the stream count below both the limit and the
+        next prune walk (so `_receive_headers_frame` would count it the same way and let it
+        through), the body within the connection's and a new stream's window. Then the
+        steps h2 takes for the two frames run here, each through h2's own state machines,
+        window managers and stream methods (its `_receive_frame` dispatch, frame objects and
+        checks that cannot fail here left out), and their errors end as they end there: a
+        header block that does not decode, or an error of the connection, raises; an error
+        h2 finds on the stream alone is a stream error; so is a body that does not match
+        its content-length. Anything else: None, nothing changed, the frames go one by one."""
+        size = len(body)
+        known = len(self.streams)
+        if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id
+                or self.state_machine.state not in _TAKES_REQUESTS
+                or known >= self._prune_at or known >= self.local_settings.max_concurrent_streams
+                or size > self._inbound_flow_control_window_manager.current_window_size
+                or size > self.local_settings.initial_window_size):
+            return None
+        headers = h2.connection._decode_headers(self.decoder, block)
+        events = self.state_machine.process_input(_CONNECTION.RECV_HEADERS)
+        stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
+        try:
+            _, stream_events = stream.receive_headers(headers, False, self.config.header_encoding)
+        except h2.exceptions.ProtocolError as exc:
+            if not self._stream_level(exc, stream_id):
+                raise
+            events = self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))[1]
+            # the DATA frame meets a reset stream: h2's handling, as when it arrives alone
+            return events + self._receive_frame(received_data_frame(stream_id, body))
+        events += stream_events
+        data_events = self.state_machine.process_input(_CONNECTION.RECV_DATA)
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        try:
+            _, stream_events = stream.receive_data(body, True, size)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
+                                               size)[1]
+        return events + data_events + stream_events
 
     def _stream_level(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
         if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
