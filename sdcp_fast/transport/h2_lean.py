@@ -61,7 +61,6 @@ _END_STREAM, _END_HEADERS = 0x1, 0x4
 _CONNECTION = h2.connection.ConnectionInputs
 _STREAM = h2.stream.StreamInputs
 
-_PADDED, _PRIORITY = 0x8, 0x20
 _STREAM_ID = 0x7FFFFFFF   # the reserved bit is ignored on receipt (RFC 9113 4.1)
 
 # the frames of every message, as received, with object's repr (LeanConnection._receive_frame)
