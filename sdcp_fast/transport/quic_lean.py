@@ -94,6 +94,7 @@ class LeanH3(H3Connection):
         self._max_table_capacity = self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(0, 0)
         self._header_frames: dict[tuple, bytes] = {}
+        self._header_blocks: dict[bytes, tuple] = {}
 
     def _get_local_settings(self) -> dict[int, int]:
         settings = super()._get_local_settings()
@@ -147,16 +148,24 @@ class LeanH3(H3Connection):
             return super()._receive_request_or_push_data(stream, data, stream_ended)
         stream.receiving_ended = True
         stream_id = stream.stream_id
+        block = data[start:end]
+        known = self._header_blocks.get(block)
         try:
-            headers = self._decode_headers(stream_id, data[start:end])
-            if not self._is_client:
-                validate_request_headers(headers, stream)
+            if known is not None:   # read before on this connection: the same list, the same checks passed
+                headers = list(known[0])
+                if known[1] is not None:
+                    stream.expected_content_length = known[1]
             else:
-                interim = is_interim_response(headers)
-                validate_response_headers(headers, None if interim else stream)
-                if interim:   # a 1xx cannot be followed by DATA
-                    stream.interim_response_received = True
-                    raise FrameUnexpected("DATA frame is not allowed in this state")
+                headers = self._decode_headers(stream_id, block)
+                if not self._is_client:
+                    validate_request_headers(headers, stream)
+                else:
+                    interim = is_interim_response(headers)
+                    validate_response_headers(headers, None if interim else stream)
+                    if interim:   # a 1xx cannot be followed by DATA
+                        stream.interim_response_received = True
+                        raise FrameUnexpected("DATA frame is not allowed in this state")
+                self._remember_header_block(block, headers, stream.expected_content_length)
             stream.headers_recv_state = HeadersState.AFTER_HEADERS
             body = data[body_start:]
             stream.content_length += body_size
@@ -239,6 +248,26 @@ class LeanH3(H3Connection):
         if len(self._header_frames) >= self.REMEMBERED_HEADER_FRAMES:
             self._header_frames.clear()
         self._header_frames[key] = frame
+
+
+    # Header blocks read whole, remembered per connection with what reading them found: with no
+    # QPACK table on our side a block can refer to no table entry, so it decodes to the same
+    # list whatever came before, and aioquic's checks of a request's or a final answer's list
+    # (validate_request_headers / validate_response_headers) depend on the list alone, setting
+    # only the stream's expected content-length (kept here too). A session sends the same
+    # block round after round: it is decoded and checked once.
+    REMEMBERED_HEADER_BLOCKS = 64
+    REMEMBERED_HEADER_BLOCK_SIZE = 512
+
+    def _remember_header_block(self, block: bytes, headers: list, content_length: int | None) -> None:
+        # a block that passed the checks and refers to no table entry (Required Insert Count 0,
+        # Base 0: its first two octets, RFC 9204 4.5.1); our decoder has no table (LeanH3)
+        if block[:2] != b"\x00\x00" or len(block) > self.REMEMBERED_HEADER_BLOCK_SIZE \
+                or self._max_table_capacity:
+            return
+        if len(self._header_blocks) >= self.REMEMBERED_HEADER_BLOCKS:
+            self._header_blocks.clear()
+        self._header_blocks[block] = (tuple(headers), content_length)
 
 
 def _varint(data: bytes, at: int) -> tuple[int, int]:
