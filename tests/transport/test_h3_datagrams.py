@@ -91,3 +91,49 @@ def test_a_bulk_upload_is_acknowledged_every_second_datagram(pki):
     server_sent, client_sent = run(main())
     assert client_sent >= len(body) // 1400   # the upload's datagrams
     assert server_sent >= client_sent // 3     # ACKs: about one per two datagrams (plus the answer's)
+
+
+def test_the_server_routes_datagrams_as_aioquics_server_does():
+    """server_h3.H3Server hands a 1-RTT datagram to its connection without parsing its header;
+    what reaches which connection, and what the server sends itself, stay aioquic's."""
+    from aioquic.asyncio.server import QuicServer
+    from aioquic.quic.configuration import QuicConfiguration
+
+    from sdcp_fast.transport.server_h3 import H3Server
+
+    cid = bytes(range(1, 9))   # connection_id_length: 8
+    datagrams = [
+        b"\x40" + cid + b"payload",   # short header, known connection
+        b"\x7f" + cid,                # ... with nothing after the ID
+        b"\x40" + cid[:7],            # too short for the ID
+        b"\x00" + cid + b"payload",   # fixed bit 0
+        b"\x40" + bytes(8) + b"x",    # an unknown ID
+        b"",
+        b"\xe0\x00\x00\x00\x01\x08" + cid + b"\x00\x05hello",               # a Handshake packet, long header
+        b"\xc0\x0a\x0a\x0a\x0a\x08" + cid + b"\x00" + bytes(1200),          # an unknown version: negotiation
+    ]
+
+    class Connection:
+        def __init__(self):
+            self.received: list[bytes] = []
+
+        def datagram_received(self, data, addr) -> None:
+            self.received.append(data)
+
+    class Transport:
+        def __init__(self):
+            self.sent: list[int] = []
+
+        def sendto(self, data, addr) -> None:
+            self.sent.append(len(data))
+
+    async def main(server_class):
+        server = server_class(configuration=QuicConfiguration(is_client=False), retry=False)
+        transport, connection = Transport(), Connection()
+        server.connection_made(transport)
+        server._protocols[cid] = connection
+        for data in datagrams:
+            server.datagram_received(data, ("127.0.0.1", 4433))
+        return connection.received, transport.sent
+
+    assert run(main(H3Server)) == run(main(QuicServer)) == ([datagrams[0], datagrams[1], datagrams[6]], [23])
