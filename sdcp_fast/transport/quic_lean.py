@@ -22,9 +22,13 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanAcks`: an owed ACK rides on the next packet that carries data (`ack_with_data`,
     called where we send a request or an answer), and is otherwise sent `ACK_DELAY` after
     the first unacknowledged packet (within the max_ack_delay of 25 ms that aioquic
-    announces), or at once when a second datagram arrives while one is owed (RFC 9000 13.2.2:
-    at least every second ack-eliciting packet), so that a sender of many packets is not held
-    back by its congestion window.
+    announces), or at once when a second datagram arrives while one is owed and we sent no
+    data since the first (RFC 9000 13.2.2: at least every second ack-eliciting packet), so
+    that a sender of many packets is not held back by its congestion window. In an exchange
+    (data sent since the first, the peer's datagrams less than `QUICK_PEER` apart) the ACK of
+    a lone datagram waits for the next, at most `LONE_ACK_DELAY`, and the ACK of both rides
+    on the next data: a session's requests and answers carry an ACK every second packet each
+    way, each ACK frame built and processed (aioquic's loss recovery) for two packets.
   - `LeanAcks.transmit_data`: while other requests are in flight on the connection, what is
     written during one event-loop turn leaves in one call to `transmit()` at the end of it
     (the answers completed by one batch share datagrams); a lone request leaves at once.
@@ -47,13 +51,16 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanH3`: a whole message in one piece of stream data (HEADERS, then one DATA frame
     ending the stream: every SDCP request and answer) is read without aioquic's frame loop,
     with the same checks, states, events and refusals; a final HEADERS frame is coded once
-    per connection and header list once the peer's SETTINGS allow no QPACK table; request
+    per connection and header list once the peer's SETTINGS allow no QPACK table, and a header
+    block read is decoded and checked once per connection (with no table, the same bytes give
+    the same list); request
     streams are looked up in line (aioquic's generator-based context manager costs about
     six calls each time). `LeanAcks._process_events`: stream data skips aioquic's five
     event-type tests.
 
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`,
-`_events`, `_stream`, `_received_settings`):
+`_events`, `_stream`, `_received_settings`; the server's `_protocols` and `_configuration` in
+server_h3.H3Server):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
 """
 
@@ -82,6 +89,8 @@ from aioquic.quic.events import StreamDataReceived
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
+LONE_ACK_DELAY = 0.020  # s: how long a lone datagram's ACK may wait for the peer's next (max_ack_delay: 25 ms)
+QUICK_PEER = 0.005      # s: a lone ACK waits only while the peer's datagrams follow each other within this
 log = logging.getLogger(__name__)
 
 
@@ -296,12 +305,23 @@ class LeanAcks(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr) -> None:
         space = self._application_space()
         owed = space is not None and space.ack_at is not None
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        now = self._loop.time()
+        self._gap, self._arrived = now - self._arrived, now
+        if not owed:   # an ACK owed from this datagram on starts afresh
+            self._owed_since = now
+            self._exchanging = self._ack_ready = False
+        self._quic.receive_datagram(data, addr, now=now)
         self._process_events()
-        if owed and space.ack_at is not None:   # a second datagram while an ACK is owed: ACK now
-            space.ack_at = self._loop.time()
-            self.transmit()
-        elif self.answer_pending():
+        if owed and space.ack_at is not None:   # a second datagram while an ACK is owed
+            if not self._exchanging:   # the peer sends, we do not (a bulk upload): ACK now
+                space.ack_at = self._loop.time()
+                self.transmit()
+                return
+            # a request and its answer, one way and the other: the ACK of both rides on the
+            # next data, within ACK_DELAY of this datagram at the latest
+            self._ack_ready = True
+            space.ack_at = min(space.ack_at, self._loop.time() + ACK_DELAY)
+        if self.answer_pending():
             # an answer is on its way: what this datagram leads to leaves with it (`transmit`),
             # or on its own after ANSWER_WAIT if the answer takes longer
             if self._transmit_task is None and self._answer_wait is None:
@@ -382,10 +402,29 @@ class LeanAcks(QuicConnectionProtocol):
         log.debug("h3: datagram for %s dropped: the socket is connected to %s", addr, self._connected_to)
 
     def ack_with_data(self) -> None:
-        """Make an owed ACK due now: the packet about to carry data carries it too."""
+        """Make an owed ACK due now, so that the packet about to carry data carries it too,
+        once it acknowledges two datagrams or more (RFC 9000 13.2.2: at least every second
+        ack-eliciting packet). A lone datagram's ACK waits for the next: in an exchange of
+        requests and answers the peer's next packet follows ours by a round, so every other
+        packet each way carries an ACK (one ACK frame built and one processed per two
+        packets instead of per packet) and none leaves alone; it waits at most
+        LONE_ACK_DELAY after the datagram (within the max_ack_delay of 25 ms aioquic
+        announces), then leaves on the timer."""
+        self._exchanging = True
         space = self._application_space()
         if space is not None and space.ack_at is not None:
-            space.ack_at = self._loop.time()
+            if self._ack_ready or self._gap >= QUICK_PEER:
+                # a second datagram, or a peer whose last datagram followed the one before by
+                # QUICK_PEER or more (the ACK, waiting, might leave alone): it rides on this data
+                space.ack_at = self._loop.time()
+            else:
+                space.ack_at = max(space.ack_at, self._owed_since + LONE_ACK_DELAY)
+
+    _arrived = 0.0          # when the last datagram arrived
+    _gap = 1.0              # how long after the one before it (s)
+    _owed_since = 0.0       # when the datagram that began the owed ACK arrived
+    _exchanging = False     # data sent since then: the peer's next datagram answers it
+    _ack_ready = False      # the owed ACK acknowledges a second datagram: it rides on the next data
 
     def transmit_data(self, *, alone: bool) -> None:
         """Send what was just written, with any ACK owed: at once when nothing else is in
