@@ -22,9 +22,13 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanAcks`: an owed ACK rides on the next packet that carries data (`ack_with_data`,
     called where we send a request or an answer), and is otherwise sent `ACK_DELAY` after
     the first unacknowledged packet (within the max_ack_delay of 25 ms that aioquic
-    announces), or at once when a second datagram arrives while one is owed (RFC 9000 13.2.2:
-    at least every second ack-eliciting packet), so that a sender of many packets is not held
-    back by its congestion window.
+    announces), or at once when a second datagram arrives while one is owed and we sent no
+    data since the first (RFC 9000 13.2.2: at least every second ack-eliciting packet), so
+    that a sender of many packets is not held back by its congestion window. In an exchange
+    (data sent since the first, the peer's datagrams less than `QUICK_PEER` apart) the ACK of
+    a lone datagram waits for the next, at most `LONE_ACK_DELAY`, and the ACK of both rides
+    on the next data: a session's requests and answers carry an ACK every second packet each
+    way, each ACK frame built and processed (aioquic's loss recovery) for two packets.
   - `LeanAcks.transmit_data`: while other requests are in flight on the connection, what is
     written during one event-loop turn leaves in one call to `transmit()` at the end of it
     (the answers completed by one batch share datagrams); a lone request leaves at once.
@@ -47,13 +51,16 @@ does not describe, and every SDCP message is the same bytes:
   - `LeanH3`: a whole message in one piece of stream data (HEADERS, then one DATA frame
     ending the stream: every SDCP request and answer) is read without aioquic's frame loop,
     with the same checks, states, events and refusals; a final HEADERS frame is coded once
-    per connection and header list once the peer's SETTINGS allow no QPACK table; request
+    per connection and header list once the peer's SETTINGS allow no QPACK table, and a header
+    block read is decoded and checked once per connection (with no table, the same bytes give
+    the same list); request
     streams are looked up in line (aioquic's generator-based context manager costs about
     six calls each time). `LeanAcks._process_events`: stream data skips aioquic's five
     event-type tests.
 
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`,
-`_events`, `_stream`, `_received_settings`):
+`_events`, `_stream`, `_received_settings`; the server's `_protocols` and `_configuration` in
+server_h3.H3Server):
 quic_mtls.check_aioquic() refuses an unreviewed aioquic version, and it checks these names.
 """
 
@@ -82,6 +89,8 @@ from aioquic.quic.events import StreamDataReceived
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
+LONE_ACK_DELAY = 0.020  # s: how long a lone datagram's ACK may wait for the peer's next (max_ack_delay: 25 ms)
+QUICK_PEER = 0.005      # s: a lone ACK waits only while the peer's datagrams follow each other within this
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +103,7 @@ class LeanH3(H3Connection):
         self._max_table_capacity = self._blocked_streams = 0
         self._decoder = pylsqpack.Decoder(0, 0)
         self._header_frames: dict[tuple, bytes] = {}
+        self._header_blocks: dict[bytes, tuple] = {}
 
     def _get_local_settings(self) -> dict[int, int]:
         settings = super()._get_local_settings()
@@ -147,16 +157,24 @@ class LeanH3(H3Connection):
             return super()._receive_request_or_push_data(stream, data, stream_ended)
         stream.receiving_ended = True
         stream_id = stream.stream_id
+        block = data[start:end]
+        known = self._header_blocks.get(block)
         try:
-            headers = self._decode_headers(stream_id, data[start:end])
-            if not self._is_client:
-                validate_request_headers(headers, stream)
+            if known is not None:   # read before on this connection: the same list, the same checks passed
+                headers = list(known[0])
+                if known[1] is not None:
+                    stream.expected_content_length = known[1]
             else:
-                interim = is_interim_response(headers)
-                validate_response_headers(headers, None if interim else stream)
-                if interim:   # a 1xx cannot be followed by DATA
-                    stream.interim_response_received = True
-                    raise FrameUnexpected("DATA frame is not allowed in this state")
+                headers = self._decode_headers(stream_id, block)
+                if not self._is_client:
+                    validate_request_headers(headers, stream)
+                else:
+                    interim = is_interim_response(headers)
+                    validate_response_headers(headers, None if interim else stream)
+                    if interim:   # a 1xx cannot be followed by DATA
+                        stream.interim_response_received = True
+                        raise FrameUnexpected("DATA frame is not allowed in this state")
+                self._remember_header_block(block, headers, stream.expected_content_length)
             stream.headers_recv_state = HeadersState.AFTER_HEADERS
             body = data[body_start:]
             stream.content_length += body_size
@@ -241,6 +259,26 @@ class LeanH3(H3Connection):
         self._header_frames[key] = frame
 
 
+    # Header blocks read whole, remembered per connection with what reading them found: with no
+    # QPACK table on our side a block can refer to no table entry, so it decodes to the same
+    # list whatever came before, and aioquic's checks of a request's or a final answer's list
+    # (validate_request_headers / validate_response_headers) depend on the list alone, setting
+    # only the stream's expected content-length (kept here too). A session sends the same
+    # block round after round: it is decoded and checked once.
+    REMEMBERED_HEADER_BLOCKS = 64
+    REMEMBERED_HEADER_BLOCK_SIZE = 512
+
+    def _remember_header_block(self, block: bytes, headers: list, content_length: int | None) -> None:
+        # a block that passed the checks and refers to no table entry (Required Insert Count 0,
+        # Base 0: its first two octets, RFC 9204 4.5.1); our decoder has no table (LeanH3)
+        if block[:2] != b"\x00\x00" or len(block) > self.REMEMBERED_HEADER_BLOCK_SIZE \
+                or self._max_table_capacity:
+            return
+        if len(self._header_blocks) >= self.REMEMBERED_HEADER_BLOCKS:
+            self._header_blocks.clear()
+        self._header_blocks[block] = (tuple(headers), content_length)
+
+
 def _varint(data: bytes, at: int) -> tuple[int, int]:
     """(offset after, value) of the QUIC variable-length integer at `at` (RFC 9000 16);
     (-1, 0) when `data` ends inside it."""
@@ -267,12 +305,23 @@ class LeanAcks(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr) -> None:
         space = self._application_space()
         owed = space is not None and space.ack_at is not None
-        self._quic.receive_datagram(data, addr, now=self._loop.time())
+        now = self._loop.time()
+        self._gap, self._arrived = now - self._arrived, now
+        if not owed:   # an ACK owed from this datagram on starts afresh
+            self._owed_since = now
+            self._exchanging = self._ack_ready = False
+        self._quic.receive_datagram(data, addr, now=now)
         self._process_events()
-        if owed and space.ack_at is not None:   # a second datagram while an ACK is owed: ACK now
-            space.ack_at = self._loop.time()
-            self.transmit()
-        elif self.answer_pending():
+        if owed and space.ack_at is not None:   # a second datagram while an ACK is owed
+            if not self._exchanging:   # the peer sends, we do not (a bulk upload): ACK now
+                space.ack_at = self._loop.time()
+                self.transmit()
+                return
+            # a request and its answer, one way and the other: the ACK of both rides on the
+            # next data, within ACK_DELAY of this datagram at the latest
+            self._ack_ready = True
+            space.ack_at = min(space.ack_at, self._loop.time() + ACK_DELAY)
+        if self.answer_pending():
             # an answer is on its way: what this datagram leads to leaves with it (`transmit`),
             # or on its own after ANSWER_WAIT if the answer takes longer
             if self._transmit_task is None and self._answer_wait is None:
@@ -353,10 +402,29 @@ class LeanAcks(QuicConnectionProtocol):
         log.debug("h3: datagram for %s dropped: the socket is connected to %s", addr, self._connected_to)
 
     def ack_with_data(self) -> None:
-        """Make an owed ACK due now: the packet about to carry data carries it too."""
+        """Make an owed ACK due now, so that the packet about to carry data carries it too,
+        once it acknowledges two datagrams or more (RFC 9000 13.2.2: at least every second
+        ack-eliciting packet). A lone datagram's ACK waits for the next: in an exchange of
+        requests and answers the peer's next packet follows ours by a round, so every other
+        packet each way carries an ACK (one ACK frame built and one processed per two
+        packets instead of per packet) and none leaves alone; it waits at most
+        LONE_ACK_DELAY after the datagram (within the max_ack_delay of 25 ms aioquic
+        announces), then leaves on the timer."""
+        self._exchanging = True
         space = self._application_space()
         if space is not None and space.ack_at is not None:
-            space.ack_at = self._loop.time()
+            if self._ack_ready or self._gap >= QUICK_PEER:
+                # a second datagram, or a peer whose last datagram followed the one before by
+                # QUICK_PEER or more (the ACK, waiting, might leave alone): it rides on this data
+                space.ack_at = self._loop.time()
+            else:
+                space.ack_at = max(space.ack_at, self._owed_since + LONE_ACK_DELAY)
+
+    _arrived = 0.0          # when the last datagram arrived
+    _gap = 1.0              # how long after the one before it (s)
+    _owed_since = 0.0       # when the datagram that began the owed ACK arrived
+    _exchanging = False     # data sent since then: the peer's next datagram answers it
+    _ack_ready = False      # the owed ACK acknowledges a second datagram: it rides on the next data
 
     def transmit_data(self, *, alone: bool) -> None:
         """Send what was just written, with any ACK owed: at once when nothing else is in

@@ -74,7 +74,8 @@ def check_aioquic() -> None:
 
 
 def _missing_lean_names() -> list[str]:
-    """The private names quic_lean.py uses (ACK timing, QPACK settings and streams, deferred transmit, the timer)."""
+    """The private names quic_lean.py and server_h3.H3Server use (ACK timing, QPACK settings and streams,
+    deferred transmit, the timer, the server's connection table)."""
     from aioquic.asyncio.protocol import QuicConnectionProtocol
     from aioquic.h3.connection import H3Connection
     from aioquic.quic.configuration import QuicConfiguration
@@ -87,6 +88,10 @@ def _missing_lean_names() -> list[str]:
     # the attributes its __init__ sets (LeanAcks.transmit keeps aioquic's timer in them)
     names += [f"QuicConnectionProtocol().{name}" for name in ("_timer", "_timer_at", "_transmit_task", "_transport")
               if name not in QuicConnectionProtocol.__init__.__code__.co_names]
+    # the attributes QuicServer's __init__ sets (server_h3.H3Server routes 1-RTT datagrams with them)
+    from aioquic.asyncio.server import QuicServer
+    names += [f"QuicServer().{name}" for name in ("_configuration", "_protocols")
+              if name not in QuicServer.__init__.__code__.co_names]
     names += [f"H3Connection.{name}" for name in ("_get_local_settings", "_get_or_create_stream", "_encode_headers",
                                                   "_decode_headers", "_receive_stream_data", "_receive_request_or_push_data")
               if not hasattr(H3Connection, name)]

@@ -9,7 +9,6 @@ is an optional extra.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import socket
 from typing import Any
@@ -88,9 +87,7 @@ class Server:
             self._tcp = TCPListener(self.serving, listening)
             port = listening.getsockname()[1]
         if self.http3:
-            from aioquic.asyncio.server import serve as quic_serve  # the optional h3 extra
-
-            from .server_h3 import H3ServerProtocol
+            from .server_h3 import serve_h3  # the optional h3 extra
 
             if port == 0:  # HTTP/3 only: let UDP choose
                 port = _free_udp_port(self.host)
@@ -99,11 +96,7 @@ class Server:
             configuration.max_data = limits.quic_max_data
             configuration.max_stream_data = limits.quic_max_stream_data
             # No session-ticket store: resumption would skip the client certificate.
-            self._quic = await quic_serve(
-                self.host, port, configuration=configuration,
-                create_protocol=functools.partial(H3ServerProtocol, serving=self.serving),
-                retry=False,
-            )
+            self._quic = await serve_h3(self.host, port, configuration=configuration, serving=self.serving)
         self._port = port
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -18,7 +18,9 @@ response not delivered within `send_timeout` is reset.
 from __future__ import annotations
 
 import asyncio
+import functools
 
+from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, ErrorCode, FrameType, MessageError, Setting
 from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
 from aioquic.quic.connection import QuicConnection
@@ -110,6 +112,40 @@ class ServerH3Connection(LeanH3):
             while len(self._refused) > MAX_REFUSED_TRACKED:
                 del self._refused[next(iter(self._refused))]
         return StreamRefused(stream.stream_id, kind, reason, problem)
+
+
+class H3Server(QuicServer):
+    """aioquic's QuicServer, where a 1-RTT datagram (short header: every datagram of an
+    established connection) reaches its connection without its header parsed twice.
+
+    aioquic's server parses every datagram's header into a QuicHeader only to read its
+    destination connection ID, and the connection then parses it again. A short header
+    (RFC 9000 17.3: first bit 0, fixed bit 1) has no version, so nothing for version
+    negotiation, and is never an Initial, so it never creates a connection: aioquic's server
+    only looks its connection up by the ID after the first octet (`connection_id_length` long,
+    our configuration's) and hands the datagram on, or drops it. Here that is done without
+    the parse; anything else (long headers, a fixed bit of 0, a datagram too short for the ID,
+    an unknown ID) takes aioquic's path unchanged."""
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        if data and data[0] & 0xC0 == 0x40:
+            length = self._configuration.connection_id_length
+            if len(data) > length:
+                protocol = self._protocols.get(data[1:1 + length])
+                if protocol is not None:
+                    protocol.datagram_received(data, addr)
+                    return
+        super().datagram_received(data, addr)
+
+
+async def serve_h3(host: str, port: int, *, configuration, serving: Serving) -> H3Server:
+    """aioquic's `serve` (no session-ticket store, no Retry), on an H3Server."""
+    _, server = await asyncio.get_running_loop().create_datagram_endpoint(
+        lambda: H3Server(configuration=configuration,
+                         create_protocol=functools.partial(H3ServerProtocol, serving=serving), retry=False),
+        local_addr=(host, port),
+    )
+    return server
 
 
 class H3ServerProtocol(CountsStrikes, LeanAcks):

@@ -218,6 +218,31 @@ def test_a_whole_message_is_read_as_aioquics_frame_loop_reads_it(is_client, data
     assert _outcome(fast, data, generic=False) == _outcome(generic, data, generic=True)
 
 
+@pytest.mark.parametrize("is_client, data", WHOLE_MESSAGES)
+def test_a_header_block_read_again_is_read_as_the_first_time(is_client, data):
+    """Read a second time (remembered on the connection when it passed): the same outcome, the
+    same stream state, and a list of its own."""
+    fast, generic = LeanH3(RecordingQuic(is_client)), LeanH3(RecordingQuic(is_client))
+    first, again = _outcome(fast, data, generic=False), _outcome(fast, data, generic=False)
+    assert first == again == _outcome(generic, data, generic=True)
+    if first[0][0] == "events" and first[0][1]:
+        assert len(fast._header_blocks) <= 1   # (another shape than a whole message: aioquic reads it)
+        events = _outcome(fast, data, generic=False)[0][1]
+        assert events[0].headers is not first[0][1][0].headers
+
+
+def test_remembered_header_blocks_are_bounded():
+    fast = LeanH3(RecordingQuic(False))
+    for n in range(LeanH3.REMEMBERED_HEADER_BLOCKS + 3):
+        headers = [*REQUEST[:4], (b"x-n", str(n).encode())]
+        assert _outcome(fast, _message(headers, BODY, is_client_sending=True), generic=False)[0][0] == "events"
+        assert len(fast._header_blocks) <= LeanH3.REMEMBERED_HEADER_BLOCKS
+    big = [*REQUEST[:4], (b"x-big", b"y" * 2 * LeanH3.REMEMBERED_HEADER_BLOCK_SIZE)]
+    fast._header_blocks.clear()
+    assert _outcome(fast, _message(big, BODY, is_client_sending=True), generic=False)[0][0] == "events"
+    assert not fast._header_blocks
+
+
 def test_events_reach_the_protocol_in_order_and_aioquic_still_handles_its_own():
     import asyncio
 
