@@ -9,6 +9,7 @@ aioquic's defaults a request answered after a few milliseconds took three packet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import cbor2
 import pytest
@@ -27,22 +28,34 @@ def _sent(connection) -> int:
     return connection._quic._packet_number   # packets sent so far (private in aioquic 1.7.2)
 
 
+@contextlib.asynccontextmanager
+async def _settled(pki, path: str = "/proposals", *, timeout: float = 5.0):
+    """A server and a client over HTTP/3 with one request of `path` answered (a GET of a
+    `/slow` path, else a proposal) and the handshake's last packets settled: (client, url,
+    the server's connection, the client's connection)."""
+    async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http2=False) as server:
+        async with Client(pki.drafter, "h3", timeout=timeout) as client:
+            url = f"https://127.0.0.1:{server.port}{path}"
+            if path.startswith("/slow"):
+                assert (await client.request("GET", url)).status == 204
+            else:
+                assert (await client.request("POST", url, PROPOSAL)).status == 200
+            await asyncio.sleep(0.05)   # the handshake's last packets settle
+            yield (client, url, *_connections(server, client))
+
+
 def test_a_request_answered_after_milliseconds_takes_one_datagram_each_way(pki):
     """The ACK of the request rides on the answer and the ACK of the answer on the next
     request; no QPACK decoder-stream packets (the dynamic table is off)."""
     requests = 40
 
     async def main():
-        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http2=False) as server:
-            async with Client(pki.drafter, "h3", timeout=5.0) as client:
-                url = f"https://127.0.0.1:{server.port}/slow?s=0.003"   # longer than aioquic's 1 ms ACK delay
+        # the answer waits longer than aioquic's 1 ms ACK delay
+        async with _settled(pki, "/slow?s=0.003") as (client, url, server_side, client_side):
+            server_before, client_before = _sent(server_side), _sent(client_side)
+            for _ in range(requests):
                 assert (await client.request("GET", url)).status == 204
-                await asyncio.sleep(0.05)   # the handshake's last packets settle
-                server_side, client_side = _connections(server, client)
-                server_before, client_before = _sent(server_side), _sent(client_side)
-                for _ in range(requests):
-                    assert (await client.request("GET", url)).status == 204
-                return _sent(server_side) - server_before, _sent(client_side) - client_before
+            return _sent(server_side) - server_before, _sent(client_side) - client_before
 
     server_sent, client_sent = run(main())
     # exactly one each way when nothing stalls; a loaded machine may let a 10 ms ACK timer fire
@@ -72,18 +85,13 @@ def test_a_quick_exchange_carries_an_ack_in_every_second_packet_each_way(pki, pa
     requests = 40
 
     async def main():
-        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http2=False) as server:
-            async with Client(pki.drafter, "h3", timeout=5.0) as client:
-                url = f"https://127.0.0.1:{server.port}/proposals"
+        async with _settled(pki) as (client, url, server_side, client_side):
+            server_acks, client_acks = _count_ack_frames(server_side), _count_ack_frames(client_side)
+            server_before = _sent(server_side)
+            for _ in range(requests):
                 assert (await client.request("POST", url, PROPOSAL)).status == 200
-                await asyncio.sleep(0.05)
-                server_side, client_side = _connections(server, client)
-                server_acks, client_acks = _count_ack_frames(server_side), _count_ack_frames(client_side)
-                server_before = _sent(server_side)
-                for _ in range(requests):
-                    assert (await client.request("POST", url, PROPOSAL)).status == 200
-                    await asyncio.sleep(pause)
-                return _sent(server_side) - server_before, server_acks[0], client_acks[0]
+                await asyncio.sleep(pause)
+            return _sent(server_side) - server_before, server_acks[0], client_acks[0]
 
     server_sent, server_acks, client_acks = run(main())
     assert server_sent <= requests * 1.25
@@ -98,16 +106,11 @@ def test_answers_of_one_loop_turn_share_datagrams(pki):
     concurrent = 32
 
     async def main():
-        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http2=False) as server:
-            async with Client(pki.drafter, "h3", timeout=5.0) as client:
-                url = f"https://127.0.0.1:{server.port}/proposals"
-                assert (await client.request("POST", url, PROPOSAL)).status == 200
-                await asyncio.sleep(0.05)
-                server_side, client_side = _connections(server, client)
-                server_before, client_before = _sent(server_side), _sent(client_side)
-                answers = await asyncio.gather(*(client.request("POST", url, PROPOSAL) for _ in range(concurrent)))
-                assert [a.status for a in answers] == [200] * concurrent
-                return _sent(server_side) - server_before, _sent(client_side) - client_before
+        async with _settled(pki) as (client, url, server_side, client_side):
+            server_before, client_before = _sent(server_side), _sent(client_side)
+            answers = await asyncio.gather(*(client.request("POST", url, PROPOSAL) for _ in range(concurrent)))
+            assert [a.status for a in answers] == [200] * concurrent
+            return _sent(server_side) - server_before, _sent(client_side) - client_before
 
     server_sent, client_sent = run(main())
     # a request (~300 bytes) or an answer (~250) each: four or so share a 1,200-byte datagram
@@ -121,17 +124,12 @@ def test_a_bulk_upload_is_acknowledged_every_second_datagram(pki):
     body = cbor2.dumps({"blob": b"\x00" * 400_000})
 
     async def main():
-        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http2=False) as server:
-            async with Client(pki.drafter, "h3", timeout=10.0) as client:
-                url = f"https://127.0.0.1:{server.port}/proposals"
-                assert (await client.request("POST", url, PROPOSAL)).status == 200
-                await asyncio.sleep(0.05)
-                server_side, client_side = _connections(server, client)
-                server_before, client_before = _sent(server_side), _sent(client_side)
-                answer = await client.request("POST", url, body)
-                assert answer.status == 200
-                assert cbor2.loads(answer.body)["echo"] == {"blob": b"\x00" * 400_000}
-                return _sent(server_side) - server_before, _sent(client_side) - client_before
+        async with _settled(pki, timeout=10.0) as (client, url, server_side, client_side):
+            server_before, client_before = _sent(server_side), _sent(client_side)
+            answer = await client.request("POST", url, body)
+            assert answer.status == 200
+            assert cbor2.loads(answer.body)["echo"] == {"blob": b"\x00" * 400_000}
+            return _sent(server_side) - server_before, _sent(client_side) - client_before
 
     server_sent, client_sent = run(main())
     assert client_sent >= len(body) // 1400   # the upload's datagrams
