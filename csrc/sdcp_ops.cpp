@@ -7,7 +7,7 @@
 namespace sdcp {
 
 // Bumped whenever a schema or its meaning changes: kernels/native.py refuses a stale build.
-constexpr int64_t kNativeVersion = 1;
+constexpr int64_t kNativeVersion = 2;
 
 }  // namespace sdcp
 
@@ -17,6 +17,11 @@ TORCH_LIBRARY(sdcp, m) {
       "Tensor temperature_milli, Tensor top_k, Tensor top_p_milli, Tensor? q, Tensor q_start, "
       "Tensor accept_uniforms, Tensor extra_uniforms, Tensor row_start, Tensor token_start) "
       "-> (Tensor accepted, Tensor extra_token, Tensor bad_q, Tensor nan_logits)");
+  // verify on the two buffers kernels/batch.py's PackedBatch packs the batch into (layout
+  // there), answering one [4, B] int64 tensor: accepted, extra_token, bad_q, nan_logits
+  m.def(
+      "verify_packed(Tensor logits, Tensor ints, Tensor floats, Tensor? q, int num_proposals) "
+      "-> Tensor");
   m.def(
       "target_probs(Tensor logits, Tensor temperature_milli, Tensor top_k, Tensor top_p_milli) "
       "-> Tensor");

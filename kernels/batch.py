@@ -148,6 +148,51 @@ def sampling_profile(sampling: Mapping[str, int] | None) -> tuple[int, int, int]
     return t, k, p
 
 
+@dataclass(frozen=True)
+class PackedResult:
+    """A verify result as one tensor (the native op's `verify_packed`): row 0 accepted, row 1
+    extra_token, row 2 bad_q, row 3 nan_logits (0 or 1), one column per proposal."""
+
+    packed: torch.Tensor  # [4, B] int64
+
+    def rows(self) -> list[tuple[int, int, bool, bool]]:
+        """(accepted, extra_token, bad_q, nan_logits) per proposal, as Python values (one
+        read of the tensor)."""
+        accepted, extra, bad_q, nan_logits = self.packed.tolist()
+        return list(zip(accepted, extra, map(bool, bad_q), map(bool, nan_logits), strict=True))
+
+
+# the [B] fields of PackedBatch.ints, in order (the draft tokens follow them)
+PACKED_FIELDS = ("num_draft", "rule", "temperature_milli", "top_k", "top_p_milli", "q_start",
+                 "row_start", "token_start")
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A verify batch as two buffers, before any per-field view: what `pack_batch` makes
+    from Python values. The native op reads it as it is (`verify_packed`); every other path
+    takes its `unpack()`, the VerifyBatch of views into the same two tensors. (Thirteen
+    views and a validation pass cost more host time than the native op's whole verify of
+    one proposal.)"""
+
+    logits: torch.Tensor  # [R, V] fp32 | bf16 | fp16, R = N + B
+    ints: torch.Tensor  # [8B + N] int64: PACKED_FIELDS ([B] each), then draft_tokens [N]
+    floats: torch.Tensor  # [N + R] float64: accept_uniforms [N], then extra_uniforms [R]
+    q: torch.Tensor | None  # [Q, V] fp32 draft probabilities (rule-2 rows), None if no rule 2
+    num_proposals: int  # B
+
+    def unpack(self) -> VerifyBatch:
+        """The same batch as a validated VerifyBatch (views, no copy)."""
+        b = self.num_proposals
+        n = int(self.ints.shape[0]) - 8 * b
+        *fields, draft_tokens = self.ints.split([b] * 8 + [n])
+        batch = VerifyBatch(logits=self.logits, draft_tokens=draft_tokens, q=self.q,
+                            accept_uniforms=self.floats[:n], extra_uniforms=self.floats[n:],
+                            **dict(zip(PACKED_FIELDS, fields, strict=True)))
+        batch.validate(rule2_has_q=True)   # each rule-2 proposal's q rows were checked in pack_batch
+        return batch
+
+
 def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
                 q: torch.Tensor | None = None) -> VerifyBatch:
     """Make the batch tensors (on the logits' device) from per-proposal Python values.
@@ -155,6 +200,12 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
     `logits` holds sum(M_b + 1) rows in proposal order. `q` holds the rule-2 rows; when a
     proposal's `q_start` is None its rows are taken to follow the previous rule-2 proposal's.
     """
+    return pack_batch(logits, proposals, q).unpack()
+
+
+def pack_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
+               q: torch.Tensor | None = None) -> PackedBatch:
+    """`build_batch`'s checks and tensors, without the views: a PackedBatch."""
     if not proposals:
         raise VerifyInputError("empty batch")
     dev = logits.device
@@ -201,16 +252,8 @@ def build_batch(logits: torch.Tensor, proposals: Sequence[ProposalInput],
         row_start.append(at + idx)
         at += m
     # two tensors made (a tensor costs microseconds of Python and dispatch each; a batch of
-    # one is the common case at low load), every field a contiguous 1-D view into them
-    b, n = len(proposals), len(tokens)
+    # one is the common case at low load)
     ints = torch.tensor([*num_draft, *rules, *temps, *topks, *topps, *q_starts, *row_start, *token_start,
                          *tokens], dtype=torch.int64, device=dev)
     floats = torch.tensor([*accept_u, *extra_u], dtype=torch.float64, device=dev)
-    field_of = ints.split([b] * 8 + [n])
-    batch = VerifyBatch(
-        logits=logits, draft_tokens=field_of[8], num_draft=field_of[0], rule=field_of[1],
-        temperature_milli=field_of[2], top_k=field_of[3], top_p_milli=field_of[4],
-        q=q, q_start=field_of[5], accept_uniforms=floats[:n], extra_uniforms=floats[n:],
-        row_start=field_of[6], token_start=field_of[7])
-    batch.validate(rule2_has_q=True)   # each rule-2 proposal's q rows were checked above
-    return batch
+    return PackedBatch(logits, ints, floats, q, len(proposals))

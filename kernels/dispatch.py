@@ -19,6 +19,8 @@ from .batch import (
     DEFAULT_TEMPERATURE_MILLI,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P_MILLI,
+    PackedBatch,
+    PackedResult,
     VerifyBatch,
     VerifyInputError,
     VerifyResult,
@@ -60,14 +62,16 @@ def choose_path(device: torch.device, path: str | None = None) -> str:
     return path
 
 
-def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
+def verify(batch: VerifyBatch | PackedBatch, path: str | None = None) -> VerifyResult | PackedResult:
     """Accepted count, extra token and flags for every proposal of a ragged verify batch.
 
     Parameters
     ----------
-    batch : VerifyBatch
+    batch : VerifyBatch | PackedBatch
         B proposals, N = sum(M_b) draft tokens, R = N + B logits rows, all on one device
-        (layout in batch.py; `build_batch` makes one from Python values):
+        (layout in batch.py; `build_batch` makes one from Python values, `pack_batch` the
+        same tensors packed into two, which the native op reads as they are and every other
+        path unpacks):
 
         - ``logits`` ``[R, V]`` fp32, bf16 or fp16;
         - ``draft_tokens`` ``[N]`` int64 in ``0..V-1``;
@@ -84,12 +88,18 @@ def verify(batch: VerifyBatch, path: str | None = None) -> VerifyResult:
     -------
     VerifyResult
         ``accepted`` ``[B]`` int64 (0 when flagged), ``extra_token`` ``[B]`` int64 (-1 when
-        flagged), ``bad_q`` ``[B]`` bool, ``nan_logits`` ``[B]`` bool.
+        flagged), ``bad_q`` ``[B]`` bool, ``nan_logits`` ``[B]`` bool; for a PackedBatch on
+        the native path a PackedResult, the same four as the rows of one ``[4, B]`` int64
+        tensor. Both give ``rows()``: (accepted, extra_token, bad_q, nan_logits) per proposal.
 
     Raises VerifyInputError for inconsistent shapes, dtypes, devices or an unknown path.
     """
-    batch.validate_once()   # build_batch's batches are checked there
     chosen = choose_path(batch.logits.device, path)
+    if isinstance(batch, PackedBatch):
+        if chosen == "native":
+            return native.verify_packed(batch)
+        batch = batch.unpack()
+    batch.validate_once()   # build_batch's batches are checked there
     if chosen == "reference":
         return reference.verify(batch)
     if chosen == "cpu":

@@ -7,6 +7,9 @@ csrc/cpu/verify_cpu.cpp): one streaming pass per logits row (max, argmax, online
 float, AVX-512, AVX2 or portable loops chosen at run time: csrc/cpu/isa.cpp), threads over rows, top-k / top-p without a
 sort over V, decisions rechecked in double near their boundaries (csrc/cpu/rows.cpp).
 
+verify_packed(batch) takes a PackedBatch (batch.py: the same tensors packed into `ints` and
+`floats`) and returns a PackedResult ([4, B] int64: accepted, extra_token, bad_q, nan_logits).
+
 verify tensors (all on the CPU; B proposals, N = sum M_b draft tokens, R logits rows):
     logits            [R, V]  fp32 | bf16 | fp16 (a non-contiguous tensor is copied)
     draft_tokens      [N]     int64, in 0..V-1
@@ -38,10 +41,17 @@ from functools import cache
 
 import torch
 
-from .batch import LOGIT_DTYPES, VerifyBatch, VerifyInputError, VerifyResult
+from .batch import (
+    LOGIT_DTYPES,
+    PackedBatch,
+    PackedResult,
+    VerifyBatch,
+    VerifyInputError,
+    VerifyResult,
+)
 
 LIBRARY = "sdcp_fast.kernels._native"
-VERSION = 1  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+VERSION = 2  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
 
 log = logging.getLogger("sdcp_fast.kernels")
 
@@ -96,6 +106,28 @@ def verify(batch: VerifyBatch) -> VerifyResult:
     except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
     return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q, nan_logits=nan)
+
+
+def verify_packed(batch: PackedBatch) -> PackedResult:
+    """`verify` on a PackedBatch's two buffers as they are (`torch.ops.sdcp.verify_packed`:
+    the views are made in C++, the same checks apply), its four results in one [4, B] int64
+    tensor: one op call and one read back per batch."""
+    try:
+        packed = _VERIFY_PACKED(batch.logits, batch.ints, batch.floats, batch.q, batch.num_proposals)
+    except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
+        raise VerifyInputError(str(exc).splitlines()[0]) from exc
+    return PackedResult(packed)
+
+
+def _verify_packed_op(*args):
+    """The op's overload itself, looked up once it is loaded (positional arguments: a call
+    with keywords, or through the overload packet, parses them again every time)."""
+    global _VERIFY_PACKED
+    _VERIFY_PACKED = torch.ops.sdcp.verify_packed.default
+    return _VERIFY_PACKED(*args)
+
+
+_VERIFY_PACKED = _verify_packed_op
 
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,

@@ -82,53 +82,37 @@ struct Rows {  // the logits as RowViews
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_cpu(
-    const at::Tensor& logits_in, const at::Tensor& draft_tokens_in,
-    const at::Tensor& num_draft_in, const at::Tensor& rule_in,
-    const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
-    const std::optional<at::Tensor>& q_in, const at::Tensor& q_start_in,
-    const at::Tensor& accept_u_in, const at::Tensor& extra_u_in, const at::Tensor& row_start_in,
-    const at::Tensor& token_start_in) {
-  check_logits(logits_in);
-  const at::Tensor logits = logits_in.contiguous();
+// The batch as raw arrays (B proposals, N draft tokens, Q q rows), each of the length
+// `dispatch.verify` documents: checked by verify_cpu, or laid out by verify_packed_cpu.
+struct BatchArrays {
+  const int64_t *tok, *nd, *rule, *temp, *topk, *topp, *qs, *rs, *ts;
+  const double *au, *eu;
+  const float* q;  // nullptr when Q = 0
+  int64_t B, N, Q;
+};
+
+// q as the op reads it: a contiguous CPU fp32 [Q, V] tensor (undefined when absent)
+at::Tensor checked_q(const std::optional<at::Tensor>& q_in, int64_t V) {
+  if (!q_in.has_value() || !q_in->defined()) return at::Tensor();
+  TORCH_CHECK_VALUE(q_in->device().is_cpu() && q_in->scalar_type() == at::kFloat &&
+                        q_in->dim() == 2 && q_in->size(1) == V,
+                    "q must be a CPU fp32 tensor [Q, ", V, "], got ", q_in->scalar_type(), " ",
+                    q_in->sizes());
+  return q_in->contiguous();
+}
+
+// The op itself over checked logits (contiguous) and the batch's arrays: each proposal's
+// accepted count, extra token and flags written to the outputs (Flag: bool for verify's
+// tensors, int64_t for verify_packed's rows).
+template <typename Flag>
+void verify_arrays(const at::Tensor& logits, const BatchArrays& in, int64_t* acc_out,
+                   int64_t* extra_out, Flag* bad_q_out, Flag* nan_out) {
   const int64_t R = logits.size(0), V = logits.size(1);
-  const int64_t B = num_draft_in.dim() == 1 ? num_draft_in.size(0) : -1;
-  TORCH_CHECK_VALUE(B >= 0, "num_draft must be [B]");
-  const int64_t N = draft_tokens_in.dim() == 1 ? draft_tokens_in.size(0) : -1;
-  TORCH_CHECK_VALUE(N >= 0, "draft_tokens must be [N]");
-  const at::Tensor tokens_t = vector_arg(draft_tokens_in, "draft_tokens", N, at::kLong);
-  const at::Tensor nd_t = vector_arg(num_draft_in, "num_draft", B, at::kLong);
-  const at::Tensor rule_t = vector_arg(rule_in, "rule", B, at::kLong);
-  const at::Tensor temp_t = vector_arg(temperature_in, "temperature_milli", B, at::kLong);
-  const at::Tensor topk_t = vector_arg(top_k_in, "top_k", B, at::kLong);
-  const at::Tensor topp_t = vector_arg(top_p_in, "top_p_milli", B, at::kLong);
-  const at::Tensor qs_t = vector_arg(q_start_in, "q_start", B, at::kLong);
-  const at::Tensor rs_t = vector_arg(row_start_in, "row_start", B, at::kLong);
-  const at::Tensor ts_t = vector_arg(token_start_in, "token_start", B, at::kLong);
-  const at::Tensor au_t = vector_arg(accept_u_in, "accept_uniforms", N, at::kDouble);
-  const at::Tensor eu_t = vector_arg(extra_u_in, "extra_uniforms", R, at::kDouble);
-  at::Tensor q_t;
-  int64_t Q = 0;
-  if (q_in.has_value() && q_in->defined()) {
-    TORCH_CHECK_VALUE(q_in->device().is_cpu() && q_in->scalar_type() == at::kFloat &&
-                          q_in->dim() == 2 && q_in->size(1) == V,
-                      "q must be a CPU fp32 tensor [Q, ", V, "], got ", q_in->scalar_type(), " ",
-                      q_in->sizes());
-    q_t = q_in->contiguous();
-    Q = q_t.size(0);
-  }
-  const int64_t* tok = tokens_t.data_ptr<int64_t>();
-  const int64_t* nd = nd_t.data_ptr<int64_t>();
-  const int64_t* rule = rule_t.data_ptr<int64_t>();
-  const int64_t* temp = temp_t.data_ptr<int64_t>();
-  const int64_t* topk = topk_t.data_ptr<int64_t>();
-  const int64_t* topp = topp_t.data_ptr<int64_t>();
-  const int64_t* qs = qs_t.data_ptr<int64_t>();
-  const int64_t* rs = rs_t.data_ptr<int64_t>();
-  const int64_t* ts = ts_t.data_ptr<int64_t>();
-  const double* au = au_t.data_ptr<double>();
-  const double* eu = eu_t.data_ptr<double>();
-  const float* q = Q > 0 ? q_t.data_ptr<float>() : nullptr;
+  const int64_t B = in.B, N = in.N, Q = in.Q;
+  const int64_t *tok = in.tok, *nd = in.nd, *rule = in.rule, *temp = in.temp, *topk = in.topk,
+                *topp = in.topp, *qs = in.qs, *rs = in.rs, *ts = in.ts;
+  const double *au = in.au, *eu = in.eu;
+  const float* q = in.q;
 
   // every index is checked before any row is read: a bad batch is an error, never a bad read
   std::vector<int64_t> owner(static_cast<size_t>(R), -1);
@@ -188,14 +172,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_cpu(
     });
   }
 
-  at::Tensor accepted = at::empty({B}, logits.options().dtype(at::kLong));
-  at::Tensor extra = at::empty({B}, logits.options().dtype(at::kLong));
-  at::Tensor bad_q = at::empty({B}, logits.options().dtype(at::kBool));
-  at::Tensor nan_logits = at::empty({B}, logits.options().dtype(at::kBool));
-  int64_t* acc_out = accepted.data_ptr<int64_t>();
-  int64_t* extra_out = extra.data_ptr<int64_t>();
-  bool* bad_q_out = bad_q.data_ptr<bool>();
-  bool* nan_out = nan_logits.data_ptr<bool>();
   // Threads over proposals. Rows not computed yet are computed here, as far as needed: the
   // target distribution only up to the first rejection, the bad-row flag for the rest.
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
@@ -245,8 +221,99 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_cpu(
       extra_out[b] = draw_token(rows[r0 + a], st, q_row, eu[r0 + a], isa);
     }
   });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> verify_cpu(
+    const at::Tensor& logits_in, const at::Tensor& draft_tokens_in,
+    const at::Tensor& num_draft_in, const at::Tensor& rule_in,
+    const at::Tensor& temperature_in, const at::Tensor& top_k_in, const at::Tensor& top_p_in,
+    const std::optional<at::Tensor>& q_in, const at::Tensor& q_start_in,
+    const at::Tensor& accept_u_in, const at::Tensor& extra_u_in, const at::Tensor& row_start_in,
+    const at::Tensor& token_start_in) {
+  check_logits(logits_in);
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1);
+  const int64_t B = num_draft_in.dim() == 1 ? num_draft_in.size(0) : -1;
+  TORCH_CHECK_VALUE(B >= 0, "num_draft must be [B]");
+  const int64_t N = draft_tokens_in.dim() == 1 ? draft_tokens_in.size(0) : -1;
+  TORCH_CHECK_VALUE(N >= 0, "draft_tokens must be [N]");
+  const at::Tensor tokens_t = vector_arg(draft_tokens_in, "draft_tokens", N, at::kLong);
+  const at::Tensor nd_t = vector_arg(num_draft_in, "num_draft", B, at::kLong);
+  const at::Tensor rule_t = vector_arg(rule_in, "rule", B, at::kLong);
+  const at::Tensor temp_t = vector_arg(temperature_in, "temperature_milli", B, at::kLong);
+  const at::Tensor topk_t = vector_arg(top_k_in, "top_k", B, at::kLong);
+  const at::Tensor topp_t = vector_arg(top_p_in, "top_p_milli", B, at::kLong);
+  const at::Tensor qs_t = vector_arg(q_start_in, "q_start", B, at::kLong);
+  const at::Tensor rs_t = vector_arg(row_start_in, "row_start", B, at::kLong);
+  const at::Tensor ts_t = vector_arg(token_start_in, "token_start", B, at::kLong);
+  const at::Tensor au_t = vector_arg(accept_u_in, "accept_uniforms", N, at::kDouble);
+  const at::Tensor eu_t = vector_arg(extra_u_in, "extra_uniforms", R, at::kDouble);
+  const at::Tensor q_t = checked_q(q_in, V);
+  const int64_t Q = q_t.defined() ? q_t.size(0) : 0;
+  const int64_t* tok = tokens_t.data_ptr<int64_t>();
+  const int64_t* nd = nd_t.data_ptr<int64_t>();
+  const int64_t* rule = rule_t.data_ptr<int64_t>();
+  const int64_t* temp = temp_t.data_ptr<int64_t>();
+  const int64_t* topk = topk_t.data_ptr<int64_t>();
+  const int64_t* topp = topp_t.data_ptr<int64_t>();
+  const int64_t* qs = qs_t.data_ptr<int64_t>();
+  const int64_t* rs = rs_t.data_ptr<int64_t>();
+  const int64_t* ts = ts_t.data_ptr<int64_t>();
+  const double* au = au_t.data_ptr<double>();
+  const double* eu = eu_t.data_ptr<double>();
+  const float* q = Q > 0 ? q_t.data_ptr<float>() : nullptr;
+
+  at::Tensor accepted = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor extra = at::empty({B}, logits.options().dtype(at::kLong));
+  at::Tensor bad_q = at::empty({B}, logits.options().dtype(at::kBool));
+  at::Tensor nan_logits = at::empty({B}, logits.options().dtype(at::kBool));
+  int64_t* acc_out = accepted.data_ptr<int64_t>();
+  int64_t* extra_out = extra.data_ptr<int64_t>();
+  bool* bad_q_out = bad_q.data_ptr<bool>();
+  bool* nan_out = nan_logits.data_ptr<bool>();
+  verify_arrays(logits, BatchArrays{tok, nd, rule, temp, topk, topp, qs, rs, ts, au, eu, q, B, N, Q},
+                acc_out, extra_out, bad_q_out, nan_out);
   return {accepted, extra, bad_q, nan_logits};
 }
+
+// verify on PackedBatch's buffers (kernels/batch.py): ints = num_draft, rule,
+// temperature_milli, top_k, top_p_milli, q_start, row_start, token_start ([B] each), then
+// draft_tokens [N]; floats = accept_uniforms [N], then extra_uniforms [R]. The arrays are read
+// where they lie and the four results are written as the rows of one tensor: at a batch of
+// one, thirteen views made in Python and four results read back one by one cost more host
+// time than the verify itself. Every check of verify_cpu applies.
+at::Tensor verify_packed_cpu(const at::Tensor& logits_in, const at::Tensor& ints_in,
+                             const at::Tensor& floats_in, const std::optional<at::Tensor>& q_in,
+                             int64_t B) {
+  check_logits(logits_in);
+  const at::Tensor logits = logits_in.contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK_VALUE(ints_in.device().is_cpu() && ints_in.scalar_type() == at::kLong &&
+                        ints_in.dim() == 1,
+                    "ints must be a CPU int64 tensor [8B + N], got ", ints_in.scalar_type(), " ",
+                    ints_in.sizes());
+  TORCH_CHECK_VALUE(B >= 0 && ints_in.size(0) >= 8 * B, "ints must hold 8 fields of ", B,
+                    " proposals, then the draft tokens; got ", ints_in.size(0), " values");
+  const int64_t N = ints_in.size(0) - 8 * B;
+  TORCH_CHECK_VALUE(floats_in.device().is_cpu() && floats_in.scalar_type() == at::kDouble &&
+                        floats_in.dim() == 1 && floats_in.size(0) == N + R,
+                    "floats must be a CPU float64 tensor [N + R] = [", N + R, "], got ",
+                    floats_in.scalar_type(), " ", floats_in.sizes());
+  const at::Tensor ints = ints_in.contiguous(), floats = floats_in.contiguous();
+  const at::Tensor q_t = checked_q(q_in, V);
+  const int64_t Q = q_t.defined() ? q_t.size(0) : 0;
+  const int64_t* f = ints.data_ptr<int64_t>();
+  const double* u = floats.data_ptr<double>();
+  at::Tensor out = at::empty({4, B}, ints.options());
+  int64_t* o = out.data_ptr<int64_t>();
+  verify_arrays(logits,
+                BatchArrays{f + 8 * B, f, f + B, f + 2 * B, f + 3 * B, f + 4 * B, f + 5 * B,
+                            f + 6 * B, f + 7 * B, u, u + N,
+                            Q > 0 ? q_t.data_ptr<float>() : nullptr, B, N, Q},
+                o, o + B, o + 2 * B, o + 3 * B);
+  return out;
+}
+
 
 at::Tensor target_probs_cpu(const at::Tensor& logits_in, const at::Tensor& temperature_in,
                             const at::Tensor& top_k_in, const at::Tensor& top_p_in) {
@@ -283,6 +350,7 @@ at::Tensor target_probs_cpu(const at::Tensor& logits_in, const at::Tensor& tempe
 
 TORCH_LIBRARY_IMPL(sdcp, CPU, m) {
   m.impl("verify", &sdcp::cpu::verify_cpu);
+  m.impl("verify_packed", &sdcp::cpu::verify_packed_cpu);
   m.impl("target_probs", &sdcp::cpu::target_probs_cpu);
 }
 

@@ -38,7 +38,7 @@ class Launched:
     rows: list[int]                       # job n's first logits row
     refused: dict[int, Problem]           # jobs refused before the launch (their q rows)
     picked: list[int]                     # jobs in the launch, in order
-    result: kernels.VerifyResult | None
+    result: kernels.VerifyResult | kernels.PackedResult | None
     path: str | None
 
 
@@ -71,7 +71,7 @@ def launch(jobs: Sequence[Job], logits: torch.Tensor, q: torch.Tensor | None,
             rows = logits   # every row belongs to a proposal: no copy
         else:
             rows = torch.cat([logits[row_of[n]:row_of[n] + jobs[n].m + 1] for n in picked])
-        result = kernels.verify(kernels.build_batch(rows, proposals, q=q), path=path)
+        result = kernels.verify(kernels.pack_batch(rows, proposals, q=q), path=path)
     return Launched(jobs, logits, row_of, dict(q_problems), picked, result, path)
 
 

@@ -13,15 +13,20 @@ import pytest
 import torch
 from kernel_cases import assert_matches_reference, mixed_batch, random_q, require_native
 from sdcp_fast.kernels import (
+    PackedBatch,
+    PackedResult,
     ProposalInput,
+    VerifyBatch,
     VerifyInputError,
     available_paths,
     build_batch,
     choose_path,
     native,
+    pack_batch,
     target_probs,
     verify,
 )
+from sdcp_fast.kernels.batch import PACKED_FIELDS
 from sdcp_fast.kernels.reference import trace_batch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -238,3 +243,99 @@ def test_setup_without_torch_or_compiler_installs_without_the_op(tmp_path, how):
     assert "kernels/cpu.py serves" in out.stderr
     built = {path.name.split(".")[0] for path in tmp_path.rglob("*.so")}
     assert built == ({"_cbor_c"} if how == "no torch" else set())
+
+
+def packed(batch) -> PackedBatch:
+    """The same batch as pack_batch lays it out (tests build their VerifyBatches by hand too)."""
+    fields = [getattr(batch, name) for name in PACKED_FIELDS]
+    return PackedBatch(batch.logits, torch.cat([*fields, batch.draft_tokens]),
+                       torch.cat([batch.accept_uniforms, batch.extra_uniforms]), batch.q,
+                       batch.num_proposals)
+
+
+def _proposals(batch) -> list[ProposalInput]:
+    """A VerifyBatch's proposals as Python values (what pack_batch and build_batch take)."""
+    props = []
+    for b in range(batch.num_proposals):
+        m, t0, r0 = (int(getattr(batch, f)[b]) for f in ("num_draft", "token_start", "row_start"))
+        rule = int(batch.rule[b])
+        props.append(ProposalInput(
+            rule=rule, tokens=batch.draft_tokens[t0:t0 + m].tolist(),
+            accept_uniforms=batch.accept_uniforms[t0:t0 + m].tolist(),
+            extra_uniforms=batch.extra_uniforms[r0:r0 + m + 1].tolist(),
+            sampling={k: int(getattr(batch, k)[b]) for k in ("temperature_milli", "top_k", "top_p_milli")},
+            q_start=int(batch.q_start[b]) if rule == 2 else None))
+    return props
+
+
+def test_packed_batch_is_the_built_batch_and_verifies_alike_on_every_path(monkeypatch):
+    """pack_batch lays out exactly build_batch's tensors (unpack gives them field by field),
+    and a PackedBatch verifies to the same rows on every path: the native op reads the two
+    buffers as they are (one [4, B] result), the others unpack them; under every row loop
+    and schedule of the op."""
+    gen = torch.Generator().manual_seed(44)
+    cases = [mixed_batch(gen, vocab, ms, dtype, torch.device("cpu"), ties=ties)
+             for vocab, ms, dtype, ties in [(50, [1], torch.float32, False),
+                                            (1000, [3, 1, 4, 1, 5, 9, 2, 6], torch.float32, False),
+                                            (777, [2, 7, 1, 8], torch.bfloat16, True),
+                                            (300, [4] * 5, torch.float16, False)]]
+    for batch in cases:
+        props = _proposals(batch)
+        built = build_batch(batch.logits, props, batch.q)
+        pb = pack_batch(batch.logits, props, batch.q)
+        assert pb.num_proposals == batch.num_proposals
+        assert (pb.ints.dtype, pb.floats.dtype) == (torch.int64, torch.float64)
+        unpacked = pb.unpack()
+        for field in dataclasses.fields(VerifyBatch):
+            want, got = getattr(built, field.name), getattr(unpacked, field.name)
+            assert (want is None and got is None) or torch.equal(want, got), field.name
+        assert torch.equal(pb.ints, packed(batch).ints) and torch.equal(pb.floats, packed(batch).floats)
+        want = verify(built, "reference").rows()
+        for path in available_paths():
+            assert verify(pb, path).rows() == verify(built, path).rows(), path
+        result = verify(pb, "native")
+        assert isinstance(result, PackedResult) and result.packed.shape == (4, batch.num_proposals)
+        assert_matches_reference(built, result)
+        for env in VARIANTS:
+            with_env(monkeypatch, env)
+            assert verify(pb, "native").rows() == verify(built, "native").rows()
+        assert want == verify(pb, "reference").rows()
+
+
+def test_bad_packed_batches_raise_before_any_read():
+    """verify_packed makes the same checks as verify (every index before any read) and checks
+    the two buffers' own layout: VerifyInputError, never a bad read."""
+    gen = torch.Generator().manual_seed(1)
+    batch = mixed_batch(gen, 100, [2, 3], torch.float32, torch.device("cpu"), rules=[2, 2])
+    assert native.verify_packed(packed(batch)).rows() == native.verify(batch).rows()
+    bad = [
+        {"row_start": torch.tensor([0, 4])},                 # rows 4..7 of 7
+        {"row_start": torch.tensor([0, 2])},                 # shares row 2 with proposal 0
+        {"token_start": torch.tensor([0, 3])},               # tokens 3..5 of 5
+        {"q_start": torch.tensor([0, 3])},                   # q rows 3..5 of 5
+        {"draft_tokens": torch.tensor([0, 1, 2, 100, 4])},   # token out of range
+        {"num_draft": torch.tensor([2, 0])},
+        {"rule": torch.tensor([2, 3])},
+        {"top_p_milli": torch.tensor([1000, 1001])},
+        {"q": None},                                          # rule 2 without q rows
+        {"q": torch.rand(5, 99)},                             # q of another vocabulary
+        {"logits": batch.logits.long()},
+    ]
+    for change in bad:
+        with pytest.raises(VerifyInputError):
+            native.verify_packed(packed(dataclasses.replace(batch, **change)))
+    good = packed(batch)
+    layouts = [
+        {"ints": good.ints.double()},                         # not int64
+        {"ints": good.ints[:15]},                             # fewer than 8 fields of B
+        {"ints": good.ints[:-1]},                             # one token short: floats too long
+        {"floats": good.floats.float()},                      # not float64
+        {"floats": good.floats[:-1]},                         # an extra uniform short
+        {"floats": torch.cat([good.floats, good.floats[:1]])},
+        {"num_proposals": 3},                                 # fields of 3: shifts every field
+        {"num_proposals": -1},
+        {"ints": good.ints.reshape(1, -1)},
+    ]
+    for change in layouts:
+        with pytest.raises(VerifyInputError):
+            native.verify_packed(dataclasses.replace(good, **change))
