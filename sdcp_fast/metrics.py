@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from bisect import bisect_left
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from prometheus_client import (
@@ -82,25 +83,32 @@ def histogram(registry: CollectorRegistry, name: str, doc: str, buckets: Iterabl
     return Histogram(PREFIX + name, doc, registry=registry, buckets=tuple(buckets))
 
 
-def observe_times(histogram: Histogram, amount: float, times: int) -> None:
-    """`times` observations of `amount` in one update: what `times` calls of `observe` would
-    record (a batch's rounds often share a value; each `observe` takes a lock and several
-    calls). On a prometheus-client whose histogram lacks the attributes this reads, it
-    falls back to observing one at a time."""
-    if times <= 0:
-        return
+def observe_many(histogram: Histogram, observations: Iterable[tuple[float, int]]) -> None:
+    """Each (amount, times) as `times` calls of `histogram.observe(amount)` would record it,
+    in one update of each bucket touched and of the sum (each `observe` takes a lock and
+    several calls; a batch's rounds often share a value). On a prometheus-client whose
+    histogram lacks the attributes this reads, it observes one at a time."""
     try:
         total, buckets, bounds = histogram._sum, histogram._buckets, histogram._upper_bounds
     except AttributeError:
-        for _ in range(times):
-            histogram.observe(amount)
+        for amount, times in observations:
+            for _ in range(times):
+                histogram.observe(amount)
+        return
+    summed, counts, last = 0.0, {}, len(bounds)
+    for amount, times in observations:
+        if times <= 0:
+            continue
+        summed += amount * times
+        at = bisect_left(bounds, amount)   # the first bound >= amount: observe's bucket
+        if at < last and amount == amount:   # (a NaN falls in no bucket, as with observe)
+            counts[at] = counts.get(at, 0) + times
+    if not counts and summed == 0.0:
         return
     histogram._raise_if_not_observable()
-    total.inc(amount * times)
-    for bucket, bound in zip(buckets, bounds, strict=True):
-        if amount <= bound:
-            bucket.inc(times)
-            break
+    total.inc(summed)
+    for at, times in counts.items():
+        buckets[at].inc(times)
 
 
 def gauge(registry: CollectorRegistry, name: str, doc: str,

@@ -57,7 +57,6 @@ from ..core.problems import Kind, Problem
 from ..core.session import Job, State, VerifierSession
 from ..kernels.device import Device
 from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
-from ..metrics import observe_times
 from . import verify_step
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
@@ -334,8 +333,8 @@ class Engine:
         if not self._path_logged:
             self._path_logged = True
             log.info("verify kernels: %s path on %s (%s)", self.kernels_path, self.device, self._path_reason)
-        self.metrics.batch_size.observe(len(batch))
-        self.metrics.observe_each(self.metrics.queue_wait, [started - item.enqueued for item in batch])
+        self.metrics.hold(self.metrics.batch_size, len(batch))
+        self.metrics.hold_each(self.metrics.queue_wait, [started - item.enqueued for item in batch])
         dev = self._dev
         fetches = [item.fetch for item in batch if item.fetch is not None]
         prefetched = sum(f.early for f in fetches)
@@ -414,11 +413,11 @@ class Engine:
                 "forward_ms": round(times.forward_ms, 2), "kernel_ms": round(times.kernel_ms, 2),
                 "commit_ms": round(times.commit_ms, 2)}, separators=(",", ":")) + "\n")
             self._batch_file.flush()
-        self.metrics.forward_seconds.observe(times.forward_ms / 1e3)
-        self.metrics.kernel_seconds.observe(times.kernel_ms / 1e3)
+        self.metrics.hold(self.metrics.forward_seconds, times.forward_ms / 1e3)
+        self.metrics.hold(self.metrics.kernel_seconds, times.kernel_ms / 1e3)
         if times.q_jobs:
-            self.metrics.q_staging_seconds.observe(times.q_staging_ms / 1e3)
-            self.metrics.q_wait_seconds.observe(times.q_wait_ms / 1e3)
+            self.metrics.hold(self.metrics.q_staging_seconds, times.q_staging_ms / 1e3)
+            self.metrics.hold(self.metrics.q_wait_seconds, times.q_wait_ms / 1e3)
 
     async def _score(self, batch: list[_Queued]) -> tuple[list[tuple[int, _Queued]], torch.Tensor | None]:
         """One forward pass for the batch; the jobs the model cannot score are refused
@@ -473,7 +472,7 @@ class Engine:
             rounds.append((item.job.m, accepted, verdict.action if verdict else None))
             item.served.wake()
             verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
-        self.metrics.committed_many(rounds)
+        self.metrics.hold_rounds(rounds)
 
     def _settle(self, item: _Queued, position: int, appended: str) -> bool:
         """What the log said of one job's append: True when the round is on record (the
@@ -530,7 +529,7 @@ class Engine:
                 log.warning("session %s: append at %d failed (%s: %s); reading the log back",
                             session.id.hex(), append.expected, type(answer).__name__, answer)
                 outcomes.append(None)
-        observe_times(self.metrics.append_seconds, elapsed, outcomes.count(_APPENDED))   # per round
+        self.metrics.hold(self.metrics.append_seconds, elapsed, outcomes.count(_APPENDED))   # per round
         missing = [n for n, o in enumerate(outcomes) if o is None]
         if missing:
             read_back = await asyncio.gather(*(self._read_back(*records[n]) for n in missing))

@@ -21,27 +21,54 @@ The speculative-decoding set, named as vLLM's under `sdcp_` so the same charts w
 
 Acceptance rate = accepted_tokens / draft_tokens; mean accepted length per round
 = 1 + accepted_tokens / drafts (README).
+
+The engine's per-batch updates (batch size, queue waits, step times, committed rounds) and
+the proposals count are held (`hold`, `hold_rounds`, `proposal`) and written to the series
+once HOLD_UPDATES are held, or first thing whenever the registry is read (a scrape,
+`get_sample_value`: `_WriteHeld` is registered ahead of every series), so every reader sees
+every update. At one session the ~60 Prometheus calls of a batch's updates were a sizeable
+share of a round's CPU; held, they are a few list appends per batch and one aggregated
+update per series every few dozen batches.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry
 
 from ..core.messages import Action
 from ..core.problems import Kind
-from ..metrics import PREFIX, STEP_BUCKETS, counter, gauge, histogram, new_registry, observe_times
+from ..metrics import PREFIX, STEP_BUCKETS, counter, gauge, histogram, new_registry, observe_many
 
 MAX_POSITIONS = 64          # m_max <= 64 (draft section 4.1): every position is known up front
 VERDICT_ACTIONS = ("continue", "reduce", "switch", "self_decode", "finish", "fail")
 ESCALATIONS = ("reduce", "switch", "self_decode", "fail")
+HOLD_UPDATES = 512          # held observations and rounds before they are written
+
+
+class _WriteHeld:
+    """A collector of no series, registered ahead of the verifier's: the registry collects
+    in registration order, so whatever reads it has the held updates written first."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self._metrics.write_held()
+        return []
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry if registry is not None else new_registry()
+        self._held: list[tuple[object, float, int]] = []   # (histogram, amount, times)
+        self._held_rounds: list[tuple[int, int, Action | None]] = []
+        self._held_proposals = 0
+        r.register(_WriteHeld(self))   # before any series of ours
         self._children: dict[int, dict] = {}   # metric id -> label value -> child (see _child)
         self.proposals = counter(r, "proposals", "Proposals received (retries included)")
         self.drafts = counter(r, "spec_decode_num_drafts", "Rounds with a proposal, committed")
@@ -116,37 +143,53 @@ class Metrics:
         for position in range(min(max(by_accepted), MAX_POSITIONS)):
             reaching -= by_accepted.get(position, 0)
             self._child(self.accepted_per_pos, position).inc(reaching)
-        for accepted, times in by_accepted.items():
-            observe_times(self.accepted_per_round, accepted, times)
+        observe_many(self.accepted_per_round, by_accepted.items())
         for action, times in by_action.items():
             self._child(self.verdicts, action).inc(times)
             if action.name.lower() in ESCALATIONS:
                 self._child(self.escalations, action).inc(times)
 
-    @staticmethod
-    def observe_each(histogram, values: list[float]) -> None:
-        """`histogram.observe(v)` for every value of a batch, in one update of each bucket
-        touched and of the sum (a batch's jobs each have their own queue wait: an observe
-        per job took a lock and a bucket search each). On a prometheus-client whose histogram
-        lacks the attributes this reads, it observes one at a time."""
-        try:
-            total, buckets, bounds = histogram._sum, histogram._buckets, histogram._upper_bounds
-        except AttributeError:
-            for value in values:
-                histogram.observe(value)
-            return
-        if not values:
-            return
-        histogram._raise_if_not_observable()
-        total.inc(sum(values))
-        counts: dict[int, int] = {}
-        last = len(bounds)
-        for value in values:
-            at = bisect_left(bounds, value)   # the first bound >= value: observe's bucket
-            if at < last and value == value:   # (a NaN falls in no bucket, as with observe)
-                counts[at] = counts.get(at, 0) + 1
-        for at, times in counts.items():
-            buckets[at].inc(times)
+    # ------------------------------------------------------------------ held updates
+
+    def proposal(self) -> None:
+        """A proposal received (sdcp_proposals_total, held)."""
+        self._held_proposals += 1
+
+    def hold(self, series, amount: float, times: int = 1) -> None:
+        """`times` observations of `amount` in the histogram `series`, written with the held
+        updates."""
+        self._held.append((series, amount, times))
+        self._bound_held()
+
+    def hold_each(self, series, amounts: Iterable[float]) -> None:
+        """One observation of each amount in the histogram `series`, written with the held
+        updates."""
+        self._held.extend((series, amount, 1) for amount in amounts)
+        self._bound_held()
+
+    def hold_rounds(self, rounds: Iterable[tuple[int, int, Action | None]]) -> None:
+        """A batch's committed rounds (`committed_many`), written with the held updates."""
+        self._held_rounds.extend(rounds)
+        self._bound_held()
+
+    def _bound_held(self) -> None:
+        if len(self._held) + len(self._held_rounds) >= HOLD_UPDATES:
+            self.write_held()
+
+    def write_held(self) -> None:
+        """Write every held update to its series (each series once)."""
+        held, self._held = self._held, []
+        rounds, self._held_rounds = self._held_rounds, []
+        proposals, self._held_proposals = self._held_proposals, 0
+        if proposals:
+            self.proposals.inc(proposals)
+        by_histogram: dict[int, tuple[object, list[tuple[float, int]]]] = {}
+        for series, amount, times in held:
+            by_histogram.setdefault(id(series), (series, []))[1].append((amount, times))
+        for series, observations in by_histogram.values():
+            observe_many(series, observations)
+        if rounds:
+            self.committed_many(rounds)
 
     def _child(self, metric, value):
         """`metric.labels(...)` for its one label, looked up once per value (labels() takes a

@@ -185,7 +185,7 @@ class VerifierService(Routed):
         return state
 
     async def propose(self, call: Call, msg: Proposal) -> Verdict:
-        self.metrics.proposals.inc()
+        self.metrics.proposal()
         served = self._served_by_id(msg.session)
         session = served.machine
         try:
