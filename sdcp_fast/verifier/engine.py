@@ -280,21 +280,22 @@ class Engine:
         arrival: a job that came while a pass ran (`_Queued.during_pass`) has waited for
         that pass, where the jobs of the next one gathered, and max_wait_ms more on top of it
         only kept the verifier idle."""
+        # sessions that could still add a job (those with one queued are not counted):
+        # once that many more have arrived, nobody else can come, so go at once
+        could_come = self.sessions.could_propose() + self._queue.qsize()
+        if len(batch) - 1 >= could_come:
+            return   # (one session, say): no wait, no timer
         loop = asyncio.get_running_loop()
         now = time.perf_counter()   # not loop.time(): uvloop's clock counts whole milliseconds
         first = batch[0]
         deadline = now if first.during_pass else first.enqueued + self.config.max_wait_ms / 1000
         company_deadline = now + self.config.company_share * self._batch_s
-        # sessions that could still add a job (those with one queued are not counted):
-        # once that many more have arrived, nobody else can come, so go at once
+        # two turns of the loop before the wait's clock starts: requests that arrived while
+        # the last batch ran are read (bytes -> request tasks) and queued (the tasks run to
+        # `enqueue`); the batch's own awaits used to give them these turns
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
         could_come = self.sessions.could_propose() + self._queue.qsize()
-        if len(batch) - 1 < could_come:
-            # two turns of the loop before the wait's clock starts: requests that arrived
-            # while the last batch ran are read (bytes -> request tasks) and queued (the
-            # tasks run to `enqueue`); the batch's own awaits used to give them these turns
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
-            could_come = self.sessions.could_propose() + self._queue.qsize()
         expected = self._expected(arriving_by=company_deadline)
         seen = 0   # jobs of `batch` already taken off `expected`
         timer_for = None   # the `until` the timer was set for

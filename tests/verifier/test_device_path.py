@@ -22,7 +22,7 @@ import random
 
 import pytest
 import torch
-from sdcp_fast.kernels.device import Device
+from sdcp_fast.kernels.device import Device, Event
 
 from sdcp_fast import kernels
 from sdcp_fast.core.messages import Action, Sampling, SessionState, Verdict
@@ -239,6 +239,8 @@ def test_device_interface_is_a_no_op_on_the_cpu():
     b.synchronize()
     assert b.done() and b.since(a) >= 0 and torch.equal(t, torch.ones(2, 3))
     assert not dev.host_empty(4).is_pinned() and dev.torch == torch.device("cpu")
+    recorded = Event(torch.device("cpu")).record()   # what dev.event() is, made the long way
+    assert recorded.done() and recorded.since(b) >= 0 and dev.event().since(recorded) >= 0
 
 
 def test_kernel_path_follows_the_device_and_is_logged_once(tmp_path, monkeypatch, caplog):
