@@ -9,10 +9,16 @@ wake-up and dispatch. No TLS, no HTTP, no CBOR: a proposal-sized message (1,200 
 and its echo. An SDCP round between processes pays this floor once (proposal out, verdict
 back); what bench_round.py measures above it is the protocol and the work.
 
+It also times one piece of a round's work, the verifier's commit-log append (`file:` log on
+/dev/shm, one record, `append_batch` as the engine calls it), back to back and right after
+the process slept 0.5 and 2 ms: at one session each end of a round waits that long for the
+other, and work that follows an idle gap runs slower than the same work warm (on a VM the
+vCPU halts and the host runs other work on its core; on bare metal, deep C-states).
+
     .venv/bin/python bench/bench_pingpong.py [--rounds 5000]
 
 The last line reads `ping-pong p50 udp X us, tcp X us (blocking); udp X us, tcp X us (event
-loop)`.
+loop); a commit-log append X us warm, X us after 0.5 ms idle, X us after 2 ms`.
 """
 
 from __future__ import annotations
@@ -186,6 +192,32 @@ def measure(kind: str, on_loop: bool, rounds: int) -> list[float]:
     return times
 
 
+def append_after_idle(gaps_s: tuple[float, ...], appends: int) -> dict[float, float]:
+    """p50 seconds of one commit-log append (FileCommitLog.append_batch of one record on
+    /dev/shm), each right after sleeping `gap` seconds, per gap."""
+    import tempfile
+
+    from sdcp_fast.cache.api import Append
+    from sdcp_fast.cache.file_log import FileCommitLog
+
+    async def run() -> dict[float, float]:
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as root:
+            log, record, length, p50 = FileCommitLog(root), b"r" * 90, 0, {}
+            for gap in gaps_s:
+                times = []
+                for _ in range(appends):
+                    if gap:
+                        time.sleep(gap)
+                    started = time.perf_counter()
+                    (answer,) = await log.append_batch([Append("log/bench", record, 1, length)])
+                    times.append(time.perf_counter() - started)
+                    length = answer
+                p50[gap] = statistics.median(times)
+            return p50
+
+    return aio.run(run())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5000)
@@ -202,9 +234,16 @@ def main() -> int:
             p50[ends, kind] = 1e6 * statistics.median(times)
             print(f"| {ends} | {kind} | {p50[ends, kind]:.0f} | {1e6 * times[int(0.99 * len(times))]:.0f} | "
                   f"{1e6 * statistics.fmean(times):.0f} |")
+    gaps = (0.0, 0.0005, 0.002)
+    append = append_after_idle(gaps, max(200, args.rounds // 5))
+    print("\n| commit-log append | p50 us |\n|---|---:|")
+    for gap in gaps:
+        print(f"| {'back to back' if not gap else f'after {gap * 1e3:g} ms idle'} | {1e6 * append[gap]:.1f} |")
     print()
     print(f"ping-pong p50 udp {p50['blocking', 'udp']:.0f} us, tcp {p50['blocking', 'tcp']:.0f} us (blocking); "
-          f"udp {p50['event loop', 'udp']:.0f} us, tcp {p50['event loop', 'tcp']:.0f} us (event loop)")
+          f"udp {p50['event loop', 'udp']:.0f} us, tcp {p50['event loop', 'tcp']:.0f} us (event loop); "
+          f"a commit-log append {1e6 * append[0.0]:.0f} us warm, {1e6 * append[0.0005]:.0f} us after 0.5 ms idle, "
+          f"{1e6 * append[0.002]:.0f} us after 2 ms")
     return 0
 
 
