@@ -38,6 +38,8 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
@@ -51,7 +53,14 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .h2_lean import LeanConnection, lean_config, received_data_frame
+from .h2_lean import (
+    QUIET_CONNECTION_STATES,
+    LeanConnection,
+    lean_config,
+    received_data_frame,
+    stream_path,
+    walk,
+)
 from .hpack_blocks import header_block
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
@@ -65,6 +74,13 @@ ErrorCodes = h2.errors.ErrorCodes
 _CONNECTION = h2.connection.ConnectionInputs
 # connection states in which h2 takes a request's HEADERS and then its DATA
 _TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
+_STREAM = h2.stream.StreamInputs
+_STATE = h2.stream.StreamState
+# a whole request's steps through a new stream's state machine, from h2's table (h2_lean.walk):
+# its headers (not ending the stream), its data, the end of the stream
+_REQUEST_OPENS = stream_path(_STATE.IDLE, _STREAM.RECV_HEADERS)
+_REQUEST_DATA = stream_path(_STATE.OPEN, _STREAM.RECV_DATA)
+_REQUEST_ENDS = stream_path(_STATE.OPEN, _STREAM.RECV_END_STREAM)
 
 
 # ---------------------------------------------------------------------------------------
@@ -318,6 +334,44 @@ class ServerConnection(LeanConnection):
                 or size > self.local_settings.initial_window_size):
             return None
         headers = h2.connection._decode_headers(self.decoder, block)
+        config = self.config
+        if (self.state_machine.state not in QUIET_CONNECTION_STATES or config.validate_inbound_headers
+                or config.normalize_inbound_headers or config.header_encoding
+                or h2.utilities.is_informational_response(headers)):
+            return self._receive_message_by_h2(stream_id, headers, body)
+        # as _receive_headers_frame + _receive_data_frame and the stream's receive_headers +
+        # receive_data would, with the connection's state machine left as it stays (open)
+        stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
+        machine = stream.state_machine
+        events = walk(machine, _REQUEST_OPENS)   # RequestReceived
+        try:
+            stream._initialize_content_length(headers)
+        except h2.exceptions.ProtocolError as exc:
+            if not self._stream_level(exc, stream_id):
+                raise
+            events = self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))[1]
+            return events + self._receive_frame(received_data_frame(stream_id, body))
+        events[0].headers = headers   # a list of its own, unchanged: the inbound options are off
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        data_events = walk(machine, _REQUEST_DATA)   # DataReceived
+        stream._inbound_window_manager.window_consumed(size)
+        try:
+            stream._track_content_length(size, True)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
+                                               size)[1]
+        ended = walk(machine, _REQUEST_ENDS)   # StreamEnded
+        data = data_events[0]
+        data.stream_ended, data.data, data.flow_controlled_length = ended[0], body, size
+        events += data_events
+        events += ended
+        return events
+
+    def _receive_message_by_h2(self, stream_id: int, headers: list, body: bytes):
+        """`_receive_message` with the header block decoded, through the stream's own
+        receive_headers and receive_data (the connection's first request, a header block h2
+        would see as informational, inbound options on)."""
+        size = len(body)
         events = self.state_machine.process_input(_CONNECTION.RECV_HEADERS)
         stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
         try:
@@ -359,6 +413,13 @@ class ServerConnection(LeanConnection):
         if stream is None or not self.fits(stream.outbound_flow_control_window, block, body):
             return False
         self.send_whole(stream, block, body)
+        machine = stream.state_machine
+        if machine.state is _STATE.CLOSED:
+            # the stream's end (the request had ended it on the client's side): out of the
+            # streams h2 holds now, as h2's next count of them would take it out, its end
+            # remembered the same way (which h2 tells frames that still come for it by)
+            del self.streams[stream_id]
+            self._closed_streams[stream_id] = machine.stream_closed_by
         return True
 
 
