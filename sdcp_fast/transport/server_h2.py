@@ -75,6 +75,7 @@ _CONNECTION = h2.connection.ConnectionInputs
 # connection states in which h2 takes a request's HEADERS and then its DATA
 _TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
 _STREAM = h2.stream.StreamInputs
+_REQUEST_RECEIVED, _DATA_RECEIVED = h2.events.RequestReceived, h2.events.DataReceived
 _STATE = h2.stream.StreamState
 # a whole request's steps through a new stream's state machine, from h2's table (h2_lean.walk):
 # its headers (not ending the stream), its data, the end of the stream
@@ -558,7 +559,21 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._flush()  # h2 has queued a GOAWAY
             self._close_transport()
             return
-        for event in events:
+        index, count = 0, len(events)
+        while index < count:
+            event = events[index]
+            index += 1
+            if event.__class__ is _REQUEST_RECEIVED and event.stream_ended is None and index + 1 < count:
+                # a whole request: its headers, then data that ends the stream (h2's DataReceived
+                # and StreamEnded): the three taken in one go
+                data = events[index]
+                if (data.__class__ is _DATA_RECEIVED and data.stream_id == event.stream_id
+                        and data.stream_ended is not None and data.stream_ended is events[index + 1]):
+                    index += 2
+                    self._on_whole_request(event, data)
+                    if self._transport is None or self._transport.is_closing():
+                        return
+                    continue
             self._on_event(event)
             if self._transport is None or self._transport.is_closing():
                 return
@@ -621,12 +636,38 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             if not self._tasks:
                 self._close_now()
 
-    def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+    def _on_whole_request(self, request: h2.events.RequestReceived, data: h2.events.DataReceived) -> None:
+        """A request's headers and the data that ends its stream, received together: what
+        `_on_event` does with the three events (RequestReceived, DataReceived, StreamEnded)
+        one after the other, without waiting for a body (PendingBodies) in between."""
+        stream_id = request.stream_id
+        self._preface_seen = True
+        self._last_activity = asyncio.get_running_loop().time()
+        incoming = None if self._closing else self._serving.request_heads.incoming(request.headers)
+        if incoming.__class__ is not IncomingRequest:   # refused: event by event, as ever
+            self._on_headers(stream_id, request.headers, False, incoming)
+            for event in (data, data.stream_ended):
+                if self._transport is None or self._transport.is_closing():
+                    return
+                self._on_event(event)
+            return
+        # Credit is returned whatever happens to the bytes (as in _on_event)
+        self._conn.acknowledge_received_data(data.flow_controlled_length, stream_id)
+        refusal = incoming.add_body(data.data)
+        if refusal is not None:   # the stream has ended: nothing is left to discard
+            self._refuse(stream_id, refusal, request_complete=True)
+        else:
+            self._start(stream_id, incoming)
+
+    def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool,
+                    incoming: IncomingRequest | Problem | Malformed | None = None) -> None:
+        """A request's headers (`incoming`: what request_heads made of them, if known)."""
         if self._closing:  # not processed: the client may safely retry elsewhere (RFC 9113 8.7)
             self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
             return
         serving = self._serving
-        incoming = serving.request_heads.incoming(headers)
+        if incoming is None:
+            incoming = serving.request_heads.incoming(headers)
         if isinstance(incoming, Malformed):
             self._conn.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
