@@ -47,8 +47,11 @@ stream machine's `stream_closed_by` (h2 is pinned below 5), and the attributes h
 HEADERS and DATA frames get from parsing; the server's `_receive_message` also
 `_decode_headers`, `_begin_new_stream`, `AllowedStreamIDs`, `ConnectionState`, the inbound
 window managers (the connection's and the stream's `_inbound_window_manager`), the stream's
-`_initialize_content_length` and `_track_content_length`, and `is_informational_response`;
-its `send_whole_answer` the connection's `_closed_streams`.
+`_initialize_content_length` and `_track_content_length`, `is_informational_response`,
+the settings' `_settings` (code -> values, the current one first) and what
+`_begin_new_stream` does to a new stream (`H2Stream`'s arguments, `max_outbound_frame_size`,
+`streams`, `highest_inbound_stream_id`); its `send_whole_answer` the connection's
+`_closed_streams` (a SizeLimitDict: an OrderedDict, `_size_limit`, `_check_size_limit`).
 """
 
 from __future__ import annotations

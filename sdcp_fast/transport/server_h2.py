@@ -26,6 +26,7 @@ minute).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -75,6 +76,10 @@ _CONNECTION = h2.connection.ConnectionInputs
 # connection states in which h2 takes a request's HEADERS and then its DATA
 _TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
 _STREAM = h2.stream.StreamInputs
+_MAX_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
+_INITIAL_WINDOW = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
+_NO_STREAM_LIMIT = 2**32 + 1   # h2's max_concurrent_streams where none is set
+_ORDERED_SET = collections.OrderedDict.__setitem__
 _REQUEST_RECEIVED, _DATA_RECEIVED = h2.events.RequestReceived, h2.events.DataReceived
 _STATE = h2.stream.StreamState
 # a whole request's steps through a new stream's state machine, from h2's table (h2_lean.walk):
@@ -328,11 +333,16 @@ class ServerConnection(LeanConnection):
         its content-length. Anything else: None, nothing changed, the frames go one by one."""
         size = len(body)
         known = len(self.streams)
+        # h2's settings, read as its properties read them (a Python call or three each)
+        settings = self.local_settings._settings
+        limit = settings.get(_MAX_STREAMS)
+        limit = _NO_STREAM_LIMIT if not limit or limit[0] is None else limit[0]
+        window = settings[_INITIAL_WINDOW][0]
         if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id
                 or self.state_machine.state not in _TAKES_REQUESTS
-                or known >= self._prune_at or known >= self.local_settings.max_concurrent_streams
+                or known >= self._prune_at or known >= limit
                 or size > self._inbound_flow_control_window_manager.current_window_size
-                or size > self.local_settings.initial_window_size):
+                or size > window):
             return None
         headers = h2.connection._decode_headers(self.decoder, block)
         config = self.config
@@ -341,8 +351,12 @@ class ServerConnection(LeanConnection):
                 or h2.utilities.is_informational_response(headers)):
             return self._receive_message_by_h2(stream_id, headers, body)
         # as _receive_headers_frame + _receive_data_frame and the stream's receive_headers +
-        # receive_data would, with the connection's state machine left as it stays (open)
-        stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
+        # receive_data would, with the connection's state machine left as it stays (open).
+        # The new stream as _begin_new_stream makes it (its id checked above)
+        stream = h2.stream.H2Stream(stream_id, config, window, self.remote_settings._settings[_INITIAL_WINDOW][0])
+        stream.max_outbound_frame_size = self.max_outbound_frame_size
+        self.streams[stream_id] = stream
+        self.highest_inbound_stream_id = stream_id
         machine = stream.state_machine
         events = walk(machine, _REQUEST_OPENS)   # RequestReceived
         try:
@@ -420,7 +434,10 @@ class ServerConnection(LeanConnection):
             # streams h2 holds now, as h2's next count of them would take it out, its end
             # remembered the same way (which h2 tells frames that still come for it by)
             del self.streams[stream_id]
-            self._closed_streams[stream_id] = machine.stream_closed_by
+            closed = self._closed_streams   # h2's SizeLimitDict: its __setitem__ without two Python calls
+            _ORDERED_SET(closed, stream_id, machine.stream_closed_by)
+            if closed._size_limit is not None and len(closed) > closed._size_limit:
+                closed._check_size_limit()
         return True
 
 
