@@ -174,3 +174,26 @@ def test_a_stream_reset_by_the_client_raises_as_h2_would():
 def test_answers_with_headers_of_their_own_are_h2s():
     assert answer_block(Response(429, b"x", headers=(("retry-after", "1"),))) is None
     assert answer_block(Response(200, b"x")) is answer_block(Response(200, b"other body"))
+
+
+def test_ended_streams_are_remembered_within_h2s_limit_as_after_its_count():
+    """h2 remembers how the last MAX_CLOSED_STREAMS closed streams ended, the oldest
+    forgotten first: a stream a whole answer ends goes into that record as h2's count puts
+    it there."""
+    seen = {}
+    for way in ("whole", "h2"):
+        client, server = _pair()
+        server._closed_streams._size_limit = 2
+        for _ in range(4):
+            stream_id = _request(client, server)
+            response = Response(200, b"x")
+            if way == "whole":
+                assert server.send_whole_answer(stream_id, answer_block(response), response.body)
+            else:
+                server.send_headers(stream_id, response_headers(response))
+                server.send_data(stream_id, response.body, end_stream=True)
+                assert server.open_inbound_streams == 0
+            _exchange(client, server)
+        seen[way] = (list(server._closed_streams.items()), dict(server.streams))
+    assert seen["whole"] == seen["h2"]
+    assert [stream_id for stream_id, _ in seen["whole"][0]] == [5, 7]
