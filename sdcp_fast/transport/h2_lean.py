@@ -51,7 +51,9 @@ window managers (the connection's and the stream's `_inbound_window_manager`), t
 the settings' `_settings` (code -> values, the current one first) and what
 `_begin_new_stream` does to a new stream (`H2Stream`'s arguments, `max_outbound_frame_size`,
 `streams`, `highest_inbound_stream_id`); its `send_whole_answer` the connection's
-`_closed_streams` (a SizeLimitDict: an OrderedDict, `_size_limit`, `_check_size_limit`).
+`_closed_streams` (a SizeLimitDict: an OrderedDict, `_size_limit`, `_check_size_limit`);
+its `acknowledge_request_data` the window managers' `process_bytes`, `STREAM_OPEN` and
+`_prepare_for_sending`.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ import h2.exceptions
 import h2.settings
 import h2.stream
 import h2.utilities
+import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
@@ -76,6 +77,7 @@ _CONNECTION = h2.connection.ConnectionInputs
 # connection states in which h2 takes a request's HEADERS and then its DATA
 _TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
 _STREAM = h2.stream.StreamInputs
+_STREAM_OPEN = h2.stream.STREAM_OPEN   # by stream state: whether it counts as open (H2Stream.open)
 _MAX_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
 _INITIAL_WINDOW = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
 _NO_STREAM_LIMIT = 2**32 + 1   # h2's max_concurrent_streams where none is set
@@ -85,8 +87,7 @@ _STATE = h2.stream.StreamState
 # a whole request's steps through a new stream's state machine, from h2's table (h2_lean.walk):
 # its headers (not ending the stream), its data, the end of the stream
 _REQUEST_OPENS = stream_path(_STATE.IDLE, _STREAM.RECV_HEADERS)
-_REQUEST_DATA = stream_path(_STATE.OPEN, _STREAM.RECV_DATA)
-_REQUEST_ENDS = stream_path(_STATE.OPEN, _STREAM.RECV_END_STREAM)
+_REQUEST_DATA_ENDS = stream_path(_STATE.OPEN, _STREAM.RECV_DATA, _STREAM.RECV_END_STREAM)
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,17 +369,17 @@ class ServerConnection(LeanConnection):
             return events + self._receive_frame(received_data_frame(stream_id, body))
         events[0].headers = headers   # a list of its own, unchanged: the inbound options are off
         self._inbound_flow_control_window_manager.window_consumed(size)
-        data_events = walk(machine, _REQUEST_DATA)   # DataReceived
         stream._inbound_window_manager.window_consumed(size)
         try:
+            # checked before the data's step (h2 checks it after): that step leaves the
+            # state as it is (OPEN), and the DataReceived it makes is dropped on this error
             stream._track_content_length(size, True)
         except h2.exceptions.InvalidBodyLengthError as exc:
             return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
                                                size)[1]
-        ended = walk(machine, _REQUEST_ENDS)   # StreamEnded
-        data = data_events[0]
-        data.stream_ended, data.data, data.flow_controlled_length = ended[0], body, size
-        events += data_events
+        ended = walk(machine, _REQUEST_DATA_ENDS)   # DataReceived, StreamEnded
+        data = ended[0]
+        data.stream_ended, data.data, data.flow_controlled_length = ended[1], body, size
         events += ended
         return events
 
@@ -406,6 +407,27 @@ class ServerConnection(LeanConnection):
             return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
                                                size)[1]
         return events + data_events + stream_events
+
+    def acknowledge_request_data(self, stream_id: int, size: int) -> None:
+        """h2's acknowledge_received_data(size, stream_id) for a stream h2 holds: the same
+        window managers take the bytes, and the WINDOW_UPDATE frames they ask for (the
+        connection's, then the stream's while it is open) are queued the same way, without
+        h2's look-up of the stream and its frame list made for nothing. Anything else goes
+        to h2's, with its errors."""
+        stream = self.streams.get(stream_id)
+        if stream is None or size < 0:
+            self.acknowledge_received_data(size, stream_id)
+            return
+        frames = None
+        increment = self._inbound_flow_control_window_manager.process_bytes(size)
+        if increment:
+            frames = [_window_update(0, increment)]
+        if _STREAM_OPEN[stream.state_machine.state]:
+            increment = stream._inbound_window_manager.process_bytes(size)
+            if increment:
+                frames = [*(frames or ()), _window_update(stream_id, increment)]
+        if frames:
+            self._prepare_for_sending(frames)
 
     def _stream_level(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
         if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
@@ -439,6 +461,12 @@ class ServerConnection(LeanConnection):
             if closed._size_limit is not None and len(closed) > closed._size_limit:
                 closed._check_size_limit()
         return True
+
+
+def _window_update(stream_id: int, increment: int) -> hyperframe.frame.WindowUpdateFrame:
+    frame = hyperframe.frame.WindowUpdateFrame(stream_id)
+    frame.window_increment = increment
+    return frame
 
 
 _ANSWER_BLOCKS: dict[tuple[int, str | None], bytes] = {}   # (status, content type) -> header block
@@ -669,7 +697,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
                 self._on_event(event)
             return
         # Credit is returned whatever happens to the bytes (as in _on_event)
-        self._conn.acknowledge_received_data(data.flow_controlled_length, stream_id)
+        self._conn.acknowledge_request_data(stream_id, data.flow_controlled_length)
         refusal = incoming.add_body(data.data)
         if refusal is not None:   # the stream has ended: nothing is left to discard
             self._refuse(stream_id, refusal, request_complete=True)
