@@ -522,6 +522,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
+        self._can_write = True   # the same, as a plain attribute (read by every answer)
+        self._loop: asyncio.AbstractEventLoop | None = None   # the running loop, from start()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._preface_seen = False
@@ -541,6 +543,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def start(self, transport: asyncio.Transport) -> None:
         """Called by TLSAcceptor once the handshake is done: check the certificate, admit."""
         self._transport = transport
+        self._loop = asyncio.get_running_loop()
         serving = self._serving
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
@@ -634,6 +637,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending.clear()
         self._window_open.set()
         self._writable.set()
+        self._can_write = True
         for timer in (self._idle_timer, self._header_timer, self._handler_timer):
             if timer is not None:
                 timer.cancel()
@@ -641,15 +645,17 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._can_write = False
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._can_write = True
 
     # ---- h2 events -----------------------------------------------------------------------
     def _on_event(self, event: h2.events.Event) -> None:
         self._preface_seen = True
         if isinstance(event, h2.events.RequestReceived):
-            self._last_activity = asyncio.get_running_loop().time()
+            self._last_activity = self._loop.time()
             self._on_headers(event.stream_id, event.headers, event.stream_ended is not None)
         elif isinstance(event, h2.events.DataReceived):
             # Credit is returned whatever happens to the bytes: the limit is enforced per stream.
@@ -665,7 +671,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._discarding.pop(event.stream_id, None)
             incoming = self._pending.take(event.stream_id)
             if incoming is not None:
-                self._start(event.stream_id, incoming)
+                self._start(event.stream_id, incoming.finish(self.caller), incoming.head)
         elif isinstance(event, h2.events.StreamReset):
             self._on_reset(event.stream_id)
         elif isinstance(event, StreamError):
@@ -687,10 +693,11 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         one after the other, without waiting for a body (PendingBodies) in between."""
         stream_id = request.stream_id
         self._preface_seen = True
-        self._last_activity = asyncio.get_running_loop().time()
-        incoming = None if self._closing else self._serving.request_heads.incoming(request.headers)
-        if incoming.__class__ is not IncomingRequest:   # refused: event by event, as ever
-            self._on_headers(stream_id, request.headers, False, incoming)
+        self._last_activity = self._loop.time()
+        # the request's head as remembered (request_heads.head): not changed here
+        head = None if self._closing else self._serving.request_heads.head(request.headers)
+        if head.__class__ is not IncomingRequest:   # refused: event by event, as ever
+            self._on_headers(stream_id, request.headers, False, head)
             for event in (data, data.stream_ended):
                 if self._transport is None or self._transport.is_closing():
                     return
@@ -698,11 +705,11 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             return
         # Credit is returned whatever happens to the bytes (as in _on_event)
         self._conn.acknowledge_request_data(stream_id, data.flow_controlled_length)
-        refusal = incoming.add_body(data.data)
-        if refusal is not None:   # the stream has ended: nothing is left to discard
-            self._refuse(stream_id, refusal, request_complete=True)
-        else:
-            self._start(stream_id, incoming)
+        whole = head.whole(data.data, self.caller)   # as add_body + finish
+        if whole.__class__ is Request:
+            self._start(stream_id, whole, head.head)
+        else:   # over the limit; the stream has ended: nothing is left to discard
+            self._refuse(stream_id, whole, request_complete=True)
 
     def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool,
                     incoming: IncomingRequest | Problem | Malformed | None = None) -> None:
@@ -719,7 +726,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended)
         elif ended:
-            self._start(stream_id, incoming)
+            self._start(stream_id, incoming.finish(self.caller), incoming.head)
         else:
             self._pending.add(stream_id, incoming)
 
@@ -809,12 +816,11 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         del self._discarding[stream_id]
         self._conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
-    def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
-        request = incoming.finish(self.caller)
-        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
+    def _start(self, stream_id: int, request: Request, head: bool) -> None:
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, head))
         timeout = self._limits.handler_timeout
         if timeout is not None:
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             self._handler_deadlines[stream_id] = deadline = loop.time() + timeout
             if self._handler_timer is None:
                 self._handler_timer = loop.call_at(deadline, self._handlers_due)
@@ -850,7 +856,15 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._handler_deadlines.pop(stream_id, None)
             if log.isEnabledFor(logging.DEBUG):
                 log_answer(request, response)
-            await self._send(stream_id, response, head)
+            # the usual answer in one go (as _send would send it, without its coroutine)
+            block = None if response.headers else _ANSWER_BLOCKS.get((response.status, response.content_type))
+            if block is None:
+                block = answer_block(response)
+            if block is not None and self._can_write and self._conn.send_whole_answer(
+                    stream_id, block, b"" if head else response.body):
+                self._flush_answers()
+            else:
+                await self._send(stream_id, response, head)
             if response.status in REFUSED_STATUSES:
                 self._count_refused(stream_id, response.status)
         except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
@@ -864,7 +878,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._handlers_overdue.discard(stream_id)
             # this task, or none if the stream was dropped: a stream is started once
             self._tasks.pop(stream_id, None)
-            self._last_activity = asyncio.get_running_loop().time()
+            self._last_activity = self._loop.time()
             if self._closing and not self._tasks:
                 self._close_now()
 
@@ -874,11 +888,11 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         conn = self._conn
         body = b"" if head else response.body
         block = answer_block(response)
-        if block is not None and self._writable.is_set() and conn.send_whole_answer(stream_id, block, body):
+        if block is not None and self._can_write and conn.send_whole_answer(stream_id, block, body):
             self._flush_answers()
             return
         conn.send_headers(stream_id, response_headers(response), end_stream=not body)
-        if body and self._writable.is_set():
+        if body and self._can_write:
             # the usual answer: one DATA frame within the window. h2 checks the window and
             # the frame size before it changes any state, so a refusal leaves the loop below
             # to send it as credit allows
