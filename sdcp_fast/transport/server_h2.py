@@ -614,19 +614,25 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             if event.__class__ is _REQUEST_RECEIVED and event.stream_ended is None and index + 1 < count:
                 # a whole request: its headers, then data that ends the stream (h2's DataReceived
                 # and StreamEnded): the three taken in one go
-                data = events[index]
-                if (data.__class__ is _DATA_RECEIVED and data.stream_id == event.stream_id
-                        and data.stream_ended is not None and data.stream_ended is events[index + 1]):
+                body = events[index]
+                if (body.__class__ is _DATA_RECEIVED and body.stream_id == event.stream_id
+                        and body.stream_ended is not None and body.stream_ended is events[index + 1]):
                     index += 2
-                    self._on_whole_request(event, data)
+                    self._on_whole_request(event, body)
                     if self._transport is None or self._transport.is_closing():
                         return
                     continue
             self._on_event(event)
             if self._transport is None or self._transport.is_closing():
                 return
-        self._flush()
-        self._arm_header_timer()
+        conn = self._conn
+        if conn._data_to_send:   # h2's queue (h2_lean reads it too): most reads queue nothing
+            self._flush()
+        # the header timer has nothing to do when it is not running and no frame is begun
+        # (`_partial_frame`, with h2's buffer names h2_lean.receive_data reads anyway)
+        buffer = conn.incoming_buffer
+        if self._header_timer is not None or not self._preface_seen or buffer._data or buffer._headers_buffer:
+            self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._admitted:
@@ -936,6 +942,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     # ---- housekeeping --------------------------------------------------------------------
     def _flush(self) -> None:
+        if not self._conn._data_to_send:   # h2's queue: data_to_send() would give b""
+            return
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
