@@ -862,7 +862,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._handler_deadlines.pop(stream_id, None)
             if log.isEnabledFor(logging.DEBUG):
                 log_answer(request, response)
-            # the usual answer in one go (as _send would send it, without its coroutine)
+            # the usual answer in one go; any other through h2 (_send)
             block = None if response.headers else _ANSWER_BLOCKS.get((response.status, response.content_type))
             if block is None:
                 block = answer_block(response)
@@ -890,13 +890,10 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     async def _send(self, stream_id: int, response: Response, head: bool) -> None:
         """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
-        9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
+        9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL).
+        For an answer `_answer` could not send whole (send_whole_answer)."""
         conn = self._conn
         body = b"" if head else response.body
-        block = answer_block(response)
-        if block is not None and self._can_write and conn.send_whole_answer(stream_id, block, body):
-            self._flush_answers()
-            return
         conn.send_headers(stream_id, response_headers(response), end_stream=not body)
         if body and self._can_write:
             # the usual answer: one DATA frame within the window. h2 checks the window and
