@@ -141,12 +141,24 @@ class IncomingRequest:
 
     def add_body(self, data: bytes) -> Problem | None:
         if len(self.body) + len(data) > self.max_body:
-            return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes")
+            return self._too_large()
         self.body += data
         return None
 
     def finish(self, caller: str | None) -> Request:
         return Request(self.method, self.path, self.query, self.content_type, bytes(self.body), caller)
+
+    def whole(self, body: bytes, caller: str | None) -> Request | Problem:
+        """The request with `body` as its whole body, come with its headers: what add_body
+        and finish give, without the buffer in between. Leaves this one as it is (it may be
+        RequestHeads' remembered head: the query is the request's own copy)."""
+        if len(body) > self.max_body:
+            return self._too_large()
+        return Request(self.method, self.path, dict(self.query) if self.query else {}, self.content_type,
+                       bytes(body), caller)
+
+    def _too_large(self) -> Problem:
+        return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes")
 
 
 class RequestHeads:
@@ -168,6 +180,15 @@ class RequestHeads:
         self._known: dict[tuple, IncomingRequest] = {}
 
     def incoming(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
+        head = self.head(headers)
+        if head.__class__ is not IncomingRequest:
+            return head
+        return IncomingRequest(head.method, head.path, dict(head.query) if head.query else {},
+                               head.content_type, head.max_body, head.head)
+
+    def head(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
+        """What `incoming` gives, but a request's remembered head itself, not a copy: not
+        to be changed (for IncomingRequest.whole, which leaves it as it is)."""
         key = tuple(headers)
         head = self._known.get(key)
         if head is None:
@@ -179,8 +200,7 @@ class RequestHeads:
                 if len(self._known) >= self.REMEMBER:
                     self._known.clear()
                 self._known[key] = head
-        return IncomingRequest(head.method, head.path, dict(head.query) if head.query else {},
-                               head.content_type, head.max_body, head.head)
+        return head
 
 
 async def respond_to(handler: Handler, request: Request, timeout: float | None) -> Response:

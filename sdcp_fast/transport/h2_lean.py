@@ -29,14 +29,31 @@
   request there in one go (server_h2.ServerConnection), through h2's state machines and
   stream methods, without the frame dispatch between them.
 
+A stream's state machine moves along a path of h2's own transitions (`stream_path`, `walk`):
+h2's process_input looks each input up in its table by a key that hashes a Python Enum (one
+Python call per input, two for the connection's); a path is looked up once, from h2's table,
+and walked with h2's callbacks, their errors ending as in process_input. The connection's
+state machine is left alone in the states where h2's table keeps it as it is for a
+message's inputs (`QUIET_CONNECTION_STATES`: the open ones).
+
 `lean_config` gives h2's options as plain attributes and a logger whose calls are C no-ops;
 `quiet_hpack_debug` does the same for hpack's module loggers. Relies on h2 4.x:
 `_data_to_send`, `_receive_frame`, `_frame_dispatch_table`, `_terminate_connection`,
 `incoming_buffer`'s `_data`, `_headers_buffer` and `_preamble_len`, `state_machine` of the
-connection and of each stream, their inputs (h2 is pinned below 5), and the attributes
-hyperframe's HEADERS and DATA frames get from parsing; the server's `_receive_message` also
-`_decode_headers`, `_begin_new_stream`, `AllowedStreamIDs`, `ConnectionState` and the
-inbound window manager.
+connection and of each stream, their inputs and states, the transition tables
+(`h2.stream._transitions`, `H2ConnectionStateMachine._transitions`: (state, input) ->
+(callback or None, next state), callbacks taking the machine and the previous state), the
+stream machine's `stream_closed_by` (h2 is pinned below 5), and the attributes hyperframe's
+HEADERS and DATA frames get from parsing; the server's `_receive_message` also
+`_decode_headers`, `_begin_new_stream`, `AllowedStreamIDs`, `ConnectionState`, the inbound
+window managers (the connection's and the stream's `_inbound_window_manager`), the stream's
+`_initialize_content_length` and `_track_content_length`, `is_informational_response`,
+the settings' `_settings` (code -> values, the current one first) and what
+`_begin_new_stream` does to a new stream (`H2Stream`'s arguments, `max_outbound_frame_size`,
+`streams`, `highest_inbound_stream_id`); its `send_whole_answer` the connection's
+`_closed_streams` (a SizeLimitDict: an OrderedDict, `_size_limit`, `_check_size_limit`);
+its `acknowledge_request_data` the window managers' `process_bytes`, `STREAM_OPEN` and
+`_prepare_for_sending`.
 """
 
 from __future__ import annotations
@@ -60,6 +77,8 @@ _DATA, _HEADERS = 0x0, 0x1
 _END_STREAM, _END_HEADERS = 0x1, 0x4
 _CONNECTION = h2.connection.ConnectionInputs
 _STREAM = h2.stream.StreamInputs
+_STATE = h2.stream.StreamState
+_STREAM_TRANSITIONS = h2.stream._transitions   # (state, input) -> (callback or None, next state)
 
 _STREAM_ID = 0x7FFFFFFF   # the reserved bit is ignored on receipt (RFC 9113 4.1)
 
@@ -75,6 +94,63 @@ _RECEIVED_DATA = _QUIET_FRAMES[hyperframe.frame.DataFrame]
 _HEADERS_FLAGS = {_END_HEADERS: frozenset({"END_HEADERS"}),
                   _END_HEADERS | _END_STREAM: frozenset({"END_HEADERS", "END_STREAM"})}
 _DATA_FLAGS = {0: frozenset(), _END_STREAM: frozenset({"END_STREAM"})}
+
+
+def _quiet_connection_states() -> tuple[h2.connection.ConnectionState, ...]:
+    """The connection states in which h2's connection state machine takes a message's inputs
+    (headers and data, sent and received) without a callback or a change of state: the open
+    ones, read from h2's own table. There, process_input would only look the input up."""
+    table = h2.connection.H2ConnectionStateMachine._transitions
+    inputs = (_CONNECTION.SEND_HEADERS, _CONNECTION.SEND_DATA, _CONNECTION.RECV_HEADERS, _CONNECTION.RECV_DATA)
+    return tuple(state for state in h2.connection.ConnectionState
+                 if all(table.get((state, input_)) == (None, state) for input_ in inputs))
+
+
+# a tuple, for `in`: it compares by identity in C (a set would hash each Enum in Python)
+QUIET_CONNECTION_STATES = _quiet_connection_states()
+
+
+def stream_path(state: h2.stream.StreamState, *inputs: h2.stream.StreamInputs) -> tuple | None:
+    """The steps h2's stream state machine takes for `inputs` from `state`, from its own
+    table: ((callback or None, next state), ...); None where one of them is not allowed
+    (h2's process_input raises there). `walk` applies them."""
+    steps = []
+    for input_ in inputs:
+        step = _STREAM_TRANSITIONS.get((state, input_))
+        if step is None:
+            return None
+        steps.append(step)
+        state = step[1]
+    return tuple(steps)
+
+
+def walk(machine: h2.stream.H2StreamStateMachine, steps: tuple) -> list[h2.events.Event]:
+    """Move a stream's state machine along `steps` (`stream_path`, from the state it is in):
+    what process_input does for each of those inputs, its callbacks and their errors
+    included, without looking each input up again (a Python Enum's hash each)."""
+    events: list[h2.events.Event] = []
+    for callback, state in steps:
+        previous, machine.state = machine.state, state
+        if callback is not None:
+            try:
+                events += callback(machine, previous)
+            except h2.exceptions.ProtocolError:
+                machine.state = _STATE.CLOSED
+                raise
+            except AssertionError as err:
+                machine.state = _STATE.CLOSED
+                raise h2.exceptions.ProtocolError(err) from err
+    return events
+
+
+# send_whole's inputs (a HEADERS frame, a DATA frame if any, the end of the stream), by the
+# stream's state and whether a body goes: the paths h2 allows, from every state
+_WHOLE_PATHS = {
+    (state, bool(body)): path
+    for state in _STATE for body in (0, 1)
+    if (path := stream_path(state, _STREAM.SEND_HEADERS, *([_STREAM.SEND_DATA] if body else []),
+                            _STREAM.SEND_END_STREAM)) is not None
+}
 
 
 def received_data_frame(stream_id: int, data: bytes, flags: int = _END_STREAM):
@@ -188,12 +264,16 @@ class LeanConnection(h2.connection.H2Connection):
     def send_whole(self, stream: h2.stream.H2Stream, block: bytes, body: bytes) -> None:
         """Send `block` and `body` on `stream` and end it (the caller checked `fits`)."""
         connection, machine, stream_id, size = self.state_machine, stream.state_machine, stream.stream_id, len(body)
-        connection.process_input(_CONNECTION.SEND_HEADERS)
-        machine.process_input(_STREAM.SEND_HEADERS)
-        if size:
-            connection.process_input(_CONNECTION.SEND_DATA)
-            machine.process_input(_STREAM.SEND_DATA)
-        machine.process_input(_STREAM.SEND_END_STREAM)
+        path = _WHOLE_PATHS.get((machine.state, size > 0))
+        if path is not None and connection.state in QUIET_CONNECTION_STATES:
+            walk(machine, path)   # the connection's machine would stay as it is
+        else:   # h2's process_input, input by input: it raises what it raises
+            connection.process_input(_CONNECTION.SEND_HEADERS)
+            machine.process_input(_STREAM.SEND_HEADERS)
+            if size:
+                connection.process_input(_CONNECTION.SEND_DATA)
+                machine.process_input(_STREAM.SEND_DATA)
+            machine.process_input(_STREAM.SEND_END_STREAM)
         blocklen = len(block)
         if size:
             stream.outbound_flow_control_window -= size

@@ -139,10 +139,13 @@ def failure_response(request: Request, exc: Exception) -> Response:
 
 
 def handler_entry(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """The coroutine function a server calls per request: a `Routed` handler's router
-    itself (one await fewer per request) unless its class answers in its own way."""
+    """What a server calls per request for the awaitable that answers it: a `Routed`
+    handler's router's `start` (the route's own coroutine: neither the handler's nor the
+    router's around it) unless its class answers in its own way. It may raise before
+    anything is awaited (a refusal of the authorizer): the server answers that as dispatch
+    answers what the handler raises."""
     if isinstance(handler, Routed) and type(handler).handle is Routed.handle:
-        return handler.router.handle
+        return handler.router.start
     return handler.handle
 
 
@@ -249,15 +252,25 @@ class Router:
         return None
 
     async def handle(self, request: Request) -> Response:
+        return await self.start(request)
+
+    def start(self, request: Request) -> Awaitable[Response]:
+        """What `handle` awaits for `request`, for a server to await itself (`handler_entry`):
+        the route's own coroutine for a path without parameters (no match to make, and no
+        coroutine of the router's around it), the matching one's otherwise. A refusal of the
+        authorizer raises here, before anything is awaited."""
         exact = self._exact.get(request.path)
         if exact is not None:
             entry = exact.methods.get(request.method)
-            if entry is not None:   # a path without parameters: no match to make
+            if entry is not None:
                 fn, resource = entry
                 if resource is not None:
                     assert self._authorizer is not None
                     self._authorizer.check(request.caller, resource)
-                return await fn(request)
+                return fn(request)
+        return self._matched(request, exact)
+
+    async def _matched(self, request: Request, exact: _Route | None) -> Response:
         for route in (exact,) if exact is not None else self._routes.values():
             match = route.pattern.match(request.path)
             if match is None:
@@ -282,7 +295,7 @@ class Routed:
     router: Router
 
     async def handle(self, request: Request) -> Response:
-        return await self.router.handle(request)
+        return await self.router.start(request)
 
     def resource_of(self, method: str, path: str) -> str | None:
         return self.router.resource_of(method, path)

@@ -26,6 +26,7 @@ minute).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -38,6 +39,9 @@ import h2.errors
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
+import h2.utilities
+import hyperframe.frame
 from hpack.exceptions import HPACKError
 
 from sdcp_fast.core.problems import Problem
@@ -51,7 +55,14 @@ from .exchange import (
     overdue_response,
     response_headers,
 )
-from .h2_lean import LeanConnection, lean_config, received_data_frame
+from .h2_lean import (
+    QUIET_CONNECTION_STATES,
+    LeanConnection,
+    lean_config,
+    received_data_frame,
+    stream_path,
+    walk,
+)
 from .hpack_blocks import header_block
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .identity import CertificateRejected
@@ -65,6 +76,18 @@ ErrorCodes = h2.errors.ErrorCodes
 _CONNECTION = h2.connection.ConnectionInputs
 # connection states in which h2 takes a request's HEADERS and then its DATA
 _TAKES_REQUESTS = (h2.connection.ConnectionState.IDLE, h2.connection.ConnectionState.SERVER_OPEN)
+_STREAM = h2.stream.StreamInputs
+_STREAM_OPEN = h2.stream.STREAM_OPEN   # by stream state: whether it counts as open (H2Stream.open)
+_MAX_STREAMS = h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS
+_INITIAL_WINDOW = h2.settings.SettingCodes.INITIAL_WINDOW_SIZE
+_NO_STREAM_LIMIT = 2**32 + 1   # h2's max_concurrent_streams where none is set
+_ORDERED_SET = collections.OrderedDict.__setitem__
+_REQUEST_RECEIVED, _DATA_RECEIVED = h2.events.RequestReceived, h2.events.DataReceived
+_STATE = h2.stream.StreamState
+# a whole request's steps through a new stream's state machine, from h2's table (h2_lean.walk):
+# its headers (not ending the stream), its data, the end of the stream
+_REQUEST_OPENS = stream_path(_STATE.IDLE, _STREAM.RECV_HEADERS)
+_REQUEST_DATA_ENDS = stream_path(_STATE.OPEN, _STREAM.RECV_DATA, _STREAM.RECV_END_STREAM)
 
 
 # ---------------------------------------------------------------------------------------
@@ -311,13 +334,60 @@ class ServerConnection(LeanConnection):
         its content-length. Anything else: None, nothing changed, the frames go one by one."""
         size = len(body)
         known = len(self.streams)
+        # h2's settings, read as its properties read them (a Python call or three each)
+        settings = self.local_settings._settings
+        limit = settings.get(_MAX_STREAMS)
+        limit = _NO_STREAM_LIMIT if not limit or limit[0] is None else limit[0]
+        window = settings[_INITIAL_WINDOW][0]
         if (not stream_id & 1 or stream_id <= self.highest_inbound_stream_id
                 or self.state_machine.state not in _TAKES_REQUESTS
-                or known >= self._prune_at or known >= self.local_settings.max_concurrent_streams
+                or known >= self._prune_at or known >= limit
                 or size > self._inbound_flow_control_window_manager.current_window_size
-                or size > self.local_settings.initial_window_size):
+                or size > window):
             return None
         headers = h2.connection._decode_headers(self.decoder, block)
+        config = self.config
+        if (self.state_machine.state not in QUIET_CONNECTION_STATES or config.validate_inbound_headers
+                or config.normalize_inbound_headers or config.header_encoding
+                or h2.utilities.is_informational_response(headers)):
+            return self._receive_message_by_h2(stream_id, headers, body)
+        # as _receive_headers_frame + _receive_data_frame and the stream's receive_headers +
+        # receive_data would, with the connection's state machine left as it stays (open).
+        # The new stream as _begin_new_stream makes it (its id checked above)
+        stream = h2.stream.H2Stream(stream_id, config, window, self.remote_settings._settings[_INITIAL_WINDOW][0])
+        stream.max_outbound_frame_size = self.max_outbound_frame_size
+        self.streams[stream_id] = stream
+        self.highest_inbound_stream_id = stream_id
+        machine = stream.state_machine
+        events = walk(machine, _REQUEST_OPENS)   # RequestReceived
+        try:
+            stream._initialize_content_length(headers)
+        except h2.exceptions.ProtocolError as exc:
+            if not self._stream_level(exc, stream_id):
+                raise
+            events = self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc))[1]
+            return events + self._receive_frame(received_data_frame(stream_id, body))
+        events[0].headers = headers   # a list of its own, unchanged: the inbound options are off
+        self._inbound_flow_control_window_manager.window_consumed(size)
+        stream._inbound_window_manager.window_consumed(size)
+        try:
+            # checked before the data's step (h2 checks it after): that step leaves the
+            # state as it is (OPEN), and the DataReceived it makes is dropped on this error
+            stream._track_content_length(size, True)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
+                                               size)[1]
+        ended = walk(machine, _REQUEST_DATA_ENDS)   # DataReceived, StreamEnded
+        data = ended[0]
+        data.stream_ended, data.data, data.flow_controlled_length = ended[1], body, size
+        events += ended
+        return events
+
+    def _receive_message_by_h2(self, stream_id: int, headers: list, body: bytes):
+        """`_receive_message` with the header block decoded, through the stream's own
+        receive_headers and receive_data (the connection's first request, a header block h2
+        would see as informational, inbound options on)."""
+        size = len(body)
         events = self.state_machine.process_input(_CONNECTION.RECV_HEADERS)
         stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
         try:
@@ -337,6 +407,27 @@ class ServerConnection(LeanConnection):
             return events + self._stream_error(stream_id, ErrorCodes.PROTOCOL_ERROR, Kind.MALFORMED, str(exc),
                                                size)[1]
         return events + data_events + stream_events
+
+    def acknowledge_request_data(self, stream_id: int, size: int) -> None:
+        """h2's acknowledge_received_data(size, stream_id) for a stream h2 holds: the same
+        window managers take the bytes, and the WINDOW_UPDATE frames they ask for (the
+        connection's, then the stream's while it is open) are queued the same way, without
+        h2's look-up of the stream and its frame list made for nothing. Anything else goes
+        to h2's, with its errors."""
+        stream = self.streams.get(stream_id)
+        if stream is None or size < 0:
+            self.acknowledge_received_data(size, stream_id)
+            return
+        frames = None
+        increment = self._inbound_flow_control_window_manager.process_bytes(size)
+        if increment:
+            frames = [_window_update(0, increment)]
+        if _STREAM_OPEN[stream.state_machine.state]:
+            increment = stream._inbound_window_manager.process_bytes(size)
+            if increment:
+                frames = [*(frames or ()), _window_update(stream_id, increment)]
+        if frames:
+            self._prepare_for_sending(frames)
 
     def _stream_level(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
         if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
@@ -359,7 +450,23 @@ class ServerConnection(LeanConnection):
         if stream is None or not self.fits(stream.outbound_flow_control_window, block, body):
             return False
         self.send_whole(stream, block, body)
+        machine = stream.state_machine
+        if machine.state is _STATE.CLOSED:
+            # the stream's end (the request had ended it on the client's side): out of the
+            # streams h2 holds now, as h2's next count of them would take it out, its end
+            # remembered the same way (which h2 tells frames that still come for it by)
+            del self.streams[stream_id]
+            closed = self._closed_streams   # h2's SizeLimitDict: its __setitem__ without two Python calls
+            _ORDERED_SET(closed, stream_id, machine.stream_closed_by)
+            if closed._size_limit is not None and len(closed) > closed._size_limit:
+                closed._check_size_limit()
         return True
+
+
+def _window_update(stream_id: int, increment: int) -> hyperframe.frame.WindowUpdateFrame:
+    frame = hyperframe.frame.WindowUpdateFrame(stream_id)
+    frame.window_increment = increment
+    return frame
 
 
 _ANSWER_BLOCKS: dict[tuple[int, str | None], bytes] = {}   # (status, content type) -> header block
@@ -415,6 +522,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
+        self._can_write = True   # the same, as a plain attribute (read by every answer)
+        self._loop: asyncio.AbstractEventLoop | None = None   # the running loop, from start()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._preface_seen = False
@@ -434,6 +543,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
     def start(self, transport: asyncio.Transport) -> None:
         """Called by TLSAcceptor once the handshake is done: check the certificate, admit."""
         self._transport = transport
+        self._loop = asyncio.get_running_loop()
         serving = self._serving
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
@@ -497,12 +607,32 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._flush()  # h2 has queued a GOAWAY
             self._close_transport()
             return
-        for event in events:
+        index, count = 0, len(events)
+        while index < count:
+            event = events[index]
+            index += 1
+            if event.__class__ is _REQUEST_RECEIVED and event.stream_ended is None and index + 1 < count:
+                # a whole request: its headers, then data that ends the stream (h2's DataReceived
+                # and StreamEnded): the three taken in one go
+                body = events[index]
+                if (body.__class__ is _DATA_RECEIVED and body.stream_id == event.stream_id
+                        and body.stream_ended is not None and body.stream_ended is events[index + 1]):
+                    index += 2
+                    self._on_whole_request(event, body)
+                    if self._transport is None or self._transport.is_closing():
+                        return
+                    continue
             self._on_event(event)
             if self._transport is None or self._transport.is_closing():
                 return
-        self._flush()
-        self._arm_header_timer()
+        conn = self._conn
+        if conn._data_to_send:   # h2's queue (h2_lean reads it too): most reads queue nothing
+            self._flush()
+        # the header timer has nothing to do when it is not running and no frame is begun
+        # (`_partial_frame`, with h2's buffer names h2_lean.receive_data reads anyway)
+        buffer = conn.incoming_buffer
+        if self._header_timer is not None or not self._preface_seen or buffer._data or buffer._headers_buffer:
+            self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._admitted:
@@ -513,6 +643,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending.clear()
         self._window_open.set()
         self._writable.set()
+        self._can_write = True
         for timer in (self._idle_timer, self._header_timer, self._handler_timer):
             if timer is not None:
                 timer.cancel()
@@ -520,15 +651,17 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._writable.clear()
+        self._can_write = False
 
     def resume_writing(self) -> None:
         self._writable.set()
+        self._can_write = True
 
     # ---- h2 events -----------------------------------------------------------------------
     def _on_event(self, event: h2.events.Event) -> None:
         self._preface_seen = True
         if isinstance(event, h2.events.RequestReceived):
-            self._last_activity = asyncio.get_running_loop().time()
+            self._last_activity = self._loop.time()
             self._on_headers(event.stream_id, event.headers, event.stream_ended is not None)
         elif isinstance(event, h2.events.DataReceived):
             # Credit is returned whatever happens to the bytes: the limit is enforced per stream.
@@ -544,7 +677,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._discarding.pop(event.stream_id, None)
             incoming = self._pending.take(event.stream_id)
             if incoming is not None:
-                self._start(event.stream_id, incoming)
+                self._start(event.stream_id, incoming.finish(self.caller), incoming.head)
         elif isinstance(event, h2.events.StreamReset):
             self._on_reset(event.stream_id)
         elif isinstance(event, StreamError):
@@ -560,19 +693,46 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             if not self._tasks:
                 self._close_now()
 
-    def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool) -> None:
+    def _on_whole_request(self, request: h2.events.RequestReceived, data: h2.events.DataReceived) -> None:
+        """A request's headers and the data that ends its stream, received together: what
+        `_on_event` does with the three events (RequestReceived, DataReceived, StreamEnded)
+        one after the other, without waiting for a body (PendingBodies) in between."""
+        stream_id = request.stream_id
+        self._preface_seen = True
+        self._last_activity = self._loop.time()
+        # the request's head as remembered (request_heads.head): not changed here
+        head = None if self._closing else self._serving.request_heads.head(request.headers)
+        if head.__class__ is not IncomingRequest:   # refused: event by event, as ever
+            self._on_headers(stream_id, request.headers, False, head)
+            for event in (data, data.stream_ended):
+                if self._transport is None or self._transport.is_closing():
+                    return
+                self._on_event(event)
+            return
+        # Credit is returned whatever happens to the bytes (as in _on_event)
+        self._conn.acknowledge_request_data(stream_id, data.flow_controlled_length)
+        whole = head.whole(data.data, self.caller)   # as add_body + finish
+        if whole.__class__ is Request:
+            self._start(stream_id, whole, head.head)
+        else:   # over the limit; the stream has ended: nothing is left to discard
+            self._refuse(stream_id, whole, request_complete=True)
+
+    def _on_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool,
+                    incoming: IncomingRequest | Problem | Malformed | None = None) -> None:
+        """A request's headers (`incoming`: what request_heads made of them, if known)."""
         if self._closing:  # not processed: the client may safely retry elsewhere (RFC 9113 8.7)
             self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
             return
         serving = self._serving
-        incoming = serving.request_heads.incoming(headers)
+        if incoming is None:
+            incoming = serving.request_heads.incoming(headers)
         if isinstance(incoming, Malformed):
             self._conn.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended)
         elif ended:
-            self._start(stream_id, incoming)
+            self._start(stream_id, incoming.finish(self.caller), incoming.head)
         else:
             self._pending.add(stream_id, incoming)
 
@@ -662,12 +822,11 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         del self._discarding[stream_id]
         self._conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
-    def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
-        request = incoming.finish(self.caller)
-        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
+    def _start(self, stream_id: int, request: Request, head: bool) -> None:
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, head))
         timeout = self._limits.handler_timeout
         if timeout is not None:
-            loop = asyncio.get_running_loop()
+            loop = self._loop
             self._handler_deadlines[stream_id] = deadline = loop.time() + timeout
             if self._handler_timer is None:
                 self._handler_timer = loop.call_at(deadline, self._handlers_due)
@@ -703,7 +862,15 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._handler_deadlines.pop(stream_id, None)
             if log.isEnabledFor(logging.DEBUG):
                 log_answer(request, response)
-            await self._send(stream_id, response, head)
+            # the usual answer in one go; any other through h2 (_send)
+            block = None if response.headers else _ANSWER_BLOCKS.get((response.status, response.content_type))
+            if block is None:
+                block = answer_block(response)
+            if block is not None and self._can_write and self._conn.send_whole_answer(
+                    stream_id, block, b"" if head else response.body):
+                self._flush_answers()
+            else:
+                await self._send(stream_id, response, head)
             if response.status in REFUSED_STATUSES:
                 self._count_refused(stream_id, response.status)
         except (h2.exceptions.StreamClosedError, h2.exceptions.StreamIDTooLowError):
@@ -717,21 +884,18 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             self._handlers_overdue.discard(stream_id)
             # this task, or none if the stream was dropped: a stream is started once
             self._tasks.pop(stream_id, None)
-            self._last_activity = asyncio.get_running_loop().time()
+            self._last_activity = self._loop.time()
             if self._closing and not self._tasks:
                 self._close_now()
 
     async def _send(self, stream_id: int, response: Response, head: bool) -> None:
         """Headers, then the body as flow control allows; no content for HEAD (RFC 9110
-        9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL)."""
+        9.3.2); a body that gets no credit for `send_timeout` is cut off (RST_STREAM CANCEL).
+        For an answer `_answer` could not send whole (send_whole_answer)."""
         conn = self._conn
         body = b"" if head else response.body
-        block = answer_block(response)
-        if block is not None and self._writable.is_set() and conn.send_whole_answer(stream_id, block, body):
-            self._flush_answers()
-            return
         conn.send_headers(stream_id, response_headers(response), end_stream=not body)
-        if body and self._writable.is_set():
+        if body and self._can_write:
             # the usual answer: one DATA frame within the window. h2 checks the window and
             # the frame size before it changes any state, so a refusal leaves the loop below
             # to send it as credit allows
@@ -775,6 +939,8 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     # ---- housekeeping --------------------------------------------------------------------
     def _flush(self) -> None:
+        if not self._conn._data_to_send:   # h2's queue: data_to_send() would give b""
+            return
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)

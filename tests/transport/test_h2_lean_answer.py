@@ -5,6 +5,8 @@ connection and an h2 client connection exchange bytes directly."""
 
 from __future__ import annotations
 
+import struct
+
 import h2.config
 import h2.connection
 import h2.events
@@ -63,14 +65,60 @@ def test_the_client_sees_what_h2s_own_path_sends(response: Response):
                 if response.body:
                     server.send_data(stream_id, response.body, end_stream=True)
             answers += received(_exchange(client, server))
-            stream = server.streams[stream_id]
-            assert stream.closed and stream.closed_by == h2.stream.StreamClosedBy.SEND_END_STREAM
-        seen[way] = (answers, server.outbound_flow_control_window, client.inbound_flow_control_window)
+            if way == "whole":   # ended, and out of h2's streams at once
+                assert stream_id not in server.streams
+            else:
+                stream = server.streams[stream_id]
+                assert stream.closed and stream.closed_by == h2.stream.StreamClosedBy.SEND_END_STREAM
+                assert server.open_inbound_streams == 0   # h2's count takes it out
+            assert server._closed_streams[stream_id] == h2.stream.StreamClosedBy.SEND_END_STREAM
+        seen[way] = (answers, server.outbound_flow_control_window, client.inbound_flow_control_window,
+                     dict(server.streams), dict(server._closed_streams))
     assert seen["whole"] == seen["h2"]
     expected = [(b":status", str(response.status).encode())]
     if response.content_type:
         expected.append((b"content-type", response.content_type.encode()))
     assert seen["whole"][0][0][2] == expected
+
+
+def _frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
+    size = len(payload)
+    return struct.pack(">BHBBL", size >> 16, size & 0xFFFF, kind, flags, stream_id) + payload
+
+
+LATE_FRAMES = {   # what a client may still send on a stream its answer has ended
+    "window update": _frame(0x8, 0x0, 1, struct.pack(">L", 100)),
+    "reset": _frame(0x3, 0x0, 1, struct.pack(">L", 0x8)),
+    "data": _frame(0x0, 0x1, 1, b"late"),
+    "headers": _frame(0x1, 0x5, 1, h2.connection.H2Connection().encoder.encode([(b":method", b"GET")])),
+    "priority": _frame(0x2, 0x0, 1, struct.pack(">LB", 0, 15)),
+}
+
+
+@pytest.mark.parametrize("late", list(LATE_FRAMES))
+def test_a_stream_ended_by_a_whole_answer_meets_late_frames_as_after_h2s_count(late):
+    """h2 takes a closed stream out of its streams when it next counts them (at a new
+    stream); send_whole_answer does so at once. A frame that still comes for the stream
+    meets what it meets in h2 after that count: the same events, bytes and error."""
+    seen = {}
+    for way in ("whole", "h2"):
+        client, server = _pair()
+        stream_id = _request(client, server)
+        response = Response(200, b"x")
+        if way == "whole":
+            assert server.send_whole_answer(stream_id, answer_block(response), response.body)
+        else:
+            server.send_headers(stream_id, response_headers(response))
+            server.send_data(stream_id, response.body, end_stream=True)
+            assert server.open_inbound_streams == 0
+        _exchange(client, server)
+        try:
+            events, error = [repr(e) for e in server.receive_data(LATE_FRAMES[late])], None
+        except h2.exceptions.ProtocolError as exc:
+            events, error = [], (type(exc).__name__, str(exc))
+        seen[way] = (events, error, server.data_to_send(), dict(server.streams), dict(server._closed_streams),
+                     server.state_machine.state)
+    assert seen["whole"] == seen["h2"]
 
 
 def test_answer_block_leaves_the_clients_table_alone():
@@ -126,3 +174,26 @@ def test_a_stream_reset_by_the_client_raises_as_h2_would():
 def test_answers_with_headers_of_their_own_are_h2s():
     assert answer_block(Response(429, b"x", headers=(("retry-after", "1"),))) is None
     assert answer_block(Response(200, b"x")) is answer_block(Response(200, b"other body"))
+
+
+def test_ended_streams_are_remembered_within_h2s_limit_as_after_its_count():
+    """h2 remembers how the last MAX_CLOSED_STREAMS closed streams ended, the oldest
+    forgotten first: a stream a whole answer ends goes into that record as h2's count puts
+    it there."""
+    seen = {}
+    for way in ("whole", "h2"):
+        client, server = _pair()
+        server._closed_streams._size_limit = 2
+        for _ in range(4):
+            stream_id = _request(client, server)
+            response = Response(200, b"x")
+            if way == "whole":
+                assert server.send_whole_answer(stream_id, answer_block(response), response.body)
+            else:
+                server.send_headers(stream_id, response_headers(response))
+                server.send_data(stream_id, response.body, end_stream=True)
+                assert server.open_inbound_streams == 0
+            _exchange(client, server)
+        seen[way] = (list(server._closed_streams.items()), dict(server.streams))
+    assert seen["whole"] == seen["h2"]
+    assert [stream_id for stream_id, _ in seen["whole"][0]] == [5, 7]

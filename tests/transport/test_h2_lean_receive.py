@@ -271,3 +271,37 @@ def test_the_client_receives_as_h2s_receive_data():
     data = _responses()
     for pieces in _ways(data):
         assert _feed(_lean_client(ClientConnection), pieces) == _feed(_lean_client(H2Client), pieces)
+
+
+@pytest.mark.parametrize("sizes", [[100] * 400, [16000] * 8, [16384, 16384, 16384, 16383], [0, 1, 40000]])
+def test_request_data_is_acknowledged_as_by_h2(sizes):
+    """ServerConnection.acknowledge_request_data: the windows, and the WINDOW_UPDATE frames
+    queued, as h2's acknowledge_received_data gives them; for streams open and ended, and for
+    one h2 no longer holds (its error)."""
+    def run(acknowledge) -> list:
+        server, client, seen = _server(ServerConnection), _client(), []
+        server.receive_data(client.data_to_send())
+        server.data_to_send()
+        for size in sizes:
+            stream_id = client.get_next_available_stream_id()
+            client.send_headers(stream_id, REQUEST)
+            for part in range(0, max(size, 1), 16384):
+                piece = b"x" * min(16384, size - part)
+                client.send_data(stream_id, piece, end_stream=part + 16384 >= size)
+            events = server.receive_data(client.data_to_send())
+            for event in events:
+                if isinstance(event, h2.events.DataReceived):
+                    acknowledge(server, event.stream_id, event.flow_controlled_length)
+            out = server.data_to_send()
+            seen.append((out, _books(server)))
+            client.receive_data(out)   # the credit given back
+        for stream_id in (1, 10001):   # ended long ago and pruned, never opened
+            try:
+                acknowledge(server, stream_id, 10)
+                seen.append((server.data_to_send(), _books(server)))
+            except Exception as exc:   # noqa: BLE001 (h2's error, whatever it is)
+                seen.append((type(exc).__name__, str(exc)))
+        return seen
+
+    lean = run(lambda server, stream_id, size: server.acknowledge_request_data(stream_id, size))
+    assert lean == run(lambda server, stream_id, size: server.acknowledge_received_data(size, stream_id))

@@ -99,3 +99,23 @@ def test_remembered_heads_are_bounded():
     big = [*FIELDS, (b"x-big", b"v" * 2000)]
     heads.incoming(big)
     assert tuple(big) not in heads._known
+
+
+@pytest.mark.parametrize("body", [b"", b"x" * 40, b"x" * 100, b"x" * 101])
+def test_a_whole_body_makes_the_request_add_body_and_finish_make(body):
+    """IncomingRequest.whole on the remembered head (RequestHeads.head, the HTTP/2 server's
+    whole requests): the request, or the refusal, add_body + finish give, the head unchanged."""
+    heads = _heads()
+    fields = [*FIELDS[:3], (b":path", b"/v1/x?a=1"), FIELDS[4]]
+    expected = heads.incoming(fields)
+    refusal = expected.add_body(body)
+    expected = refusal if refusal is not None else expected.finish("caller")
+    head = heads.head(fields)
+    assert head is heads.head(fields)   # remembered, not a copy
+    before = IncomingRequest(head.method, head.path, dict(head.query), head.content_type, head.max_body, head.head)
+    whole = head.whole(body, "caller")
+    assert whole == expected
+    if refusal is None:
+        assert whole.query is not head.query
+        whole.query["b"] = "2"
+    assert head == before and heads.incoming(fields) == before
