@@ -111,23 +111,14 @@ def verify(batch: VerifyBatch) -> VerifyResult:
 def verify_packed(batch: PackedBatch) -> PackedResult:
     """`verify` on a PackedBatch's two buffers as they are (`torch.ops.sdcp.verify_packed`:
     the views are made in C++, the same checks apply), its four results in one [4, B] int64
-    tensor: one op call and one read back per batch."""
+    tensor: one op call and one read back per batch. The overload is called with positional
+    arguments (keywords, or the overload packet, are parsed again on every call)."""
     try:
-        packed = _VERIFY_PACKED(batch.logits, batch.ints, batch.floats, batch.q, batch.num_proposals)
+        packed = torch.ops.sdcp.verify_packed.default(batch.logits, batch.ints, batch.floats, batch.q,
+                                                      batch.num_proposals)
     except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
     return PackedResult(packed)
-
-
-def _verify_packed_op(*args):
-    """The op's overload itself, looked up once it is loaded (positional arguments: a call
-    with keywords, or through the overload packet, parses them again every time)."""
-    global _VERIFY_PACKED
-    _VERIFY_PACKED = torch.ops.sdcp.verify_packed.default
-    return _VERIFY_PACKED(*args)
-
-
-_VERIFY_PACKED = _verify_packed_op
 
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,

@@ -49,6 +49,17 @@ def _request(client, server) -> int:
     return stream_id
 
 
+def _answer(server, stream_id: int, response: Response, way: str) -> None:
+    """Answer the request on `stream_id` whole (send_whole_answer) or through h2's own
+    send_headers and send_data."""
+    if way == "whole":
+        assert server.send_whole_answer(stream_id, answer_block(response), response.body)
+    else:
+        server.send_headers(stream_id, response_headers(response), end_stream=not response.body)
+        if response.body:
+            server.send_data(stream_id, response.body, end_stream=True)
+
+
 @pytest.mark.parametrize("response", [Response(200, BODY), Response(204, content_type=None),
                                       Response(404, b'{"type":"x"}', content_type="application/problem+cbor")])
 def test_the_client_sees_what_h2s_own_path_sends(response: Response):
@@ -58,12 +69,7 @@ def test_the_client_sees_what_h2s_own_path_sends(response: Response):
         answers = []
         for _ in range(3):   # later answers too: h2 indexes content-type in the table after the first
             stream_id = _request(client, server)
-            if way == "whole":
-                assert server.send_whole_answer(stream_id, answer_block(response), response.body)
-            else:
-                server.send_headers(stream_id, response_headers(response), end_stream=not response.body)
-                if response.body:
-                    server.send_data(stream_id, response.body, end_stream=True)
+            _answer(server, stream_id, response, way)
             answers += received(_exchange(client, server))
             if way == "whole":   # ended, and out of h2's streams at once
                 assert stream_id not in server.streams
@@ -104,12 +110,8 @@ def test_a_stream_ended_by_a_whole_answer_meets_late_frames_as_after_h2s_count(l
     for way in ("whole", "h2"):
         client, server = _pair()
         stream_id = _request(client, server)
-        response = Response(200, b"x")
-        if way == "whole":
-            assert server.send_whole_answer(stream_id, answer_block(response), response.body)
-        else:
-            server.send_headers(stream_id, response_headers(response))
-            server.send_data(stream_id, response.body, end_stream=True)
+        _answer(server, stream_id, Response(200, b"x"), way)
+        if way == "h2":
             assert server.open_inbound_streams == 0
         _exchange(client, server)
         try:
@@ -186,12 +188,8 @@ def test_ended_streams_are_remembered_within_h2s_limit_as_after_its_count():
         server._closed_streams._size_limit = 2
         for _ in range(4):
             stream_id = _request(client, server)
-            response = Response(200, b"x")
-            if way == "whole":
-                assert server.send_whole_answer(stream_id, answer_block(response), response.body)
-            else:
-                server.send_headers(stream_id, response_headers(response))
-                server.send_data(stream_id, response.body, end_stream=True)
+            _answer(server, stream_id, Response(200, b"x"), way)
+            if way == "h2":
                 assert server.open_inbound_streams == 0
             _exchange(client, server)
         seen[way] = (list(server._closed_streams.items()), dict(server.streams))
