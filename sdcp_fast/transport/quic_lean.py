@@ -58,6 +58,9 @@ does not describe, and every SDCP message is the same bytes:
     six calls each time). `LeanAcks._process_events`: stream data skips aioquic's five
     event-type tests.
 
+Below HTTP/3, quic_packets.LeanQuic writes and reads the 1-RTT packets themselves with less of
+aioquic's generality (no empty packet after the last, no full header parse per datagram).
+
 These reach into aioquic's private state (`_ack_delay`, `_spaces`, `_transmit_soon`, `_timer`,
 `_events`, `_stream`, `_received_settings`; the server's `_protocols` and `_configuration` in
 server_h3.H3Server):
@@ -86,6 +89,8 @@ from aioquic.h3.connection import (
 )
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.events import StreamDataReceived
+
+from .quic_packets import LeanQuic
 
 ACK_DELAY = 0.010   # s: longer than a round at the other end, well within max_ack_delay (25 ms)
 ANSWER_WAIT = 0.005  # s: how long what a request leads to may wait for its answer's datagram
@@ -296,6 +301,10 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 class LeanAcks(QuicConnectionProtocol):
     """aioquic's protocol with ACKs that ride on data and transmits batched per loop turn."""
+
+    def __init__(self, quic, **kwargs):
+        LeanQuic.adopt(quic)   # no empty packet after the last (quic_packets.py)
+        super().__init__(quic, **kwargs)
 
     def lengthen_ack_delay(self) -> None:
         """Once the handshake is done (handshake ACKs are not delayed, RFC 9000 13.2.1)."""

@@ -83,6 +83,17 @@ def _missing_lean_names() -> list[str]:
     connection = QuicConnection(configuration=QuicConfiguration(is_client=True))
     names = [f"QuicConnection.{name}" for name in ("_ack_delay", "_spaces", "_events")
              if not hasattr(connection, name)]
+    # quic_packets.LeanQuic's (the packet spaces and crypto pairs exist once _initialize ran)
+    from aioquic.quic.stream import QuicStreamSender
+
+    from .quic_packets import READ_NAMES, SENDER_NAMES, SPACE_NAMES, STATE_NAMES
+    connection.connect(("127.0.0.1", 4433), now=0.0)   # builds the spaces and crypto pairs; sends nothing
+    names += [f"QuicConnection.{name}" for name in READ_NAMES if not hasattr(QuicConnection, name)]
+    names += [f"QuicConnection().{name}" for name in STATE_NAMES if not hasattr(connection, name)]
+    sender = QuicStreamSender(0, True)
+    names += [f"QuicStreamSender().{name}" for name in SENDER_NAMES if not hasattr(sender, name)]
+    space = connection._spaces[tls.Epoch.ONE_RTT]
+    names += [f"QuicPacketSpace().{name}" for name in SPACE_NAMES if not hasattr(space, name)]
     names += [f"QuicConnectionProtocol.{name}" for name in ("_transmit_soon", "_process_events", "_handle_timer")
               if not hasattr(QuicConnectionProtocol, name)]
     # the attributes its __init__ sets (LeanAcks.transmit keeps aioquic's timer in them)
