@@ -15,6 +15,8 @@
     await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
 
     run(main())                        # asyncio.run, on uvloop when it is installed
+
+    value = await within(coro, timeout_s)   # asyncio.timeout's bound, set up only if coro suspends
 """
 
 from __future__ import annotations
@@ -159,3 +161,50 @@ class Offload:
             per_unit = (time.perf_counter() - started) / max(units, 1)
             self.per_unit = per_unit if self.per_unit is None else \
                 self.per_unit + self.alpha * (per_unit - self.per_unit)
+
+
+async def within(coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:
+    """`async with asyncio.timeout(timeout_s): return await coro`, where the timeout (a timer
+    armed and cancelled, a current-task lookup, two get_running_loop() calls, each a getpid()
+    system call on Python 3.11) is set up only if `coro` suspends: the coroutine runs here up
+    to its first suspension, and only what remains is awaited under the deadline, counted from
+    the call. A timeout can only act at a suspension, so the outcome is the same: a coroutine
+    that completes without suspending returns its value (or raises) exactly as it would
+    under the timeout, and one that suspends is cancelled at the same deadline."""
+    started = time.monotonic()
+    try:
+        yielded = coro.send(None)
+    except StopIteration as done:
+        return done.value
+    async with asyncio.timeout(timeout_s - (time.monotonic() - started)):
+        return await _Rest(coro, yielded)
+
+
+class _Rest:
+    """The rest of a coroutine already started (`within`): what it yields goes to the awaiting
+    task, and what the task sends or throws goes back into it, as `await` itself would do."""
+
+    __slots__ = ("_coro", "_yielded")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], yielded: Any):
+        self._coro = coro
+        self._yielded = yielded
+
+    def __await__(self):
+        coro, yielded = self._coro, self._yielded
+        while True:
+            try:
+                sent = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:   # a cancellation (the deadline's), thrown into the coroutine
+                try:
+                    yielded = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    yielded = coro.send(sent)
+                except StopIteration as done:
+                    return done.value

@@ -43,12 +43,13 @@ import math
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import kernels
-from ..aio import LoopTask, Offload
+from ..aio import LoopTask, Offload, within
 from ..cache import Fenced
 from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
@@ -92,6 +93,20 @@ class _Queued:
     enqueued: float = field(default_factory=time.perf_counter)
     fetch: QFetch | None = None       # its q rows on their way (rule 2)
     during_pass: bool = False         # queued while a pass ran, or in the turns that read what came meanwhile
+    then: Callable[[RoundResult], None] | None = None   # called as the job is settled (Engine.enqueue)
+
+    def settle(self, result: RoundResult) -> None:
+        """The job's outcome, once: its future's result, and `then`'s call right away (a
+        done-callback of the future would run a loop turn later, and the request it answers
+        one turn after that)."""
+        if self.future.done():
+            return
+        self.future.set_result(result)
+        if self.then is not None:
+            try:
+                self.then(result)
+            except Exception:   # a bug in the caller's callback: never in the way of the others
+                log.exception("settling round %d failed", self.job.round)
 
 
 TURNAROUND_ALPHA = 0.25   # weight of a session's latest turnaround in its average
@@ -199,9 +214,20 @@ class Engine:
 
     def start(self) -> None:
         self._loop.start()
+        self._event_loop = asyncio.get_running_loop()
+
+    # the event loop the engine runs on, kept: asyncio.get_running_loop() costs a getpid()
+    # system call on Python 3.11, and the engine's per-job steps took it four times per round
+    _event_loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The running event loop (the engine's once started)."""
+        return self._event_loop or asyncio.get_running_loop()
 
     async def stop(self) -> None:
         await self._loop.stop()
+        self._event_loop = None
         if self._batch_file is not None:
             self._batch_file.close()
             self._batch_file = None
@@ -209,17 +235,19 @@ class Engine:
             item = self._queue.get_nowait()
             if item.fetch is not None:
                 self._stager.release([item.fetch])
-            if not item.future.done():
-                item.future.set_result(RoundResult(problem=Problem(Kind.UNAVAILABLE, "verifier stopping")))
+            item.settle(RoundResult(problem=Problem(Kind.UNAVAILABLE, "verifier stopping")))
 
     async def submit(self, served: ServedSession, job: Job) -> RoundResult:
         """Queue a job; resolves with what became of it."""
         return await self.enqueue(served, job)
 
-    def enqueue(self, served: ServedSession, job: Job) -> asyncio.Future[RoundResult]:
+    def enqueue(self, served: ServedSession, job: Job,
+                then: Callable[[RoundResult], None] | None = None) -> asyncio.Future[RoundResult]:
         """Queue a job; the future resolves with what became of it (it is never cancelled by
-        the engine: a job that cannot run gets a problem)."""
-        future: asyncio.Future[RoundResult] = asyncio.get_running_loop().create_future()
+        the engine: a job that cannot run gets a problem). `then(result)`, if given, is called
+        as the future resolves, from the engine's own step: it must be quick and not raise
+        (what it raises is logged)."""
+        future: asyncio.Future[RoundResult] = self.event_loop.create_future()
         if served.answered_at:   # how long its drafter takes to come back (the company wait's guide)
             gap = time.perf_counter() - served.answered_at
             served.turnaround_s = gap if not served.turnaround_s else \
@@ -228,7 +256,7 @@ class Engine:
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
         self._queue.put_nowait(_Queued(served, served.machine, job, future, fetch=fetch,
-                                       during_pass=self._in_pass))
+                                       during_pass=self._in_pass, then=then))
         return future
 
     # ------------------------------------------------------------------ the loop
@@ -260,7 +288,7 @@ class Engine:
         if pass_number != self._passes:
             return
         if turns:
-            asyncio.get_running_loop().call_soon(self._pass_over, pass_number, turns - 1)
+            self.event_loop.call_soon(self._pass_over, pass_number, turns - 1)
         else:
             self._in_pass = False
 
@@ -397,8 +425,7 @@ class Engine:
             answered = time.perf_counter()
             for item, result in verdicts:
                 item.served.answered_at = answered
-                if not item.future.done():
-                    item.future.set_result(result)
+                item.settle(result)
 
     def _record(self, times: BatchTimes, batch: list[_Queued], wall: float, started: float) -> None:
         """Keep the batch's split; the results are back, so every event has completed."""
@@ -514,9 +541,9 @@ class Engine:
         timeout = self.config.append_timeout_s
         appends = [append for _, append in records]
         started = time.perf_counter()
-        try:
-            async with asyncio.timeout(timeout):
-                answers = await append_records(self.commit_log, appends, group=self.config.group_commit)
+        try:   # the bound is set up only if the append suspends (not on a group commit made on the loop)
+            answers = await within(append_records(self.commit_log, appends, group=self.config.group_commit),
+                                   timeout)
         except Exception as exc:   # the batch as a whole timed out or failed: read each back
             answers = [exc] * len(appends)
         elapsed = time.perf_counter() - started
@@ -570,8 +597,7 @@ class Engine:
     def _fail(self, item: _Queued, prob: Problem, *, settled: bool = False) -> None:
         self.metrics.problem(prob.kind)
         item.served.answered_at = time.perf_counter()
-        if not item.future.done():
-            item.future.set_result(RoundResult(problem=prob, settled=settled))
+        item.settle(RoundResult(problem=prob, settled=settled))
 
 
 def _committed_sequence(session: VerifierSession) -> list[int]:

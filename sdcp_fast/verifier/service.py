@@ -203,12 +203,11 @@ class VerifierService(Routed):
             bad = [t for t in step.tokens if t >= vocab]
             raise session.refuse(step, Problem(Kind.BAD_PROPOSAL, f"tokens {bad[:4]} outside the vocabulary"))
         # the round runs to its end in the engine even if this request goes away: the request
-        # awaits its own future, which the round's callback settles (asyncio.shield's rule,
-        # without its layers); what follows the commit runs from that callback too (no task
-        # per round)
-        future = self.engine.enqueue(served, step)
-        answer = asyncio.get_running_loop().create_future()
-        future.add_done_callback(functools.partial(self._round_done, served, answer))
+        # awaits its own future, which the engine's settling of the round settles (asyncio.shield's
+        # rule, without its layers, nor the loop turn of a done-callback); what follows the
+        # commit runs from there too (no task per round)
+        answer = self.engine.event_loop.create_future()
+        self.engine.enqueue(served, step, then=functools.partial(self._round_settled, served, answer))
         result = await answer
         if result.problem is not None:
             raise ProblemError(result.problem)
@@ -252,19 +251,8 @@ class VerifierService(Routed):
             raise ProblemError(result.problem)
         return result.verdict
 
-    def _round_done(self, served: ServedSession, answer: asyncio.Future, future: asyncio.Future) -> None:
-        waiting = not answer.done()   # not cancelled with its request
-        if future.cancelled():
-            if waiting:
-                answer.cancel()
-            return
-        failure = future.exception()
-        if failure is not None:
-            if waiting:
-                answer.set_exception(failure)
-            return
-        result = future.result()
-        if waiting:
+    def _round_settled(self, served: ServedSession, answer: asyncio.Future, result) -> None:
+        if not answer.done():   # not cancelled with its request
             answer.set_result(result)
         if result.settled:
             self._after_commit(served)
@@ -273,7 +261,7 @@ class VerifierService(Routed):
         """Tell the router, start self-decoding, publish KV, and let go of sessions that can
         no longer be served."""
         session = served.machine
-        served.touch()
+        served.touch(self.engine.event_loop)
         self._send_events(served)
         if session.state == State.SELF_DECODING and served.self_task is None:
             served.self_task = self.tasks.spawn(self._self_decode(served))
@@ -401,7 +389,7 @@ class VerifierService(Routed):
             if self.sessions.was_retired(sid):
                 raise problem(Kind.SESSION_RETIRED, "retired here while idle; resume it from its commit log")
             raise problem(Kind.NOT_FOUND, "no such session")
-        served.touch()
+        served.touch(self.engine.event_loop)
         return served
 
     async def _kv_blob(self, kv_ref: str | None) -> bytes | None:

@@ -42,8 +42,9 @@ class ServedSession:
     def id(self) -> bytes:
         return self.machine.id
 
-    def touch(self) -> None:
-        self.touched = asyncio.get_running_loop().time()
+    def touch(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Mark it used now, on `loop`'s clock (the running loop's when not given)."""
+        self.touched = (loop or asyncio.get_running_loop()).time()
 
     def wake(self) -> None:
         """Wake everyone waiting for this session to change (output readers, retries)."""
