@@ -333,15 +333,31 @@ class LeanAcks(QuicConnectionProtocol):
         if self.answer_pending():
             # an answer is on its way: what this datagram leads to leaves with it (`transmit`),
             # or on its own after ANSWER_WAIT if the answer takes longer
-            if self._transmit_task is None and self._answer_wait is None:
-                self._answer_wait = self._loop.call_later(ANSWER_WAIT, self.transmit)
+            if self._transmit_task is None and self._answer_wait_until is None:
+                self._answer_wait_until = self._loop.time() + ANSWER_WAIT
+                if self._answer_timer is None:
+                    self._answer_timer = self._loop.call_at(self._answer_wait_until, self._answer_overdue)
         else:
             # at the end of this loop turn: what the events just processed lead to (the
             # drafter's next request, written as soon as the verdict is read) leaves in the
             # same transmit, and the datagrams read in one turn share one (and one timer re-arm)
             self._transmit_soon()
 
-    _answer_wait = None   # the timer that sends what a datagram led to if no answer does first
+    # what a datagram led to leaves by this time (loop clock) if no answer takes it first; None:
+    # nothing waits. The timer that sees to it stays armed across rounds (`_answer_overdue`):
+    # arming and cancelling one per request was two timer operations per round
+    _answer_wait_until: float | None = None
+    _answer_timer = None
+
+    def _answer_overdue(self) -> None:
+        until = self._answer_wait_until
+        if until is None:   # sent meanwhile
+            self._answer_timer = None
+        elif until > self._loop.time():   # a later datagram's wait: fire then
+            self._answer_timer = self._loop.call_at(until, self._answer_overdue)
+        else:
+            self._answer_timer = None
+            self.transmit()
 
     def _process_events(self) -> None:
         """aioquic's, with stream data (nearly every event) handed on without first testing it
@@ -364,9 +380,7 @@ class LeanAcks(QuicConnectionProtocol):
         already armed for an earlier moment stays armed (`_handle_timer` re-arms it for the
         later moment when it fires too early): the loss-detection deadline moves later with
         every packet sent, so aioquic cancelled and re-armed a loop timer in every round."""
-        if self._answer_wait is not None:
-            self._answer_wait.cancel()
-            self._answer_wait = None
+        self._answer_wait_until = None
         self._transmit_task = None
         quic = self._quic
         peer = self._connected_to
