@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..kernels.batch import list_tensor
 from .base import (
     InvalidTokens,
     check_distinct_sessions,
@@ -81,7 +82,7 @@ class TableBackend(TokenListSessions):
             x = check_tokens(x, v, "proposal")
             last.append(c[-1])
             last.extend(x)
-        return self.table[torch.tensor(last, dtype=torch.long)]
+        return self.table.index_select(0, list_tensor(last, torch.int64))
 
 
 
