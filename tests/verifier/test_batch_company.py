@@ -183,3 +183,31 @@ def test_a_session_whose_drafter_takes_longer_than_the_wait_is_not_waited_for(tm
     a_alone = [line for line in lines if line["sessions"] == [a_id]]
     assert len(a_alone) == 4
     assert all(line["waited_ms"][0] < 30 for line in a_alone[1:])   # b's turnaround known by then
+
+
+def test_a_failing_after_commit_step_keeps_no_answer_of_the_batch_back(tmp_path, caplog):
+    """The engine settles each round's request from its own step (Engine.enqueue's `then`):
+    one session's after-commit work failing is logged and the batch's other answers still go
+    out, in the same pass."""
+    async def body(h: Harness):
+        a, b = await two_sessions(h)
+        after_commit = h.service._after_commit
+        failed = []
+
+        def failing_for_a(served):
+            if served.id == a[0] and not failed:
+                failed.append(served.id)
+                raise RuntimeError("after-commit bug")
+            after_commit(served)
+
+        h.service._after_commit = failing_for_a
+        verdicts = await asyncio.gather(propose(h, a), propose(h, b))   # one batch of two
+        assert failed == [a[0]]
+        assert [v.round for v in verdicts] == [1, 1]
+        assert widths(h) == [2]
+        await propose(h, a)   # the session goes on
+        return widths(h)
+
+    with caplog.at_level("ERROR", logger="sdcp_fast.verifier.engine"):
+        assert run(tmp_path, body, company_share=0.5) == [2, 1]
+    assert "settling round 1 failed" in caplog.text
