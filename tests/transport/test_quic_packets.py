@@ -120,7 +120,7 @@ class Pair:
             "ack_at": space.ack_at, "ack_queue": [(r.start, r.stop) for r in space.ack_queue],
             "expected": space.expected_packet_number, "largest": space.largest_received_packet,
             "largest_time": space.largest_received_time,
-            "received": sorted(space.received_packets) if hasattr(space.received_packets, "__iter__") else None,
+            "received": (space.received_packets._lower, sorted(space.received_packets._received)),
             "close_at": connection._close_at, "state": connection._state,
             "ack_eliciting_sent": connection._ack_eliciting_sent_since_receipt,
             "spin": (connection._spin_bit, connection._spin_highest_pn),
