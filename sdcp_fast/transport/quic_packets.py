@@ -106,6 +106,12 @@ class LeanQuic(QuicConnection):
                 return   # aioquic's loop ends here too
         else:
             self._loss._pacer.update_after_send(now=now)
+        # aioquic's next turn: its pacing check (which may hold it back, and arms the pacing
+        # timer), then a packet started; if nothing could go in it, it ends there
+        if space.ack_at is None or space.ack_at >= now:
+            self._pacing_at = self._loss._pacer.next_send_time(now=now)
+            if self._pacing_at is not None:
+                return
         if not self._more_to_write():
             return   # aioquic's next turn would start a packet, write nothing and end
         # more to send (data that did not fit, MAX_STREAMS after discarded streams): aioquic's

@@ -235,6 +235,21 @@ def test_resets_stops_and_discarded_streams_raise_limits_alike(pairs):
     _both(lambda pair: pair.settle())(plain, lean)
 
 
+def test_a_pacer_with_room_for_one_packet_holds_the_next_turn_back_alike(pairs):
+    plain, lean = pairs
+
+    def paced(pair):
+        for side in ("client", "server"):   # room for exactly one packet now, then a wait
+            pacer = pair.end(side)._loss._pacer
+            pacer.packet_time, pacer.bucket_max = 0.002, 0.004
+            pacer.bucket_time, pacer.evaluation_time = 0.002, pair.now
+        _round(pair, think=0.0)
+        assert pair.client._pacing_at is not None   # the turn after the packet was held back
+
+    _both(paced)(plain, lean)
+    _both(lambda pair: pair.settle())(plain, lean)
+
+
 def test_pings_key_updates_and_new_connection_ids_take_aioquics_path_alike(pairs):
     plain, lean = pairs
 
