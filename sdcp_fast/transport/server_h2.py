@@ -823,7 +823,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._conn.reset_stream(stream_id, ErrorCodes.NO_ERROR)
 
     def _start(self, stream_id: int, request: Request, head: bool) -> None:
-        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, head))
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, head), self._loop)
         timeout = self._limits.handler_timeout
         if timeout is not None:
             loop = self._loop

@@ -413,7 +413,7 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
         request = incoming.finish(self.caller)
-        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head))
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         try:

@@ -114,9 +114,11 @@ class Serving:
                 self.penalties = {k: v for k, v in self.penalties.items() if v > now}
 
     # ---- tasks ---------------------------------------------------------------------------
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """Tasks are kept referenced (asyncio holds only weak references) and cancelled on stop."""
-        task = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[Any]:
+        """Tasks are kept referenced (asyncio holds only weak references) and cancelled on stop.
+        `loop`: the running loop where the caller has it (asking for it is a getpid() system
+        call on Python 3.11)."""
+        task = (loop or asyncio.get_running_loop()).create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

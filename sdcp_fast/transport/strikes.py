@@ -76,8 +76,11 @@ class CountsStrikes:
             self._calm_down(*over)
 
     def _count_refused(self, stream_id: int, status: int) -> None:
-        """A request answered 400/413/415/431. Called from the stream's own task too, which
-        ending the connection cancels: so that runs as a callback."""
+        """A request answered 400/413/415/431 (any other status counts nothing, and reads no
+        clock). Called from the stream's own task too, which ending the connection cancels:
+        so that runs as a callback."""
+        if status not in REFUSED_STATUSES:
+            return
         over = self._strikes.refused(asyncio.get_running_loop().time(), stream_id, status)
         if over is not None:
             asyncio.get_running_loop().call_soon(self._calm_down, *over)
