@@ -87,7 +87,7 @@ class H3ClientConnection(LeanAcks):
             self._heads[key] = headers
         if body is not None and len(body) >= ANNOUNCE_LENGTH_FROM:
             headers = [*headers, (b"content-length", str(len(body)).encode())]
-        exchange = _Exchange(asyncio.get_running_loop().create_future(), max_response)
+        exchange = _Exchange(self._loop.create_future(), max_response)   # the protocol's loop (no getpid())
         self._exchanges[stream_id] = exchange
         if body:
             self._h3.send_message(stream_id, headers, body)
