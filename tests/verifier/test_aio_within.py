@@ -60,25 +60,31 @@ def test_values_and_errors_come_back_as_they_would_under_the_timeout(bounded):
     asyncio.run(main())
 
 
-def test_a_coroutine_past_its_deadline_is_cancelled_and_times_out(bounded):
-    seen = []
+async def _waits_long(seen: list[str]) -> None:
+    """Sleeps 10 s; says when it is cancelled and when it cleans up."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        seen.append("cancelled")
+        raise
+    finally:
+        seen.append("cleaned up")
 
-    async def slow():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-        finally:
-            seen.append("cleaned up")
 
+def _seconds_to_time_out(bounded, coro, timeout_s: float) -> float:
+    """Run `bounded(coro, timeout_s)`, which must raise TimeoutError; how long that took."""
     async def main():
         started = time.monotonic()
         with pytest.raises(TimeoutError):
-            await bounded(slow(), 0.05)
+            await bounded(coro, timeout_s)
         return time.monotonic() - started
 
-    elapsed = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_coroutine_past_its_deadline_is_cancelled_and_times_out(bounded):
+    seen = []
+    elapsed = _seconds_to_time_out(bounded, _waits_long(seen), 0.05)
     assert seen == ["cancelled", "cleaned up"]
     assert 0.04 <= elapsed < 5
 
@@ -88,34 +94,22 @@ def test_the_deadline_counts_from_the_call_not_from_the_first_suspension(bounded
         time.sleep(0.08)          # runs past the whole bound before its first suspension
         await asyncio.sleep(10)
 
-    async def main():
-        started = time.monotonic()
-        with pytest.raises(TimeoutError):
-            await bounded(busy_then_waits(), 0.05)
-        return time.monotonic() - started
-
-    assert asyncio.run(main()) < 1.0   # cancelled at its first suspension, not 0.05 s after it
+    # cancelled at its first suspension, not 0.05 s after it
+    assert _seconds_to_time_out(bounded, busy_then_waits(), 0.05) < 1.0
 
 
 def test_a_cancellation_from_outside_is_a_cancellation_not_a_timeout(bounded):
     seen = []
 
-    async def waits():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            raise
-
     async def main():
-        task = asyncio.create_task(bounded(waits(), 5.0))
+        task = asyncio.create_task(bounded(_waits_long(seen), 5.0))
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
     asyncio.run(main())
-    assert seen == ["cancelled"]
+    assert seen == ["cancelled", "cleaned up"]
 
 
 def test_a_coroutine_may_catch_the_deadlines_cancellation_and_return(bounded):
