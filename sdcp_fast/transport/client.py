@@ -3,7 +3,8 @@
 The one place that picks the client adapter (client_h2.py or client_h3.py; both answer with
 client_base.py's types). Connections are kept per origin and reused; requests on one
 connection run as concurrent streams. Every attempt, connection set-up and whole response
-included, ends within `timeout` seconds (asyncio.timeout around it), so a server trickling
+included, ends within `timeout` seconds (a bound around it, as asyncio.timeout's: one
+`aio.Deadlines` per client and loop, not a loop timer per request), so a server trickling
 a byte at a time cannot hold a request. A failed attempt is retried (up to `retries` times, short exponential backoff)
 only when that is safe: always when the request certainly never reached the server
 (connect failure, stream refused by a closing server), and otherwise only when the caller
@@ -17,6 +18,8 @@ import asyncio
 import logging
 from typing import Literal
 
+from sdcp_fast.aio import Deadlines
+
 from .client_base import DEFAULT_MAX_RESPONSE, ClientResponse, RequestTimeout, TransportError
 from .client_h2 import H2Origins
 from .http import SDCP_MEDIA_TYPE
@@ -27,6 +30,8 @@ log = logging.getLogger("sdcp_fast.transport")
 
 
 class Client:
+    _limits: Deadlines | None = None   # the attempts' time limits, on the loop of the latest one
+
     def __init__(
         self,
         tls: TLSConfig,
@@ -91,8 +96,13 @@ class Client:
         # a request may have reached the server once its connection exists (`open` connects;
         # `send` says sent=False itself where the server certainly did not process it)
         sent = False
+        task = asyncio.current_task()
+        assert task is not None, "Client requests run in a task"
+        limits = self._limits
+        if limits is None or limits.loop is not task.get_loop():
+            limits = self._limits = Deadlines(task.get_loop())
         try:
-            async with asyncio.timeout(limit):
+            with limits.timeout(task, limit):
                 target = await self._origins.open(url)
                 sent = True
                 return await self._origins.send(target, method, body, content_type, limit)

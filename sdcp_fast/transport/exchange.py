@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
+from sdcp_fast.aio import Bound
 from sdcp_fast.core.problems import Kind, Problem
 
 from .http import (
@@ -203,11 +204,12 @@ class RequestHeads:
         return head
 
 
-async def respond_to(handler: Handler, request: Request, timeout: float | None) -> Response:
-    """Run the handler with the server's time limit; log one line per request. The handler
-    runs in the stream's own task (asyncio.timeout, not wait_for: no second task per request)."""
+async def respond_to(handler: Handler, request: Request, limit: Bound, timeout: float | None) -> Response:
+    """Run the handler within `limit` (the server's time limit, `timeout` seconds: the
+    connection's `aio.Deadlines`, not a timer per request); log one line per request. The
+    handler runs in the stream's own task (no second task per request)."""
     try:
-        async with asyncio.timeout(timeout):
+        with limit:
             response = await dispatch(handler, request)
     except TimeoutError:
         response = overdue_response(request, timeout)

@@ -44,6 +44,7 @@ import h2.utilities
 import hyperframe.frame
 from hpack.exceptions import HPACKError
 
+from sdcp_fast.aio import Deadlines
 from sdcp_fast.core.problems import Problem
 
 from . import clienthello
@@ -513,12 +514,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)  # bodies arriving
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._tasks: dict[int, asyncio.Task[None]] = {}  # streams being answered
-        # the handler time limit: when each stream's handler is overdue (in start order, the
-        # limit being the same for all), one timer for the connection at the earliest, and
-        # the streams it cancelled (not a Timeout and a timer per request)
-        self._handler_deadlines: dict[int, float] = {}
-        self._handlers_overdue: set[int] = set()
-        self._handler_timer: asyncio.TimerHandle | None = None
+        self._handler_limits: Deadlines | None = None   # the handler time limit of each request (start())
         self._window_open = asyncio.Event()  # flow-control credit arrived
         self._writable = asyncio.Event()  # transport buffer below its high-water mark
         self._writable.set()
@@ -544,6 +540,7 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         """Called by TLSAcceptor once the handshake is done: check the certificate, admit."""
         self._transport = transport
         self._loop = asyncio.get_running_loop()
+        self._handler_limits = Deadlines(self._loop)
         serving = self._serving
         ssl_object = transport.get_extra_info("ssl_object")
         if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
@@ -644,9 +641,10 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
         self._window_open.set()
         self._writable.set()
         self._can_write = True
-        for timer in (self._idle_timer, self._header_timer, self._handler_timer):
+        for timer in (self._idle_timer, self._header_timer):
             if timer is not None:
                 timer.cancel()
+        self._handler_limits.close()
         log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
 
     def pause_writing(self) -> None:
@@ -824,42 +822,18 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
 
     def _start(self, stream_id: int, request: Request, head: bool) -> None:
         self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, head), self._loop)
-        timeout = self._limits.handler_timeout
-        if timeout is not None:
-            loop = self._loop
-            self._handler_deadlines[stream_id] = deadline = loop.time() + timeout
-            if self._handler_timer is None:
-                self._handler_timer = loop.call_at(deadline, self._handlers_due)
-
-    def _handlers_due(self) -> None:
-        """Cancel the handlers past the time limit (each answers 503: `_answer`); the timer
-        moves on to the next deadline."""
-        self._handler_timer = None
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        for stream_id, deadline in list(self._handler_deadlines.items()):
-            if deadline > now:
-                self._handler_timer = loop.call_at(deadline, self._handlers_due)
-                return
-            del self._handler_deadlines[stream_id]
-            task = self._tasks.get(stream_id)
-            if task is not None:
-                self._handlers_overdue.add(stream_id)
-                task.cancel()
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
+        timeout = self._limits.handler_timeout
         try:
-            try:   # http.dispatch, one await fewer
-                response = await self._serving.handle(request)
-            except asyncio.CancelledError:
-                # cancelled by the time limit (and by nothing else): answer 503, as
-                # asyncio.timeout would (exchange.respond_to, which HTTP/3 uses)
-                if stream_id not in self._handlers_overdue or asyncio.current_task().uncancel() > 0:
-                    raise
-                response = overdue_response(request, self._limits.handler_timeout)
-            except Exception as exc:
-                response = failure_response(request, exc)
-            self._handler_deadlines.pop(stream_id, None)
+            try:   # exchange.respond_to, with http.dispatch inlined: one await fewer
+                with self._handler_limits.timeout(asyncio.current_task(self._loop), timeout):
+                    try:
+                        response = await self._serving.handle(request)
+                    except Exception as exc:
+                        response = failure_response(request, exc)
+            except TimeoutError:   # only the limit's: the handler's own are answered above
+                response = overdue_response(request, timeout)
             if log.isEnabledFor(logging.DEBUG):
                 log_answer(request, response)
             # the usual answer in one go; any other through h2 (_send)
@@ -880,8 +854,6 @@ class H2ServerProtocol(CountsStrikes, asyncio.Protocol):
             # let the answer outlive the stream (a reset cancels its task) is not found yet
             pass
         finally:
-            self._handler_deadlines.pop(stream_id, None)
-            self._handlers_overdue.discard(stream_id)
             # this task, or none if the stream was dropped: a stream is started once
             self._tasks.pop(stream_id, None)
             self._last_activity = self._loop.time()

@@ -34,6 +34,7 @@ from aioquic.quic.events import (
 )
 from aioquic.quic.packet import QuicErrorCode
 
+from sdcp_fast.aio import Deadlines
 from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
 
@@ -174,6 +175,7 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         self._first_datagram = True
         self._written: list[int] = []   # answers written since the last transmit: watched once sent
         loop = asyncio.get_running_loop()
+        self._handler_limits = Deadlines(loop)   # the handler time limit of each request
         serving.handshake_started(self, self._drop, None)
         self._handshake_timer = loop.call_later(self._limits.handshake_timeout, self._handshake_overdue)
 
@@ -253,6 +255,7 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
             self._serving.release(self, self.caller)
         for task in self._tasks.values():
             task.cancel()
+        self._handler_limits.close()
         self._pending.clear()
         for timer in self._awaiting_headers.values():
             if timer is not None:
@@ -416,13 +419,16 @@ class H3ServerProtocol(CountsStrikes, LeanAcks):
         self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
+        task = asyncio.current_task(self._loop)   # the loop given: no getpid() (Python 3.11)
         try:
-            response = await respond_to(self._serving.handler, request, self._limits.handler_timeout)
+            timeout = self._limits.handler_timeout
+            response = await respond_to(self._serving.handler, request,
+                                        self._handler_limits.timeout(task, timeout), timeout)
             if stream_id in self._tasks:  # not reset meanwhile
                 self._write(stream_id, response, head)
                 self._count_refused(stream_id, response.status)
         finally:
-            if self._tasks.get(stream_id) is asyncio.current_task():
+            if self._tasks.get(stream_id) is task:
                 del self._tasks[stream_id]
             if self._closing and not self._tasks:
                 self._close(ErrorCode.H3_NO_ERROR, "server stopping")
