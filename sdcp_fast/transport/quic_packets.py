@@ -9,7 +9,10 @@ session sends one small packet each way per round. Two of its costs go here:
     aioquic writes it (its own frame writers, in its order) and then asks whether aioquic's
     next turn could write anything; only then does aioquic's loop run on. (That empty turn is
     also where aioquic finds out that a stream's buffer is empty, `QuicStreamSender.get_frame`;
-    `_more_to_write` marks it so instead.)
+    `_more_to_write` marks it so instead.) That first packet is built without aioquic's
+    QuicPacketBuilder, whose datagram and multi-packet books a lone 1-RTT packet does not
+    need: a `_OnePacket` gives the frame writers what they use of a builder, and the packet
+    is ended, encrypted and registered as `_end_packet` and `_flush_builder` do it.
   - Reading: `QuicConnection.receive_datagram` parses every header into a `QuicHeader`, looks
     the packet type, epoch, crypto pair, packet space and destination connection ID up, and
     tests for qlog, retries, version negotiation and migration, for every packet. A datagram
@@ -36,6 +39,7 @@ quic_mtls.check_aioquic().
 from __future__ import annotations
 
 from aioquic import tls
+from aioquic.buffer import Buffer
 from aioquic.quic.connection import (
     QuicConnection,
     QuicConnectionError,
@@ -44,7 +48,21 @@ from aioquic.quic.connection import (
     stream_is_client_initiated,
 )
 from aioquic.quic.crypto import CryptoError
-from aioquic.quic.packet import QuicErrorCode, QuicFrameType, QuicPacketType, get_spin_bit
+from aioquic.quic.packet import (
+    NON_ACK_ELICITING_FRAME_TYPES,
+    NON_IN_FLIGHT_FRAME_TYPES,
+    PACKET_FIXED_BIT,
+    PACKET_NUMBER_MAX_SIZE,
+    QuicErrorCode,
+    QuicFrameType,
+    QuicPacketType,
+    get_spin_bit,
+)
+from aioquic.quic.packet_builder import (
+    PACKET_NUMBER_SEND_SIZE,
+    QuicPacketBuilderStop,
+    QuicSentPacket,
+)
 from aioquic.quic.recovery import MAX_ACK_RANGES
 
 _ONE_RTT = tls.Epoch.ONE_RTT
@@ -52,6 +70,9 @@ _ONE_RTT_PACKET = QuicPacketType.ONE_RTT
 _CONNECTED = QuicConnectionState.CONNECTED
 _SHORT_HEADER = 0x40   # the first octet's two high bits: short header (0), fixed bit (1)
 _ONE_RTT_RESERVED_BITS = 0x18
+# room the first frame leaves for the padding that lets header protection sample (RFC 9001 5.4.2)
+_FIRST_FRAME_ROOM = PACKET_NUMBER_MAX_SIZE - PACKET_NUMBER_SEND_SIZE
+_CRYPTO_FRAME = QuicFrameType.CRYPTO
 
 # what LeanQuic reads or calls of aioquic's QuicConnection, besides what its __init__ sets
 READ_NAMES = ("_write_application", "_write_ack_frame", "_write_connection_limits", "_write_stream_limits",
@@ -66,7 +87,8 @@ STATE_NAMES = ("_cryptos", "_crypto_streams", "_spaces", "_handshake_complete", 
                "_streams_queue", "_remote_max_data", "_remote_max_data_used", "_is_client", "_logger",
                "_local_max_streams_bidi", "_local_max_streams_uni", "_state", "_close_at", "_close_pending",
                "_peer_cid", "_network_paths", "_configuration", "host_cid", "_spin_highest_pn", "_spin_bit",
-               "_ack_eliciting_sent_since_receipt", "_ack_delay")
+               "_ack_eliciting_sent_since_receipt", "_ack_delay", "_handshake_confirmed", "_max_datagram_size",
+               "_packet_number", "_remote_preferred_address")
 # what QuicPacketSpace.__init__ sets, that LeanQuic reads
 SPACE_NAMES = ("ack_at", "ack_queue", "discarded", "expected_packet_number", "largest_received_packet",
                "largest_received_time", "received_packets")
@@ -83,6 +105,98 @@ class LeanQuic(QuicConnection):
         if connection.__class__ is QuicConnection:
             connection.__class__ = cls
 
+    def datagrams_to_send(self, now: float) -> list[tuple[bytes, tuple]]:
+        """aioquic's, for the first packet of a transmit in the steady state of a confirmed
+        connection on a validated path: that packet is built in a `_OnePacket` (what aioquic's
+        frame writers use of a QuicPacketBuilder, for one 1-RTT packet alone in its datagram)
+        and registered as aioquic's `_flush_builder` registers it. Should aioquic's loop write
+        more, its own method goes on from the next packet (the congestion window it sees
+        already counts the first). Anything else takes aioquic's method."""
+        paths = self._network_paths
+        if (self._state is not _CONNECTED or self._close_pending or not self._handshake_confirmed
+                or len(paths) != 1 or not paths[0].is_validated
+                or (self._is_client and self._remote_preferred_address is not None)):
+            return super().datagrams_to_send(now)
+        network_path = paths[0]
+        one_rtt = self._steady_one_rtt(network_path)
+        if one_rtt is None:
+            return super().datagrams_to_send(now)
+        crypto, space = one_rtt
+        loss = self._loss
+        # aioquic's first loop turn: its pacing check, a packet, the frames the steady state has
+        self._pacing_at = None
+        if space.ack_at is None or space.ack_at >= now:
+            self._pacing_at = loss._pacer.next_send_time(now=now)
+            if self._pacing_at is not None:
+                return []
+        size = self._max_datagram_size
+        packet = _OnePacket(self._packet_number, 3 + len(self._peer_cid.cid), size,
+                            min(size, loss.congestion_window - loss.bytes_in_flight), crypto.aead_tag_size)
+        try:
+            discarded = self._write_frames(packet, space, now)
+        except QuicPacketBuilderStop:   # it is full: aioquic writes no more in this transmit
+            return self._send(packet, crypto, space, network_path, now)
+        if packet.packet_is_empty:
+            if not discarded:
+                return []   # aioquic's loop ends here too
+            datagrams = []
+        else:
+            loss._pacer.update_after_send(now=now)
+            datagrams = self._send(packet, crypto, space, network_path, now)
+        # aioquic's next turn: its pacing check (which may hold it back, and arms the pacing
+        # timer), then a packet started; if nothing could go in it, it ends there
+        if space.ack_at is None or space.ack_at >= now:
+            self._pacing_at = loss._pacer.next_send_time(now=now)
+            if self._pacing_at is not None:
+                return datagrams
+        if not self._more_to_write():
+            return datagrams
+        return datagrams + super().datagrams_to_send(now)
+
+    def _write_frames(self, builder, space, now: float) -> bool:
+        """One turn of aioquic's `_write_application` loop, with only the frames the steady
+        state can have; whether a finished stream was discarded."""
+        if space.ack_at is not None and space.ack_at <= now:
+            self._write_ack_frame(builder=builder, space=space, now=now)
+        self._write_connection_limits(builder=builder, space=space)
+        for stream in self._streams.values():
+            self._write_stream_limits(builder=builder, space=space, stream=stream)
+        return self._write_streams(builder, space)
+
+    def _send(self, packet: _OnePacket, crypto, space, network_path, now: float) -> list[tuple[bytes, tuple]]:
+        """aioquic's `_end_packet` for a 1-RTT packet that starts its datagram (padding for
+        the header-protection sample, the short header, encryption), then `_flush_builder`'s
+        registration: the packet number moves on, loss recovery records the packet, the
+        idle timer restarts on the first ack-eliciting packet since the last one received."""
+        buf = packet.buffer
+        size = buf.tell()
+        header_size = packet.header_size
+        if size <= header_size:
+            return []   # nothing went in: aioquic cancels the packet
+        sent = packet.sent
+        padding = _FIRST_FRAME_ROOM + header_size - size
+        if padding > 0:
+            buf.push_bytes(bytes(padding))
+            size += padding
+            sent.in_flight = True
+        number = sent.packet_number
+        buf.seek(0)
+        buf.push_uint8(PACKET_FIXED_BIT | (self._spin_bit << 5) | (crypto.key_phase << 2)
+                       | (PACKET_NUMBER_SEND_SIZE - 1))
+        buf.push_bytes(self._peer_cid.cid)
+        buf.push_uint16(number & 0xFFFF)
+        plain = buf.data_slice(0, size)
+        datagram = crypto.encrypt_packet(plain[:header_size], plain[header_size:size], number)
+        sent.sent_bytes = len(datagram)
+        self._packet_number = number + 1
+        sent.sent_time = now
+        self._loss.on_packet_sent(packet=sent, space=space)
+        if sent.is_ack_eliciting and not self._ack_eliciting_sent_since_receipt:
+            self._close_at = now + self._idle_timeout()
+            self._ack_eliciting_sent_since_receipt = True
+        network_path.bytes_sent += len(datagram)
+        return [(datagram, network_path.addr)]
+
     def _write_application(self, builder, network_path, now: float) -> None:
         one_rtt = self._steady_one_rtt(network_path)
         if one_rtt is None:
@@ -95,12 +209,7 @@ class LeanQuic(QuicConnection):
             if self._pacing_at is not None:
                 return
         builder.start_packet(_ONE_RTT_PACKET, crypto)
-        if space.ack_at is not None and space.ack_at <= now:
-            self._write_ack_frame(builder=builder, space=space, now=now)
-        self._write_connection_limits(builder=builder, space=space)
-        for stream in self._streams.values():
-            self._write_stream_limits(builder=builder, space=space, stream=stream)
-        discarded = self._write_streams(builder, space)
+        discarded = self._write_frames(builder, space, now)
         if builder.packet_is_empty:
             if not discarded:
                 return   # aioquic's loop ends here too
@@ -277,3 +386,60 @@ class LeanQuic(QuicConnection):
         if not paths or paths[0].addr != addr:
             return None
         return paths[0]
+
+
+class _OnePacket:
+    """What aioquic's frame writers use of a QuicPacketBuilder (start_frame, the space left,
+    the packet number), for one 1-RTT packet alone in its datagram: the checks and marks of
+    `QuicPacketBuilder.start_frame` for that case, without its datagram and packet books."""
+
+    __slots__ = ("buffer", "sent", "header_size", "_buffer_room", "_flight_room")
+
+    quic_logger_frames = None   # the steady state has no qlog
+
+    def __init__(self, packet_number: int, header_size: int, buffer_capacity: int, flight_capacity: int,
+                 tag_size: int):
+        self.sent = QuicSentPacket(epoch=_ONE_RTT, in_flight=False, is_ack_eliciting=False,
+                                   is_crypto_packet=False, packet_number=packet_number,
+                                   packet_type=_ONE_RTT_PACKET)
+        self.header_size = header_size
+        self.buffer = Buffer(buffer_capacity)
+        self.buffer.seek(header_size)
+        self._buffer_room = buffer_capacity - tag_size   # what frames may fill, less the AEAD tag
+        self._flight_room = flight_capacity - tag_size
+
+    @property
+    def packet_number(self) -> int:
+        return self.sent.packet_number
+
+    @property
+    def packet_is_empty(self) -> bool:
+        return self.buffer.tell() <= self.header_size
+
+    @property
+    def remaining_buffer_space(self) -> int:
+        return self._buffer_room - self.buffer.tell()
+
+    @property
+    def remaining_flight_space(self) -> int:
+        return self._flight_room - self.buffer.tell()
+
+    def start_frame(self, frame_type: int, capacity: int = 1, handler=None, handler_args=()) -> Buffer:
+        buf = self.buffer
+        at = buf.tell()
+        if at <= self.header_size and capacity < _FIRST_FRAME_ROOM:
+            capacity = _FIRST_FRAME_ROOM
+        in_flight = frame_type not in NON_IN_FLIGHT_FRAME_TYPES
+        if self._buffer_room - at < capacity or (in_flight and self._flight_room - at < capacity):
+            raise QuicPacketBuilderStop
+        buf.push_uint_var(frame_type)
+        sent = self.sent
+        if frame_type not in NON_ACK_ELICITING_FRAME_TYPES:
+            sent.is_ack_eliciting = True
+        if in_flight:
+            sent.in_flight = True
+        if frame_type == _CRYPTO_FRAME:
+            sent.is_crypto_packet = True
+        if handler is not None:
+            sent.delivery_handlers.append((handler, handler_args))
+        return buf

@@ -26,11 +26,13 @@ _CA = make_ca("quic-packets test")
 class Pair:
     """A client and a server connection in memory, on one clock, recording what each encrypts."""
 
-    def __init__(self, lean: bool):
-        server_config = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
+    def __init__(self, lean: bool, **windows: int):
+        """`windows`: flow-control windows for both ends (max_data, max_stream_data)."""
+        self.windows = windows
+        server_config = QuicConfiguration(is_client=False, alpn_protocols=["h3"], **windows)
         server_config.certificate, server_config.private_key = _CA.cert, _CA.key
         client_config = QuicConfiguration(is_client=True, alpn_protocols=["h3"], verify_mode=ssl.CERT_NONE,
-                                          server_name="localhost")
+                                          server_name="localhost", **windows)
         self.now = 1000.0
         self.client = QuicConnection(configuration=client_config)
         if lean:
@@ -49,6 +51,23 @@ class Pair:
         # the handshake's packets differ in size between pairs (ECDSA signatures vary in length),
         # so the congestion windows grown from them do too: compared from here on
         self.cwnd_at_start = {side: self.end(side)._loss.congestion_window for side in ("client", "server")}
+        self.path_bytes_at_start = {side: self._path_bytes(side) for side in ("client", "server")}
+
+    def same_windows(self, congestion_window: int) -> None:
+        """Both ends' congestion windows set to one size (the pairs' differ by a few bytes, from
+        their handshakes): for scripts that fill them to the byte."""
+        for side in ("client", "server"):
+            self.end(side)._loss._cc.congestion_window = congestion_window
+            self.cwnd_at_start[side] = congestion_window
+
+    def _path_bytes(self, side: str) -> list[tuple[int, int]]:
+        return [(path.bytes_received, path.bytes_sent) for path in self.end(side)._network_paths]
+
+    def _path_bytes_since_start(self, side: str) -> list[tuple[int, int]]:
+        """Per path now, what it received and sent since the handshake (a path opened since: all)."""
+        start = self.path_bytes_at_start[side]
+        return [(received - start[n][0], sent - start[n][1]) if n < len(start) else (received, sent)
+                for n, (received, sent) in enumerate(self._path_bytes(side))]
 
     def end(self, side: str) -> QuicConnection:
         return self.client if side == "client" else self.server
@@ -74,7 +93,7 @@ class Pair:
     def deliver(self, side: str, data: bytes, *, from_addr=None) -> None:
         if side == "server":
             if self.server is None:
-                config = QuicConfiguration(is_client=False, alpn_protocols=["h3"])
+                config = QuicConfiguration(is_client=False, alpn_protocols=["h3"], **self.windows)
                 config.certificate, config.private_key = _CA.cert, _CA.key
                 self.server = QuicConnection(
                     configuration=config, original_destination_connection_id=self.client.original_destination_connection_id)
@@ -116,6 +135,8 @@ class Pair:
         return {
             "packet_number": connection._packet_number,
             "bytes_in_flight": loss.bytes_in_flight, "cwnd grown": loss.congestion_window - self.cwnd_at_start[side],
+            # bytes sent and received on each path (the anti-amplification books), since the handshake
+            "path bytes": self._path_bytes_since_start(side),
             "sent_packets": sorted(space.sent_packets), "ack_eliciting_in_flight": space.ack_eliciting_in_flight,
             "ack_at": space.ack_at, "ack_queue": [(r.start, r.stop) for r in space.ack_queue],
             "expected": space.expected_packet_number, "largest": space.largest_received_packet,
@@ -155,8 +176,18 @@ def _both(step):
 
 
 @pytest.fixture
-def pairs():
+def pairs(monkeypatch):
+    _one_stream_order(monkeypatch)
     return Pair(lean=False), Pair(lean=True)
+
+
+def _one_stream_order(monkeypatch):
+    # aioquic moves the streams served in one packet to the end of its service order in the
+    # order of a set of them (QuicConnection._write_application), which follows their ids in
+    # memory: different in the two pairs. Hashed by stream ID, both pairs get one order.
+    from aioquic.quic.stream import QuicStream
+
+    monkeypatch.setattr(QuicStream, "__hash__", lambda stream: hash(stream.stream_id))
 
 
 def _round(pair: Pair, body: bytes = b"q" * 120, answer: bytes = b"a" * 90, *, think: float = 0.0003):
@@ -211,6 +242,125 @@ def test_flow_control_and_congestion_hold_data_back_alike(pairs):
 
     _both(upload)(plain, lean)
     _both(lambda pair: pair.settle(steps=2000))(plain, lean)
+
+
+def test_a_transmit_that_starts_with_the_congestion_window_nearly_full_alike(pairs):
+    """The first packet of a transmit gets only the room left in the congestion window: a
+    STREAM frame cut to it, or none (the packet full: nothing more is written), with an ACK
+    (not counted in flight) still sent."""
+    plain, lean = pairs
+
+    def congested(pair):
+        client, server = pair.client, pair.server
+        pacer = client._loss._pacer   # not paced: the window alone holds the client back
+        pacer.packet_time = None
+        pair.same_windows(13_000)
+        upload = client.get_next_available_stream_id()
+        client.send_stream_data(upload, b"u" * 400_000, end_stream=True)
+        pair.transmit("client")   # stops with less than a packet's room left in the window
+        assert client._loss.congestion_window - client._loss.bytes_in_flight < 1200
+        server.send_stream_data(upload, b"early answer", end_stream=False)
+        pair.transmit("server")   # not ACKing the upload yet; the client owes an ACK
+        for n in range(6):
+            pair.now += 0.03      # the client's ACK is due
+            pacer.packet_time = None
+            stream_id = client.get_next_available_stream_id()
+            client.send_stream_data(stream_id, b"r" * (40 + 300 * n), end_stream=True)
+            pair.transmit("client")
+            server.send_stream_data(upload, b"more" * n, end_stream=False)
+            pair.transmit("server")
+        pair.settle(steps=2000)
+
+    _both(congested)(plain, lean)
+    for _ in range(5):
+        _both(_round)(plain, lean)
+
+
+def test_flow_control_updates_owed_with_the_congestion_window_full_alike(monkeypatch):
+    """MAX_DATA and MAX_STREAM_DATA are counted in flight: owed while the client's window is
+    full, the first packet holds its ACK and then has no room for them (the packet ends, and
+    nothing more is written in that transmit)."""
+    _one_stream_order(monkeypatch)
+    plain, lean = Pair(lean=False, max_data=24_000, max_stream_data=16_000), \
+        Pair(lean=True, max_data=24_000, max_stream_data=16_000)
+
+    def owed(pair):
+        client, server = pair.client, pair.server
+        pacers = [end._loss._pacer for end in (client, server)]
+
+        def unpaced():   # the congestion windows alone hold the ends back
+            for pacer in pacers:
+                pacer.packet_time = None
+
+        unpaced()
+        pair.same_windows(13_000)
+        upload = client.get_next_available_stream_id()
+        client.send_stream_data(upload, b"u" * 15_000, end_stream=False)
+        second = client.get_next_available_stream_id()
+        client.send_stream_data(second, b"v" * 15_000, end_stream=False)
+        pair.transmit("client")
+        for stream_id in (upload, second):   # the server's answers use up the client's windows
+            server.send_stream_data(stream_id, b"d" * 12_000, end_stream=False)
+        pair.transmit("server")
+        assert client._local_max_data.used * 2 > client._local_max_data.value   # MAX_DATA owed
+        pair.now += 0.03   # the client's ACK is due
+        unpaced()
+        assert client._loss.congestion_window == client._loss.bytes_in_flight
+        pair.transmit("client")
+        pair.settle(steps=2000)
+
+    _both(owed)(plain, lean)
+    for _ in range(3):
+        _both(_round)(plain, lean)
+
+
+def test_streams_discarded_in_a_transmit_with_nothing_else_to_send_raise_max_streams_alike(pairs):
+    """A server transmit whose only work is discarding finished streams: the packet stays
+    empty, and aioquic's next turn announces MAX_STREAMS, which the discards just made due."""
+    plain, lean = pairs
+
+    def many_then_finished(pair):
+        client, server = pair.client, pair.server
+        streams = []
+        for _ in range(70):   # open, not yet finished: more than half the server's limit in use
+            stream_id = client.get_next_available_stream_id()
+            client.send_stream_data(stream_id, b"q" * 20, end_stream=False)
+            streams.append(stream_id)
+        pair.transmit("client")
+        for stream_id in streams:
+            server.send_stream_data(stream_id, b"a" * 10, end_stream=True)
+        pair.transmit("server")
+        pair.now += 0.03
+        pair.transmit("server")   # its ACK of the requests, due now
+        pair.transmit("client")   # its ACK of the answers
+        for stream_id in streams:
+            client.send_stream_data(stream_id, b"", end_stream=True)
+        pair.transmit("client")   # the requests end: every server stream is finished
+        sent_before = server._local_max_streams_bidi.sent
+        pair.transmit("server")   # nothing due but the discards
+        assert server._local_max_streams_bidi.sent > sent_before   # MAX_STREAMS went out
+        pair.settle()
+
+    _both(many_then_finished)(plain, lean)
+
+
+def test_a_path_not_yet_validated_limits_what_is_sent_alike(pairs):
+    """After the client moves to another address, the server may send three times what it
+    received there until the path is validated (RFC 9000 8.1): a big answer waits for that."""
+    plain, lean = pairs
+
+    def moved(pair):
+        _round(pair)
+        stream_id = pair.client.get_next_available_stream_id()
+        pair.client.send_stream_data(stream_id, b"m" * 40, end_stream=True)
+        pair.transmit("client", to_addr=("10.0.0.9", 50001))
+        pair.server.send_stream_data(stream_id, b"A" * 6000, end_stream=True)
+        pair.transmit("server")   # the path challenge and what the limit lets through
+        pair.now += 0.001
+        pair.transmit("server")   # the client's answer to the challenge has not come: no more
+        pair.settle()
+
+    _both(moved)(plain, lean)
 
 
 def test_resets_stops_and_discarded_streams_raise_limits_alike(pairs):
@@ -333,19 +483,26 @@ def test_a_closed_connection_reads_and_sends_alike(pairs):
 
 
 def test_the_lean_paths_are_taken(pairs):
-    """Not a test of equality: that the shortcuts are in use where they should be (one packet
-    started per transmit, datagrams read without aioquic's header parse)."""
+    """Not a test of equality: that the shortcuts are in use where they should be (each
+    transmit's packet built in a _OnePacket, not in aioquic's builder; datagrams read without
+    aioquic's header parse)."""
     from aioquic.quic import connection as aioquic_connection
 
+    from sdcp_fast.transport import quic_packets
+
     _, lean = pairs
-    started = []
-    parsed = []
+    started, lean_packets, parsed = [], [], []
     start_packet = aioquic_connection.QuicPacketBuilder.start_packet
+    one_packet = quic_packets._OnePacket.__init__
     pull_header = aioquic_connection.pull_quic_header
 
     def counting_start(builder, *args, **kwargs):
         started.append(1)
         return start_packet(builder, *args, **kwargs)
+
+    def counting_one_packet(packet, *args, **kwargs):
+        lean_packets.append(1)
+        return one_packet(packet, *args, **kwargs)
 
     def counting_pull(*args, **kwargs):
         parsed.append(1)
@@ -353,8 +510,10 @@ def test_the_lean_paths_are_taken(pairs):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(aioquic_connection.QuicPacketBuilder, "start_packet", counting_start)
+        patch.setattr(quic_packets._OnePacket, "__init__", counting_one_packet)
         patch.setattr(aioquic_connection, "pull_quic_header", counting_pull)
         for _ in range(10):
             _round(lean)
-    assert len(started) == 20   # one packet per transmit, two transmits per round
+    assert len(lean_packets) == 20   # one packet per transmit, two transmits per round
+    assert started == []
     assert parsed == []
