@@ -160,7 +160,11 @@ class LeanQuic(QuicConnection):
             self._write_ack_frame(builder=builder, space=space, now=now)
         self._write_connection_limits(builder=builder, space=space)
         for stream in self._streams.values():
-            self._write_stream_limits(builder=builder, space=space, stream=stream)
+            # aioquic's _write_stream_limits does nothing for a stream that passes this test
+            # (most, every time: HTTP/3's control streams among them)
+            local = stream.max_stream_data_local
+            if local != stream.max_stream_data_local_sent or (local and stream.receiver.highest_offset * 2 > local):
+                self._write_stream_limits(builder=builder, space=space, stream=stream)
         return self._write_streams(builder, space)
 
     def _send(self, packet: _OnePacket, crypto, space, network_path, now: float) -> list[tuple[bytes, tuple]]:

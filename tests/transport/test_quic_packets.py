@@ -276,15 +276,16 @@ def test_a_transmit_that_starts_with_the_congestion_window_nearly_full_alike(pai
         _both(_round)(plain, lean)
 
 
-def test_flow_control_updates_owed_with_the_congestion_window_full_alike(monkeypatch):
+@pytest.mark.parametrize("owed", ["MAX_DATA", "MAX_STREAM_DATA"])
+def test_flow_control_updates_owed_with_the_congestion_window_full_alike(monkeypatch, owed):
     """MAX_DATA and MAX_STREAM_DATA are counted in flight: owed while the client's window is
     full, the first packet holds its ACK and then has no room for them (the packet ends, and
-    nothing more is written in that transmit)."""
+    nothing more is written in that transmit; a stream's raised limit goes out later)."""
     _one_stream_order(monkeypatch)
-    plain, lean = Pair(lean=False, max_data=24_000, max_stream_data=16_000), \
-        Pair(lean=True, max_data=24_000, max_stream_data=16_000)
+    windows = dict(max_data=20_000 if owed == "MAX_DATA" else 1_000_000, max_stream_data=16_000)
+    plain, lean = Pair(lean=False, **windows), Pair(lean=True, **windows)
 
-    def owed(pair):
+    def owing(pair):
         client, server = pair.client, pair.server
         pacers = [end._loss._pacer for end in (client, server)]
 
@@ -299,17 +300,25 @@ def test_flow_control_updates_owed_with_the_congestion_window_full_alike(monkeyp
         second = client.get_next_available_stream_id()
         client.send_stream_data(second, b"v" * 15_000, end_stream=False)
         pair.transmit("client")
-        for stream_id in (upload, second):   # the server's answers use up the client's windows
-            server.send_stream_data(stream_id, b"d" * 12_000, end_stream=False)
+        server.send_stream_data(upload, b"d" * 12_000, end_stream=False)   # it uses up the client's windows
         pair.transmit("server")
-        assert client._local_max_data.used * 2 > client._local_max_data.value   # MAX_DATA owed
+        if owed == "MAX_DATA":
+            assert client._local_max_data.used * 2 > client._local_max_data.value
+        else:
+            assert client._local_max_data.used * 2 < client._local_max_data.value
+            assert any(stream.receiver.highest_offset * 2 > stream.max_stream_data_local
+                       for stream in client._streams.values())
         pair.now += 0.03   # the client's ACK is due
         unpaced()
         assert client._loss.congestion_window == client._loss.bytes_in_flight
         pair.transmit("client")
+        pair.now += 0.03
+        pair.transmit("server")   # its ACK, now due: room in the client's window again
+        unpaced()
+        pair.transmit("client")   # what did not fit goes now
         pair.settle(steps=2000)
 
-    _both(owed)(plain, lean)
+    _both(owing)(plain, lean)
     for _ in range(3):
         _both(_round)(plain, lean)
 
