@@ -265,21 +265,22 @@ class LeanQuic(QuicConnection):
         sent, discarded = set(), set()
         try:
             for stream in self._streams_queue:
-                if stream.is_finished:
+                receiver, sender = stream.receiver, stream.sender
+                if receiver.is_finished and sender.is_finished:   # QuicStream.is_finished
                     self._logger.debug("Stream %d discarded", stream.stream_id)
                     self._streams.pop(stream.stream_id)
                     if stream_is_client_initiated(stream.stream_id) != self._is_client:
                         self._stream_limit(stream.stream_id).value += 1   # the peer may open another
                     discarded.add(stream)
                     continue
-                if stream.receiver.stop_pending:
+                if receiver.stop_pending:
                     self._write_stop_sending_frame(builder=builder, stream=stream)
-                if stream.sender.reset_pending:
+                if sender.reset_pending:
                     self._write_reset_stream_frame(builder=builder, stream=stream)
-                elif not stream.is_blocked and not stream.sender.buffer_is_empty:
+                elif not stream.is_blocked and not sender.buffer_is_empty:
                     used = self._write_stream_frame(
                         builder=builder, space=space, stream=stream,
-                        max_offset=min(stream.sender.highest_offset + self._remote_max_data
+                        max_offset=min(sender.highest_offset + self._remote_max_data
                                        - self._remote_max_data_used, stream.max_stream_data_remote))
                     self._remote_max_data_used += used
                     if used > 0:
@@ -302,8 +303,8 @@ class LeanQuic(QuicConnection):
             if limit.value != limit.sent and limit.sent - limit.used < limit.value - limit.sent:
                 return True
         for stream in self._streams_queue:
-            sender = stream.sender
-            if stream.is_finished or stream.receiver.stop_pending or sender.reset_pending:
+            receiver, sender = stream.receiver, stream.sender
+            if (receiver.is_finished and sender.is_finished) or receiver.stop_pending or sender.reset_pending:
                 return True
             if not stream.is_blocked and not sender.buffer_is_empty:
                 if len(sender._pending) or sender._pending_eof:
