@@ -246,8 +246,7 @@ def test_flow_control_and_congestion_hold_data_back_alike(pairs):
 
 def test_a_transmit_that_starts_with_the_congestion_window_nearly_full_alike(pairs):
     """The first packet of a transmit gets only the room left in the congestion window: a
-    STREAM frame cut to it, or none (the packet full: nothing more is written), with an ACK
-    (not counted in flight) still sent."""
+    STREAM frame cut to it, or none, with an ACK (not counted in flight) still sent."""
     plain, lean = pairs
 
     def congested(pair):
