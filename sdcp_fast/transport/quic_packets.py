@@ -125,10 +125,8 @@ class LeanQuic(QuicConnection):
         loss = self._loss
         # aioquic's first loop turn: its pacing check, a packet, the frames the steady state has
         self._pacing_at = None
-        if space.ack_at is None or space.ack_at >= now:
-            self._pacing_at = loss._pacer.next_send_time(now=now)
-            if self._pacing_at is not None:
-                return []
+        if self._paced(space, now):
+            return []
         size = self._max_datagram_size
         packet = _OnePacket(self._packet_number, 3 + len(self._peer_cid.cid), size,
                             min(size, loss.congestion_window - loss.bytes_in_flight), crypto.aead_tag_size)
@@ -143,15 +141,22 @@ class LeanQuic(QuicConnection):
         else:
             loss._pacer.update_after_send(now=now)
             datagrams = self._send(packet, crypto, space, network_path, now)
-        # aioquic's next turn: its pacing check (which may hold it back, and arms the pacing
-        # timer), then a packet started; if nothing could go in it, it ends there
-        if space.ack_at is None or space.ack_at >= now:
-            self._pacing_at = loss._pacer.next_send_time(now=now)
-            if self._pacing_at is not None:
-                return datagrams
-        if not self._more_to_write():
+        if not self._next_turn_writes(space, now):
             return datagrams
         return datagrams + super().datagrams_to_send(now)
+
+    def _paced(self, space, now: float) -> bool:
+        """aioquic's pacing check at the start of each turn of its loop (skipped while an ACK
+        is due): whether the pacer holds the turn back (`_pacing_at` arms its timer)."""
+        if space.ack_at is None or space.ack_at >= now:
+            self._pacing_at = self._loss._pacer.next_send_time(now=now)
+            return self._pacing_at is not None
+        return False
+
+    def _next_turn_writes(self, space, now: float) -> bool:
+        """Whether aioquic's loop, after a turn, would write in its next one: its pacing check
+        (which may hold it back), then a packet started; if nothing could go in it, it ends."""
+        return not self._paced(space, now) and self._more_to_write()
 
     def _write_frames(self, builder, space, now: float) -> bool:
         """One turn of aioquic's `_write_application` loop, with only the frames the steady
@@ -208,10 +213,8 @@ class LeanQuic(QuicConnection):
         crypto, space = one_rtt
         # aioquic's pacing check, then one turn of its loop with only the frames the steady
         # state can have
-        if space.ack_at is None or space.ack_at >= now:
-            self._pacing_at = self._loss._pacer.next_send_time(now=now)
-            if self._pacing_at is not None:
-                return
+        if self._paced(space, now):
+            return
         builder.start_packet(_ONE_RTT_PACKET, crypto)
         discarded = self._write_frames(builder, space, now)
         if builder.packet_is_empty:
@@ -219,14 +222,8 @@ class LeanQuic(QuicConnection):
                 return   # aioquic's loop ends here too
         else:
             self._loss._pacer.update_after_send(now=now)
-        # aioquic's next turn: its pacing check (which may hold it back, and arms the pacing
-        # timer), then a packet started; if nothing could go in it, it ends there
-        if space.ack_at is None or space.ack_at >= now:
-            self._pacing_at = self._loss._pacer.next_send_time(now=now)
-            if self._pacing_at is not None:
-                return
-        if not self._more_to_write():
-            return   # aioquic's next turn would start a packet, write nothing and end
+        if not self._next_turn_writes(space, now):
+            return
         # more to send (data that did not fit, MAX_STREAMS after discarded streams): aioquic's
         # loop carries nothing from one turn to the next, so its method continues from here
         super()._write_application(builder, network_path, now)
