@@ -141,6 +141,9 @@ class RouterSection:
     frontdoor: str = ""                     # host:port of the client front door (empty: none)
     frontdoor_tls: bool = False             # TLS 1.3 with client certificates of the deployment's CA
     served_model_name: str = ""             # the OpenAI API's model name (default: from the model spec)
+    logprobs_mode: str = "raw_logprobs"     # the OpenAI API's log-probabilities: raw_logprobs (log-softmax
+                                            # of the target's logits) or processed_logprobs (after temperature,
+                                            # top-k, top-p); a request's logprobs_mode overrides
     metrics: str = ""                       # host:port of /metrics and /health besides the front door's
     m_init: int = 4
     stall_s: float = 5.0

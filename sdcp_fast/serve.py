@@ -224,6 +224,7 @@ def served_model_name(spec: str) -> str:
     """The OpenAI API's name of a model: the demo name, or the last part of its path
     (without the file suffix): tiny:demo-target -> demo-target, hf:/m/SmolLM2 -> SmolLM2."""
     kind, _, arg = spec.partition(":")
+    arg = arg.partition("?")[0]   # options (hf:smollm2?max_seq_len=512) are not part of the name
     name = Path(arg.rstrip("/")).name or arg
     return name if kind == "hf" else Path(name).stem
 
@@ -269,7 +270,11 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
                               "drafters_live": len(service.registry.live(ROLE_DRAFTER))}
     if r.frontdoor:
         name = r.served_model_name or served_model_name(cfg.model)
-        door = FrontDoor(service, openai=OpenAIRoutes(service, name), status=StatusPage(metrics.registry, health))
+        try:
+            routes = OpenAIRoutes(service, name, logprobs_mode=r.logprobs_mode)
+        except ValueError as exc:
+            raise ConfigError(f"router.{exc}") from None
+        door = FrontDoor(service, openai=routes, status=StatusPage(metrics.registry, health))
         host, page = await listen_web(door, r.frontdoor, "frontdoor", tls=tls if r.frontdoor_tls else None)
         built.closers.insert(0, page.stop)
         built.ready["frontdoor_port"] = page.port

@@ -16,12 +16,21 @@ session-open, assignment and policy, the sending router's ownership epoch of the
 (docs/ARCHITECTURE.md, "Routers: ownership"). A receiver that knows it keeps the highest
 one seen per session and refuses lower ones, so that a router that lost a session cannot
 act for it late; one that does not know it ignores it.
+
+Two more extension members carry the target's log-probabilities (the OpenAI door's
+`logprobs`), never in the contract (they would change its digest): session-open's
+`logprobs` (`LogprobsAsk`: how many alternatives per token, raw or processed scores) asks
+the verifier to keep them for the session's committed tokens, and output's `logprobs`
+(`TokenLogprobs`) carries them for exactly the message's tokens. session-open's
+`prefill_share` says how many sessions open with the same prompt together (one prefill
+serves them all). A receiver that does not know them ignores them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
@@ -32,6 +41,7 @@ from .digest import UINT32_MAX, contract_digest_of_encoding
 from .problems import Kind, Problem, ProblemError
 
 UINT64_MAX = (1 << 64) - 1
+MAX_TOP_LOGPROBS = 20   # alternatives per token a session may ask for (OpenAI's and vLLM's bound)
 
 
 class Action(enum.IntEnum):
@@ -569,6 +579,73 @@ class Resume(Message):
 prompt_check = either(tokens, cache_ref)
 
 
+@dataclass(frozen=True)
+class LogprobsAsk(Message):
+    """Extension (session-open member `logprobs`): keep the target's log-probabilities of
+    every committed token and the `top` most probable alternatives at its position, as the
+    verifier scored them. `processed`: of p after the sampling profile's temperature, top-k
+    and top-p (the distribution the acceptance rule uses); absent or false: the raw
+    log-softmax of the logits (what vLLM's V1 server reports by default)."""
+
+    top: int = 0
+    processed: bool | None = None
+
+    members: ClassVar = {
+        "top": (uint(le=MAX_TOP_LOGPROBS), False),
+        "processed": (boolean, True),
+    }
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Message):
+    """Extension (output member `logprobs`): the target's log-probabilities for each token
+    of the output message, in order. `token`: n IEEE 754 binary64 values (little-endian),
+    log p of each token; `ids` and `values`: for each token its `top` alternatives, most
+    probable first, as n x top uint32 (little-endian) ids and n x top binary64 values. A
+    value of -inf (a token the processed distribution excludes) is carried as such."""
+
+    top: int
+    token: bytes
+    ids: bytes
+    values: bytes
+
+    members: ClassVar = {
+        "top": (uint(le=MAX_TOP_LOGPROBS), False),
+        "token": (bstr(), False),
+        "ids": (bstr(), False),
+        "values": (bstr(), False),
+    }
+
+    def validate(self) -> None:
+        n, rest = divmod(len(self.token), 8)
+        if rest or len(self.ids) != 4 * n * self.top or len(self.values) != 8 * n * self.top:
+            raise MessageError("logprobs: token, ids and values must hold n, n x top and n x top values")
+
+    @property
+    def count(self) -> int:
+        return len(self.token) // 8
+
+    @classmethod
+    def pack(cls, top: int, entries) -> TokenLogprobs:
+        """From [(log p, [(id, log p), ... top of them])] per token."""
+        n = len(entries)
+        ids = [i for _, alts in entries for i, _ in alts]
+        values = [v for _, alts in entries for _, v in alts]
+        if len(ids) != n * top:
+            raise ValueError(f"every token needs {top} alternatives")
+        return cls(top, struct.pack(f"<{n}d", *(lp for lp, _ in entries)),
+                   struct.pack(f"<{len(ids)}I", *ids), struct.pack(f"<{len(values)}d", *values))
+
+    def entries(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """[(log p, [(id, log p), ...])] per token: what `pack` took."""
+        n, top = self.count, self.top
+        lps = struct.unpack(f"<{n}d", self.token)
+        ids = struct.unpack(f"<{n * top}I", self.ids)
+        values = struct.unpack(f"<{n * top}d", self.values)
+        return [(lps[k], list(zip(ids[k * top:(k + 1) * top], values[k * top:(k + 1) * top], strict=True)))
+                for k in range(n)]
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -582,6 +659,8 @@ class SessionOpen(Message):
     prompt_kv: str | None = None
     resume: Resume | None = None
     router_epoch: int | None = None       # extension: the sending router's ownership epoch
+    logprobs: LogprobsAsk | None = None   # extension: keep the target's log-probabilities
+    prefill_share: int | None = None      # extension: sessions opening with this prompt together
 
     max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
     members: ClassVar = {
@@ -593,6 +672,8 @@ class SessionOpen(Message):
         "commit_log": (cache_ref, False),
         "resume": (nested(Resume), True),
         "router_epoch": (uint(), True),
+        "logprobs": (nested(LogprobsAsk, lenient=True), True),
+        "prefill_share": (uint(le=1024), True),
     }
 
 
@@ -745,6 +826,7 @@ class Output(Message):
     tokens: tuple[int, ...]
     final: bool
     finish: Action | None = None
+    logprobs: TokenLogprobs | None = None   # extension: the target's, for exactly `tokens`
 
     # "from" is a Python keyword: the attribute is `start`, the CBOR key is "from"
     max_items: ClassVar[int] = cbor.DEFAULT_MAX_ITEMS   # an inline token list
@@ -755,7 +837,13 @@ class Output(Message):
         "tokens": (tokens, False),
         "final": (boolean, False),
         "finish": (action(strict=False), True),
+        "logprobs": (nested(TokenLogprobs, lenient=True), True),
     }
+
+    def validate(self) -> None:
+        if self.logprobs is not None and self.logprobs.count != len(self.tokens):
+            raise MessageError(f"output.logprobs covers {self.logprobs.count} tokens, not the "
+                               f"message's {len(self.tokens)}")
 
     @classmethod
     def from_obj(cls, obj: Mapping[Any, Any]) -> Output:

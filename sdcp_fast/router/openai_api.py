@@ -6,10 +6,18 @@ official `openai` client and the tools built on it work unchanged):
     POST /v1/chat/completions     messages, rendered with the tokenizer's chat template
                                   (router/chat.py), streaming or not
 
+Besides, as vLLM has them: `POST /tokenize` ({"prompt"} or {"messages"} -> {"count",
+"max_model_len", "tokens"}) and `POST /detokenize` ({"tokens"} -> {"prompt"}); `GET
+/v1/models` gives the served name and `max_model_len`.
+
 Members: `model` (the served model name), `max_tokens` (chat also `max_completion_tokens`),
 `temperature`, `top_p`, `top_k`, `seed`, `stop` (a string or a list: matched on the text;
-the text before the stop string is returned), `n` (1 only), `stream`, `stream_options`
-(`include_usage`). Each request is one SDCP session under the router's default contract:
+the text before the stop string is returned), `n`, `stream`, `stream_options`
+(`include_usage`), `logprobs` (completions: the number of alternatives, 0-20; chat: true,
+with `top_logprobs` 0-20), `echo` (completions: the prompt's text before the completion's),
+and vLLM's `return_tokens_as_token_ids` and `logprobs_mode` ("raw_logprobs", the default
+unless the router's config says otherwise, or "processed_logprobs"). Each choice is one SDCP
+session under the router's default contract:
 
 - temperature 0 -> rule 1 (greedy: the output is the target's argmax decoding);
   temperature > 0 -> rule 2 (speculative sampling: the output follows the target's
@@ -20,6 +28,16 @@ the text before the stop string is returned), `n` (1 only), `stream`, `stream_op
   generation at the verifier) and are left out of the text;
 - a stop string ends the session at once (router.cancel: the verifier and drafter stop),
   and so does a client that disconnects.
+
+Log-probabilities are the target's own, as the verifier scored each committed token
+(logprob_format.py): "raw_logprobs" is the log-softmax of the target's logits (vLLM V1's
+default), "processed_logprobs" the log of p after the request's temperature, top-k and
+top-p (the distribution the acceptance rule samples; -9999.0 for excluded tokens). Only a
+session that asks pays for them. `n` > 1 makes n sessions with the same prompt, whose
+verifier prefills it once; with a seed, choice i samples with seed + i. `echo` together
+with `logprobs` (the prompt's log-probabilities) is refused, as are `best_of` > 1,
+`suffix`, penalties, `logit_bias`, tools and response formats other than text: an unused
+member is never silently ignored.
 
 finish_reason is "stop" (an end-of-sequence token or a stop string) or "length"
 (max_tokens). Streams are server-sent events of chunk objects ending with `data: [DONE]`;
@@ -33,7 +51,9 @@ with the completion's id (`cmpl-...`, `chatcmpl-...`: the session id) and the la
 received: the text from there on, as the first stream would have sent it (the text stream
 fed the first n tokens again, so held-back text and stop strings come out the same), then
 the finish chunk, usage and `data: [DONE]`. A non-streaming request cannot be resumed (its
-id comes with the answer).
+id comes with the answer), nor a stream of n > 1 choices (its events carry no id). A
+resumed stream at a router that only follows the session (not its owner) has null
+log-probabilities: they travel with the verifier's output, not in the commit log.
 errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}` with a 4xx
 status for bad input (404 for an unknown model), 503 when no verifier can take the
 request. A generation the contract ends with "fail" (only when the operator's contract
@@ -44,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -58,18 +79,22 @@ from ..transport.asgi import StreamingResponse, WebRequest, WebResponse
 from . import chat
 from .bodies import is_int, json_object, resume_index
 from .frontdoor import error_response
+from .logprob_format import LogprobFormat
 from .service import RouterService
 from .sessions import RECHECK_S, RouterSession
 from .textstream import TextStream
 
 RESUME = re.compile(r"^/v1/(?P<chat>chat/)?completions/(?P<id>[^/]+)/stream$")
 MAX_STOP_STRINGS = 16
+MAX_N = 16                 # choices per request
+MAX_TOP_LOGPROBS = 20
 RULE_GREEDY, RULE_SAMPLING = 1, 2
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 UNSUPPORTED = {   # member -> the value that means "not used" (anything else is refused)
-    "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
+    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, []),
 }
+CHAT_UNSUPPORTED = {"echo": (None, False)}
 
 
 class APIError(Exception):
@@ -98,12 +123,19 @@ class Request:
     include_usage: bool
     rule: int
     sampling: Sampling | None
+    n: int = 1
+    echo: bool = False
+    logprobs: dict | None = None     # {"top": k, "processed": bool}: the door's ask
+    token_ids: bool = False          # return_tokens_as_token_ids
 
 
 class OpenAIRoutes:
-    def __init__(self, router: RouterService, model_name: str):
+    def __init__(self, router: RouterService, model_name: str, *, logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode: one of {', '.join(LOGPROBS_MODES)}, not {logprobs_mode!r}")
         self.router = router
         self.model_name = model_name
+        self.logprobs_mode = logprobs_mode
         self.eos = chat.eos_ids(router.backend)
         self.created = int(time.time())
         backend = router.backend
@@ -112,7 +144,8 @@ class OpenAIRoutes:
 
     async def answer(self, request: WebRequest) -> WebResponse | StreamingResponse | None:
         """The answer to an OpenAI route, or None for another path."""
-        routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST"}
+        routes = {"/v1/models": "GET", "/v1/completions": "POST", "/v1/chat/completions": "POST",
+                  "/tokenize": "POST", "/detokenize": "POST"}
         path = request.path.rstrip("/")
         resume = RESUME.match(path)
         if path not in routes and resume is None:
@@ -126,6 +159,10 @@ class OpenAIRoutes:
                 raise APIError(405, f"{request.method} is not allowed on {path}")
             if path == "/v1/models":
                 return WebResponse.json(200, {"object": "list", "data": [self.model_card()]})
+            if path == "/tokenize":
+                return WebResponse.json(200, self.tokenize(json_object(request.body, APIError)))
+            if path == "/detokenize":
+                return WebResponse.json(200, self.detokenize(json_object(request.body, APIError)))
             return await self.complete(self.parse(json_object(request.body, APIError), chat=path.endswith("chat/completions")))
         except APIError as exc:
             return exc.response()
@@ -137,20 +174,55 @@ class OpenAIRoutes:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sdcp-fast",
                 "root": self.model_name, "max_model_len": self.context}
 
-    # ------------------------------------------------------------------ requests
+    def tokenize(self, body: dict[str, Any]) -> dict:
+        """vLLM's POST /tokenize: a prompt's token ids ("prompt"; "add_special_tokens" is
+        the tokenizer's default), or a chat's ("messages", with the generation prompt)."""
+        self.check_model(body, required=False)
+        if "messages" in body:
+            tokens = self.chat_prompt(body["messages"])
+        elif isinstance(body.get("prompt"), str):
+            tokens = self.completion_prompt(body["prompt"])
+        else:
+            raise APIError(400, "give prompt (text) or messages", param="prompt")
+        return {"count": len(tokens), "max_model_len": self.context, "tokens": tokens, "token_strs": None}
 
-    def parse(self, body: dict[str, Any], *, chat: bool) -> Request:
+    def detokenize(self, body: dict[str, Any]) -> dict:
+        """vLLM's POST /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        self.check_model(body, required=False)
+        tokens = body.get("tokens")
+        vocab = self.router.backend.vocab_size
+        if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
+            raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
+        return {"prompt": self.router.backend.decode(tokens)}
+
+    def check_model(self, body: dict[str, Any], *, required: bool = True) -> None:
         model = body.get("model")
+        if model is None and not required:
+            return
         if not isinstance(model, str):
             raise APIError(400, "model is required (a string)", param="model")
         if model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found", type="NotFoundError")
-        for name, unused in UNSUPPORTED.items():
+
+    # ------------------------------------------------------------------ requests
+
+    def parse(self, body: dict[str, Any], *, chat: bool) -> Request:
+        self.check_model(body)
+        for name, unused in {**UNSUPPORTED, **(CHAT_UNSUPPORTED if chat else {})}.items():
             if body.get(name) not in unused:
                 raise APIError(400, f"{name} is not supported", param=name)
-        if body.get("n", 1) not in (None, 1):
-            raise APIError(400, "n must be 1", param="n")
+        n = body.get("n")
+        if n is None:
+            n = 1
+        if not is_int(n) or not 1 <= n <= MAX_N:
+            raise APIError(400, f"n must be an integer in [1, {MAX_N}]", param="n")
+        echo = False if chat else _bool(body.get("echo"), "echo", False)
+        logprobs = self.logprobs_ask(body, chat)
+        if echo and logprobs is not None:
+            raise APIError(400, "echo together with logprobs (the prompt's log-probabilities) is not supported",
+                           param="echo")
+        token_ids = _bool(body.get("return_tokens_as_token_ids"), "return_tokens_as_token_ids", False)
         response_format = body.get("response_format")
         if response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format other than text is not supported", param="response_format")
@@ -164,7 +236,31 @@ class OpenAIRoutes:
         include_usage = _bool((options or {}).get("include_usage"), "stream_options.include_usage", False)
         rule, sampling = self.sampling(body)
         return Request(chat, prompt, self.max_tokens(body, len(prompt), chat), self.stop_strings(body.get("stop")),
-                       stream, include_usage, rule, sampling)
+                       stream, include_usage, rule, sampling, n, echo, logprobs, token_ids)
+
+    def logprobs_ask(self, body: dict[str, Any], chat: bool) -> dict | None:
+        """What the door asks of the verifier: {"top": alternatives, "processed": bool}, or None."""
+        value, top_value = body.get("logprobs"), body.get("top_logprobs")
+        if chat:
+            asked = _bool(value, "logprobs", False)
+            if top_value is not None and (not is_int(top_value) or not 0 <= top_value <= MAX_TOP_LOGPROBS):
+                raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+            if top_value and not asked:
+                raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
+            top = top_value or 0
+        else:
+            if top_value is not None:
+                raise APIError(400, "top_logprobs is a chat member; completions take logprobs = N",
+                               param="top_logprobs")
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise APIError(400, f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+            asked, top = value is not None, value or 0
+        mode = body.get("logprobs_mode", self.logprobs_mode)
+        if mode not in LOGPROBS_MODES:
+            raise APIError(400, f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}", param="logprobs_mode")
+        if not asked:
+            return None
+        return {"top": top, "processed": mode == "processed_logprobs"}
 
     def completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -267,25 +363,71 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ generation
 
     async def complete(self, req: Request) -> WebResponse | StreamingResponse:
-        contract = self.router.make_contract(
-            max_new=req.max_tokens, rule=req.rule, sampling=req.sampling,
-            stop=tuple(sorted({*self.router.config.contract.stop, *self.eos})))
-        door = {"kind": "chat" if req.chat else "completions", "created": int(time.time()),
-                "model": self.model_name, "stop": req.stop, "include_usage": req.include_usage}
-        s = await self.router.generate(req.prompt, contract, door=door)
-        reply = Reply.of(s)
+        stop = tuple(sorted({*self.router.config.contract.stop, *self.eos}))
+        created = int(time.time())
+        sessions = await self.open_choices(req, stop, created)
+        replies = [Reply.of(s) for s in sessions]
         if req.stream:
-            return StreamingResponse(200, self.stream(s, reply, 0))
-        text, last = "", Piece("", None, 0)
+            return StreamingResponse(200, self.stream(sessions, replies, 0))
         try:
-            async for last in self.follow(s, 0):
-                text += last.delta
+            choices = await asyncio.gather(*(self.whole_choice(s) for s in sessions))
         finally:
-            self.router.cancel(s)      # a client gone before the end: no-op once it ended
-        if last.finish == "fail":
-            raise APIError(500, f"the generation failed after {last.used} tokens (the contract's escalation "
-                                "ladder ended in fail)", code="sdcp_fail")
-        return WebResponse.json(200, reply.whole(text, last.finish, _usage(len(req.prompt), last.used)))
+            for s in sessions:
+                self.router.cancel(s)      # a client gone before the end: no-op once it ended
+        for choice, used in choices:
+            if choice["finish_reason"] == "fail":
+                raise APIError(500, f"the generation failed after {used} tokens (the contract's escalation "
+                                    "ladder ended in fail)", code="sdcp_fail")
+        usage = _usage(len(req.prompt), sum(used for _, used in choices))
+        return WebResponse.json(200, replies[0].whole([choice for choice, _ in choices], usage))
+
+    async def open_choices(self, req: Request, stop: tuple[int, ...], created: int) -> list[RouterSession]:
+        """One session per choice (n > 1: the verifier prefills the shared prompt once, and
+        with a seed choice i samples with seed + i); if one cannot be opened, the others are
+        cancelled and the error is the request's."""
+        door = {"kind": "chat" if req.chat else "completions", "created": created, "model": self.model_name,
+                "stop": req.stop, "include_usage": req.include_usage, "n": req.n, "echo": req.echo,
+                "token_ids": req.token_ids}
+        if req.logprobs is not None:
+            door["logprobs"] = req.logprobs
+
+        def sampling(i: int) -> Sampling | None:
+            if req.sampling is None or req.sampling.seed is None or i == 0:
+                return req.sampling
+            return dataclasses.replace(req.sampling, seed=(req.sampling.seed + i) % (1 << 64))
+
+        opened = await asyncio.gather(*(
+            self.router.generate(req.prompt, self.router.make_contract(
+                max_new=req.max_tokens, rule=req.rule, sampling=sampling(i), stop=stop),
+                door={**door, "index": i})
+            for i in range(req.n)), return_exceptions=True)
+        failed = [x for x in opened if isinstance(x, BaseException)]
+        if failed:
+            for x in opened:
+                if isinstance(x, RouterSession):
+                    self.router.cancel(x)
+            raise failed[0]
+        return list(opened)
+
+    async def whole_choice(self, s: RouterSession) -> tuple[dict, int]:
+        """A non-streamed choice and its completion tokens."""
+        text, last = "", Piece("", None, 0)
+        async for last in self.follow(s, 0):
+            text += last.delta
+        if s.door.get("echo"):
+            text = self.router.backend.decode(list(s.prompt)) + text
+        logprobs = self.logprobs_of(s, 0, last.used, 0)
+        return Reply.of(s).choice(text, last.finish, logprobs), last.used
+
+    def logprobs_of(self, s: RouterSession, first: int, stop: int, offset: int) -> dict | None:
+        """The choice's `logprobs` member for its tokens first..stop-1 (None: not asked)."""
+        ask = s.door.get("logprobs")
+        if ask is None:
+            return None
+        fmt = LogprobFormat(self.router.backend.decode, self.eos, ask.get("top", 0), bool(s.door.get("token_ids")))
+        if s.door.get("kind") == "chat":
+            return fmt.chat(s.tokens, s.logprobs, first, stop)
+        return fmt.completion(s.tokens, s.logprobs, first, stop, offset)
 
     async def resume(self, chat: bool, cid: str, request: WebRequest) -> StreamingResponse:
         """A stream again from completion token n (`from`, or Last-Event-ID), at this router
@@ -300,38 +442,87 @@ class OpenAIRoutes:
             raise APIError(404, f"no streamed {kind} completion {cid!r}", param="id", code="not_found",
                            type="NotFoundError")
         start = resume_index(request, lambda status, message: APIError(status, message, param="from"))
-        return StreamingResponse(200, self.stream(s, Reply.of(s), start))
+        return StreamingResponse(200, self.stream([s], [Reply.of(s)], start))
 
-    async def stream(self, s: RouterSession, reply: Reply, start: int) -> AsyncIterator[bytes]:
-        door = s.door
+    async def stream(self, sessions: list[RouterSession], replies: list[Reply], start: int) -> AsyncIterator[bytes]:
+        """The chunks of every choice (each event with an SSE id, the completion tokens it
+        covers, when there is one choice), the usage chunk if asked, `data: [DONE]`."""
+        used = [start] * len(sessions)
+        single = len(sessions) == 1
         try:
-            if reply.chat and start == 0:
-                yield _sse(reply.chunk({"role": "assistant", "content": ""}), 0)
-            last = Piece("", None, start)
-            async for last in self.follow(s, start):
-                if last.delta:
-                    yield _sse(reply.chunk(last.delta), last.used)
-            if last.finish == "fail":
-                yield _sse(APIError(500, f"the generation failed after {last.used} tokens",
-                                    code="sdcp_fail").body(), last.used)
+            if single:
+                async for obj, count in self.choice_chunks(sessions[0], replies[0], start, used, 0):
+                    yield _sse(obj, count)
             else:
-                yield _sse(reply.chunk(None, last.finish), last.used)
-                if door.get("include_usage"):
-                    yield _sse(reply.usage_chunk(_usage(len(s.prompt), last.used)), last.used)
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def pump(n: int) -> None:
+                    try:
+                        async for item in self.choice_chunks(sessions[n], replies[n], start, used, n):
+                            queue.put_nowait(item)
+                    finally:
+                        queue.put_nowait(None)
+
+                pumps = [asyncio.ensure_future(pump(n)) for n in range(len(sessions))]
+                try:
+                    running = len(pumps)
+                    while running:
+                        item = await queue.get()
+                        if item is None:
+                            running -= 1
+                            continue
+                        yield _sse(item[0], None)
+                    for task in pumps:
+                        task.result()   # a pump's failure is the stream's
+                finally:
+                    for task in pumps:
+                        task.cancel()
+            if sessions[0].door.get("include_usage"):
+                yield _sse(replies[0].usage_chunk(_usage(len(sessions[0].prompt), sum(used))),
+                           used[0] if single else None)
             yield b"data: [DONE]\n\n"
         finally:
-            self.router.cancel(s)      # the client went away (or it ended: then a no-op)
+            for s in sessions:
+                self.router.cancel(s)      # the client went away (or it ended: then a no-op)
+
+    async def choice_chunks(self, s: RouterSession, reply: Reply, start: int, used: list[int],
+                            n: int) -> AsyncIterator[tuple[dict, int]]:
+        """(chunk, tokens covered) of one choice; `used[n]` follows its completion tokens."""
+        index = s.door.get("index", 0)
+        if start == 0:
+            if reply.chat:
+                yield reply.chunk({"role": "assistant", "content": ""}, index=index), 0
+            elif s.door.get("echo"):
+                yield reply.chunk(self.router.backend.decode(list(s.prompt)), index=index), 0
+        last = Piece("", None, start)
+        offset = None
+        async for last in self.follow(s, start):
+            used[n] = last.used
+            logprobs = None
+            if s.door.get("logprobs") is not None and last.used > last.first:
+                if offset is None:   # characters of the text before this chunk (completions' text_offset)
+                    offset = len(self.router.backend.decode(s.tokens[:last.first])) if last.first else 0
+                logprobs = self.logprobs_of(s, last.first, last.used, offset)
+                offset += len(last.delta)
+            if last.delta or logprobs:
+                yield reply.chunk(last.delta, index=index, logprobs=logprobs), last.used
+        if last.finish == "fail":
+            yield APIError(500, f"the generation failed after {last.used} tokens", code="sdcp_fail").body(), last.used
+        else:
+            yield reply.chunk(None, last.finish, index=index), last.used
 
     async def follow(self, s: RouterSession, start: int) -> AsyncIterator[Piece]:
         """Text deltas as the session's output comes, from completion token `start` (the
         text of the tokens before it taken as sent); the last piece carries the finish
-        reason. A stop string ends the session here."""
+        reason; each piece says the tokens it covers (first..used-1). A stop string ends
+        the session here."""
         text = TextStream(self.router.backend.decode, stop=s.door.get("stop", []), hidden=self.eos)
         while len(s.tokens) < start and not s.done:       # a follower catching up with the client
             await s.wait_changed(RECHECK_S)
         seen = min(start, len(s.tokens))
         if seen:
             text.feed(s.tokens[:seen])
+        first = seen
         while True:
             changed, done, tokens = s.changed_event(), s.done, list(s.tokens)
             if len(tokens) > seen or done:
@@ -339,13 +530,14 @@ class OpenAIRoutes:
                 delta = text.feed(tokens, final=done)
                 if text.stopped is not None:
                     self.router.cancel(s, "stop")
-                    yield Piece(delta, "stop", text.tokens_used or len(tokens))
+                    yield Piece(delta, "stop", text.tokens_used or len(tokens), first)
                     return
                 if done:
-                    yield Piece(delta, s.finish_reason, len(tokens))
+                    yield Piece(delta, s.finish_reason, len(tokens), first)
                     return
                 if delta:
-                    yield Piece(delta, None, len(tokens))
+                    yield Piece(delta, None, len(tokens), first)
+                    first = len(tokens)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), RECHECK_S)
 
@@ -355,6 +547,7 @@ class Piece:
     delta: str              # text to send
     finish: str | None      # the finish reason, on the last piece
     used: int               # completion tokens so far (up to the stop string's end once stopped)
+    first: int = 0          # the first completion token this piece covers (its tokens: first..used-1)
 
 
 @dataclass(frozen=True)
@@ -369,7 +562,8 @@ class Reply:
 
     @classmethod
     def of(cls, s: RouterSession) -> Reply:
-        """The completion's id is its session's (so a stream can resume anywhere)."""
+        """The completion's id is its session's (so a stream can resume anywhere; with n > 1
+        choices, the first choice's)."""
         chat = s.door.get("kind") == "chat"
         return cls(f"{'chatcmpl' if chat else 'cmpl'}-{s.id.hex()}", "chat.completion" if chat else "text_completion",
                    s.door.get("created", int(s.created_wall)), s.door.get("model", ""), chat)
@@ -377,17 +571,22 @@ class Reply:
     def _base(self, object: str) -> dict:
         return {"id": self.id, "object": object, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
-        choice = {"index": 0, "logprobs": None, "finish_reason": finish}
+    def choice(self, text: str, finish: str | None, logprobs: dict | None) -> dict:
+        choice = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {**self._base(self.object), "choices": [choice], "usage": usage}
+        return choice
 
-    def chunk(self, delta: str | dict | None, finish: str | None = None) -> dict:
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        return {**self._base(self.object), "choices": [{**c, "index": n} for n, c in enumerate(choices)],
+                "usage": usage}
+
+    def chunk(self, delta: str | dict | None, finish: str | None = None, *, index: int = 0,
+              logprobs: dict | None = None) -> dict:
         """A stream chunk: text (or, for chat, a delta object) and the finish reason at the end."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta if isinstance(delta, dict) else ({} if delta is None else {"content": delta})
             return {**self._base("chat.completion.chunk"), "choices": [choice]}
@@ -403,9 +602,11 @@ def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _sse(obj: dict, event_id: int) -> bytes:
-    """One server-sent event; its id is the number of completion tokens it covers."""
-    return b"id: %d\ndata: " % event_id + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+def _sse(obj: dict, event_id: int | None) -> bytes:
+    """One server-sent event; its id is the number of completion tokens it covers (none
+    in a stream of several choices)."""
+    head = b"" if event_id is None else b"id: %d\n" % event_id
+    return head + b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 def _bool(value, name: str, default: bool) -> bool:

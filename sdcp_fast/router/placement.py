@@ -53,7 +53,8 @@ class Placement:
             if inst is None:
                 return False
             msg = SessionOpen(s.id, s.epoch, s.contract, s.prompt, s.commit_log, resume=resume,
-                              router_epoch=s.router_epoch or None)
+                              router_epoch=s.router_epoch or None, logprobs=s.logprobs_ask,
+                              prefill_share=s.door.get("n") if resume is None and s.door.get("n", 1) > 1 else None)
             await self.own.act(s)
             state = await self.peers.open_session(inst.uri, msg)
             if not isinstance(state, Refused):

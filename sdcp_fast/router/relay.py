@@ -62,7 +62,7 @@ class OutputRelay:
             new = list(out.tokens[n - out.start:])
             if new:
                 self.on_output(s, new)
-                s.add_output(new)
+                s.add_output(new, None if out.logprobs is None else out.logprobs.entries()[n - out.start:])
             if out.final and out.finish != Action.FINISH and self.on_unasked_fail(s, verifier, epoch):
                 await s.wait_changed(RETRY_S)       # until the session is placed again
                 continue

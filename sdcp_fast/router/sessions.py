@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from ..core.messages import Action, Contract, Sampling
+from ..core.messages import Action, Contract, LogprobsAsk, Sampling
 
 RECHECK_S = 15.0      # a client's stream looks at its session again at least this often, changed or not
 HISTORY_KEPT = 64     # placements remembered per session (a long session stalls and fails over
@@ -34,6 +34,9 @@ class RouterSession:
     sampling: Sampling | None = None          # profile set by a policy update, if any
     policy_from_round: int | None = None
     tokens: list[int] = field(default_factory=list)   # output o[1..n] received, in order
+    logprobs: list | None = None              # the target's (log p, [(id, log p)]) per token of
+                                              # `tokens` when the door asked (None: a token the
+                                              # verifier had none for, e.g. before a failover)
     finish: Action | None = None              # FINISH or FAIL once the final output arrived
     cancelled: str | None = None              # ended by the router: "abort" (the client went
                                               # away) or "stop" (a stop string was met)
@@ -101,13 +104,26 @@ class RouterSession:
         if len(self.history) > HISTORY_KEPT:
             del self.history[:-HISTORY_KEPT]
 
-    def add_output(self, tokens: list[int]) -> None:
+    @property
+    def logprobs_ask(self) -> LogprobsAsk | None:
+        """What the session-open asks of the verifier (the door's `logprobs` member: the
+        alternatives per token and whether processed scores), or None."""
+        ask = self.door.get("logprobs")
+        return None if ask is None else LogprobsAsk(ask.get("top", 0), ask.get("processed") or None)
+
+    def add_output(self, tokens: list[int], logprobs: list | None = None) -> None:
+        """Append received tokens (and, aligned with them, their log-probabilities, if the
+        door asked; None where the output message carried none)."""
         if self.final_tokens is not None:
             tokens = tokens[:max(0, self.final_tokens - len(self.tokens))]
         if tokens:
             now = time.monotonic()
             if self.first_token_at is None:
                 self.first_token_at = now
+            if self.door.get("logprobs") is not None:
+                if self.logprobs is None:
+                    self.logprobs = [None] * len(self.tokens)
+                self.logprobs.extend((logprobs or [None] * len(tokens))[:len(tokens)])
             self.tokens.extend(tokens)
             self.last_progress = now
             self.notify()

@@ -58,7 +58,7 @@ from ..core.problems import Kind, Problem
 from ..core.session import Job, State, VerifierSession
 from ..kernels.device import Device
 from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
-from . import verify_step
+from . import logprobs, verify_step
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
 from .target import TargetModel
@@ -399,7 +399,9 @@ class Engine:
                     kernel_began = dev.event()
                     launched = verify_step.launch(jobs, logits, q, starts, problems, path=self.kernels_path)
                     kernel_done = dev.event()
-                    return verify_step.collect(launched), kernel_began, kernel_done
+                    outcomes = verify_step.collect(launched)
+                    logprobs.score_batch(items, launched, outcomes)   # sessions that asked only
+                    return outcomes, kernel_began, kernel_done
 
             outcomes, kernel_began, kernel_done = await self._launching.run(verify, units=len(jobs))
         finally:
@@ -485,6 +487,7 @@ class Engine:
             try:
                 if self._settle(item, append.expected, answer):
                     on_record.append((item, record, accepted, item.session.commit_result(True)))
+                    item.served.keep_logprobs(record)   # before its output is released
             except Exception as exc:
                 self._broken(item, exc)
         if not on_record:

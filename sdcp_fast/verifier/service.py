@@ -32,6 +32,7 @@ from ..core.messages import (
     ROLE_VERIFIER,
     Action,
     Assignment,
+    LogprobsAsk,
     Output,
     Policy,
     Proposal,
@@ -46,6 +47,7 @@ from ..refs import decode_session_id, read_token_list, target_kv_ref
 from ..reports import RouterLink, router_targets
 from ..transport import Authorizer, Call, Routed, Router
 from .engine import Engine, EngineConfig
+from .logprobs import Committed
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
 from .target import TargetModel
@@ -155,17 +157,18 @@ class VerifierService(Routed):
             if msg.resume else ()
         session = VerifierSession.open(msg, model_digest=self.target.digest, prompt=prompt,
                                        committed_tokens=committed)
-        reserve = self.reservation(msg.contract, len(prompt))
+        reserve = self.reservation(msg.contract, len(prompt), msg.logprobs)
         held = reserve - (existing.reserved if existing is not None else 0)
         await self._make_room(held, opening=msg.session)
         self.sessions.reserved_bytes += held   # held from here (no await in between): the budget
         try:                                   # cannot be promised twice by concurrent opens
             kv_ref = (msg.resume.target_kv if msg.resume else None) or msg.prompt_kv
             await self.target.prefill(msg.session, [*prompt, *committed], await self._kv_blob(kv_ref),
-                                      reopen=existing is not None)
+                                      reopen=existing is not None, share=msg.prefill_share or 1)
         finally:
             self.sessions.reserved_bytes -= held   # put() counts the record's own reservation
         served = ServedSession(session, log_position=len(entries), reserved=reserve)
+        served.ask_logprobs(msg.logprobs)
         served.touch()
         self.sessions.put(served)   # retires the record of an older epoch
         log.info("session %s opened (epoch %d, round %d, committed %d)", msg.session.hex(),
@@ -227,7 +230,7 @@ class VerifierService(Routed):
         while True:
             out = session.output(start)
             if out is not None:
-                return out
+                return served.with_logprobs(out)
             remaining = deadline - loop.time()
             if remaining <= 0 or served.retired:   # retired meanwhile: answer what there is
                 return Output(session.id, session.epoch, start, (), False)
@@ -340,12 +343,14 @@ class VerifierService(Routed):
 
     # ------------------------------------------------------------------ memory and count budgets
 
-    def reservation(self, contract, prompt: int) -> int:
+    def reservation(self, contract, prompt: int, logprobs: LogprobsAsk | None = None) -> int:
         """Bytes a session holds at its longest: the model's state for its prompt and all
         the output its contract allows (max_new, plus the positions of one proposal; up to
-        max_context_tokens), and the verifier's own state."""
+        max_context_tokens), and the verifier's own state (with the log-probabilities of
+        every output token when it asked for them)."""
         tokens = min(self.config.max_context_tokens, prompt + contract.max_new + contract.m_max + 1)
-        return SESSION_STATE_BYTES + STATE_BYTES_PER_TOKEN * tokens + self.target.bytes_for(tokens)
+        per_token = STATE_BYTES_PER_TOKEN + (0 if logprobs is None else Committed.bytes_per_token(logprobs.top))
+        return SESSION_STATE_BYTES + per_token * tokens + self.target.bytes_for(tokens)
 
     async def _make_room(self, need: int, *, opening: bytes) -> None:
         """Room for `need` more bytes (and one more session if `opening` is new): closed

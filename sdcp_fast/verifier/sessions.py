@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from ..aio import KeyedLock
-from ..core.messages import Verdict
+from ..core.messages import CommitRecord, LogprobsAsk, Output, Verdict
 from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, State, VerifierSession
+from .logprobs import Committed, Entry
 
 _PROPOSING = frozenset({State.SERVING, State.SELF_DECODING})
 
@@ -36,6 +38,9 @@ class ServedSession:
     retired: bool = False
     answered_at: float = 0.0                            # perf_counter when its last job's answer went out
     turnaround_s: float = 0.0                           # from an answer to its next job (EWMA; 0: unknown)
+    logprobs: LogprobsAsk | None = None                 # the session asked for the target's log-probabilities
+    scored: tuple[int, list[Entry]] | None = None       # (round, entries) of the last scored job (logprobs.py)
+    committed_logprobs: Committed | None = None         # those of its committed tokens
     _changed: asyncio.Event | None = None              # made when someone waits (most rounds: nobody)
 
     @property
@@ -59,6 +64,44 @@ class ServedSession:
         event = self._changed
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
+
+    def ask_logprobs(self, ask: LogprobsAsk | None) -> None:
+        """Keep the log-probabilities of the tokens committed from now on (output indices
+        from the current committed length: a resumed session has none before it)."""
+        self.logprobs = ask
+        if ask is not None:
+            self.committed_logprobs = Committed(ask.top, self.machine.committed)
+
+    def keep_logprobs(self, record: CommitRecord) -> None:
+        """A round is on the commit log: its scored log-probabilities (logprobs.py) become
+        those of its emitted tokens, at their output indices. Called before its output is
+        released, with no await in between."""
+        kept, scored, self.scored = self.committed_logprobs, self.scored, None
+        if kept is None:
+            return
+        first = record.committed - len(record.emitted)
+        if scored is None or scored[0] != record.round or first != kept.end:
+            # not scored (or out of step): later tokens would sit at the wrong indices, so
+            # this session's log-probabilities end here
+            self.committed_logprobs = None
+            return
+        kept.extend(scored[1][:len(record.emitted)])
+
+    def with_logprobs(self, out: Output) -> Output:
+        """`out` with the log-probabilities of its tokens; when the first tokens have none (a
+        session resumed here), those tokens alone, without, so that the next read (from the
+        first token that has them) gets them."""
+        kept = self.committed_logprobs
+        if kept is None or not out.tokens:
+            return out
+        stop = out.start + len(out.tokens)
+        if out.start >= kept.base:
+            if stop > kept.end:   # not expected: every committed token is kept
+                return out
+            return dataclasses.replace(out, logprobs=kept.slice(out.start, stop))
+        if stop <= kept.base:
+            return out
+        return dataclasses.replace(out, tokens=out.tokens[:kept.base - out.start], final=False, finish=None)
 
     def refused(self, job: Job, prob: Problem) -> None:
         """Remember why a request was refused, for identical retries waiting on it."""

@@ -3,6 +3,12 @@ are not thread-safe), long calls in a worker thread so the event loop keeps serv
 
 The engine scores and follows commits through it; the service prefills, publishes and
 releases through it; neither reaches into the other for the backend or its lock.
+
+Sessions that open with the same prompt together (session-open's `prefill_share`, the
+OpenAI door's n > 1) share one prefill: the first one's K/V is exported once it is
+computed and kept (`SharedPrefills`: at most `SHARED_MAX` prompts and `SHARED_MAX_BYTES`,
+each for `SHARED_KEEP_S` or until as many sessions as announced took it), and the others
+import it instead of running the prompt through the model again.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -19,6 +27,45 @@ from ..core.problems import Kind, problem
 from ..models.base import KVCapacityError, ModelError
 
 log = logging.getLogger("sdcp_fast.verifier")
+SHARED_MAX = 8                    # prompts whose prefill is kept for sessions still to open
+SHARED_MAX_BYTES = 256 << 20      # ... and their K/V bytes at most
+SHARED_KEEP_S = 30.0              # ... each for at most this long
+
+
+class SharedPrefills:
+    """Exported prefills of prompts that more sessions announced (`prefill_share`), bounded
+    by count, bytes and age; an entry goes once as many sessions as announced took it."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple[int, ...], list] = OrderedDict()   # prompt -> [blob, left, expiry]
+
+    def offer(self, tokens: Sequence[int], blob: bytes, sessions: int) -> None:
+        self._expire()
+        if sessions < 1 or len(blob) > SHARED_MAX_BYTES:
+            return
+        self._kept[tuple(tokens)] = [blob, sessions, time.monotonic() + SHARED_KEEP_S]
+        while len(self._kept) > SHARED_MAX or self.bytes > SHARED_MAX_BYTES:
+            self._kept.popitem(last=False)
+
+    def take(self, tokens: Sequence[int]) -> bytes | None:
+        self._expire()
+        key = tuple(tokens)
+        entry = self._kept.get(key)
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._kept[key]
+        return entry[0]
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(entry[0]) for entry in self._kept.values())
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, entry in self._kept.items() if entry[2] < now]:
+            del self._kept[key]
 
 
 class TargetModel:
@@ -26,6 +73,8 @@ class TargetModel:
         self.backend = backend
         self.lock = asyncio.Lock()
         self.scoring = Offload()   # a pass measured cheaper than a thread hop runs on the loop
+        self.shared = SharedPrefills()
+        self.prefills = 0          # prompts run through the model by `prefill` (shared ones not counted)
 
     @property
     def vocab_size(self) -> int:
@@ -65,22 +114,27 @@ class TargetModel:
         return (torch.cat(rows) if rows else None), refused
 
     async def prefill(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, *,
-                      reopen: bool) -> None:
+                      reopen: bool, share: int = 1) -> None:
         """Make the backend's session hold `tokens`: from `kv_blob` (target KV of a prefix,
-        published by a verifier) when it covers one, else by a prefill. 503 when the model
+        published by a verifier) when it covers one, else from the prefill of another
+        session that opened with the same tokens and announced `share` > 1 sessions, else by
+        a prefill (exported for the share - 1 others when `share` > 1). 503 when the model
         has no room, 400 when it refuses the tokens."""
         async with self.lock:
             if reopen:
                 with contextlib.suppress(ModelError):
                     self.backend.release(sid)
+            source = "cached KV"
+            if kv_blob is None and share > 1:
+                kv_blob, source = self.shared.take(tokens), "a shared prefill"
             if kv_blob is not None:
                 try:
                     self.backend.import_kv(sid, kv_blob)
                     covered = self.backend.committed(sid)
                     if covered == tokens[:len(covered)]:
                         self.backend.commit(sid, tokens[len(covered):])
-                        log.info("session %s: %d of %d tokens from cached KV", sid.hex(), len(covered),
-                                 len(tokens))
+                        log.info("session %s: %d of %d tokens from %s", sid.hex(), len(covered),
+                                 len(tokens), source)
                         return
                     self.backend.release(sid)
                 except ModelError as exc:
@@ -89,6 +143,10 @@ class TargetModel:
                         self.backend.release(sid)
             try:
                 await asyncio.to_thread(self.backend.open, sid, tokens)
+                self.prefills += 1
+                if share > 1:
+                    with contextlib.suppress(ModelError):   # a backend without export: each prefills
+                        self.shared.offer(tokens, self.backend.export_kv(sid), share - 1)
             except KVCapacityError as exc:
                 raise problem(Kind.CAPACITY, f"no room for the session in the model: {exc}") from None
             except ModelError as exc:

@@ -5,11 +5,13 @@ mutual TLS), and every role's /metrics read with prometheus-client's own parser.
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
 import openai
 import pytest
+import torch
 from door_support import (
     MODEL_NAME,
     demo_cluster,
@@ -206,12 +208,18 @@ def test_chat_completion_uses_the_fallback_template(door):
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ({"prompt": "x"}, 400, "model"),
-    ({"model": MODEL_NAME, "prompt": "x", "n": 2}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "x", "n": 17}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "x", "n": 0}, 400, "n"),
+    ({"model": MODEL_NAME, "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL_NAME, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 1, "logprobs_mode": "raw_logits"}, 400, "logprobs_mode"),
+    ({"model": MODEL_NAME, "prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"model": MODEL_NAME, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ({"model": MODEL_NAME, "prompt": "x", "temperature": 3}, 400, "temperature"),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ({"model": MODEL_NAME, "prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),   # context 4096
     ({"model": MODEL_NAME, "prompt": "x", "stop": 5}, 400, "stop"),
-    ({"model": MODEL_NAME, "prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ({"model": MODEL_NAME, "prompt": ["a", "b"]}, 400, "prompt"),
     ({"model": MODEL_NAME, "prompt": [1, 300]}, 400, "prompt"),
     ({"model": MODEL_NAME, "prompt": ""}, 400, "prompt"),
@@ -375,3 +383,102 @@ def test_logs_are_quiet_about_http_requests_and_say_where_each_instance_is(door)
             assert "OpenAI API at http://127.0.0.1:" in ready[0]
         else:
             assert "/metrics" in ready[0] and "/health" in ready[0]
+
+
+# ---------------------------------------------------------------------- log-probabilities, n, echo
+
+
+def target_logprobs(prompt_ids: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """The target alone: log_softmax (float64) of its logits at each token's context."""
+    backend = target()
+    backend.open(b"lp", prompt_ids)
+    rows = []
+    for token in tokens:
+        rows.append(torch.log_softmax(backend.score([(b"lp", [])])[-1].double(), dim=-1))
+        backend.commit(b"lp", [token])
+    return rows
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_targets_own(door, stream):
+    cluster, client, _ = door
+    url = f"{cluster.instances['router'].frontdoor_url}/v1/completions"
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3,
+            "return_tokens_as_token_ids": True, "stream": stream}
+    if stream:
+        chunks = [json.loads(line[6:]) for line in httpx.post(url, json=body, timeout=60).text.splitlines()
+                  if line.startswith("data: {")]
+        parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        lp = {key: [v for p in parts for v in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs")}
+    else:
+        lp = httpx.post(url, json=body, timeout=60).json()["choices"][0]["logprobs"]
+    tokens = [int(t.removeprefix("token_id:")) for t in lp["tokens"]]
+    expected, _ = greedy_text(target().encode(PROMPT), 12)
+    assert tokens == expected
+    for n, row in enumerate(target_logprobs(target().encode(PROMPT), tokens)):
+        assert abs(lp["token_logprobs"][n] - float(row[tokens[n]])) < 1e-4
+        top = lp["top_logprobs"][n]
+        values, ids = torch.topk(row, 3)
+        assert list(top) == [f"token_id:{i}" for i in ids.tolist()]
+        assert all(abs(a - b) < 1e-4 for a, b in zip(top.values(), values.tolist(), strict=True))
+
+
+def test_chat_logprobs_and_processed_mode(door):
+    _, client, _ = door
+    messages = [{"role": "user", "content": "def main():"}]
+    raw = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=2)
+    content = raw.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == raw.choices[0].message.content
+    for c in content:
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.logprob <= 0 and sum(math.exp(t.logprob) for t in c.top_logprobs) <= 1 + 1e-9
+    processed = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=8, temperature=0,
+                                               logprobs=True, top_logprobs=2,
+                                               extra_body={"logprobs_mode": "processed_logprobs"})
+    # greedy: p is one-hot on the argmax, so each token's processed log p is 0 and the runner-up excluded
+    assert [c.logprob for c in processed.choices[0].logprobs.content] == [0.0] * len(content)
+    assert all(c.top_logprobs[1].logprob == -9999.0 for c in processed.choices[0].logprobs.content)
+
+
+def test_n_choices_share_one_prefill_and_seeds_differ(door):
+    cluster, client, _ = door
+    log = cluster.instances["verifier"].log_path
+    before = log.read_text().count("from a shared prefill")
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0, n=2, seed=7)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text != out.choices[1].text
+    assert out.usage.completion_tokens == 32
+    assert log.read_text().count("from a shared prefill") == before + 1
+    # the verifier's draws are keyed by the seed and the session id (section 6.4), so a seed
+    # does not repeat a sample across requests: streamed, two choices again, each whole
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16, temperature=1.0, n=2,
+                                            seed=7, stream=True, stream_options={"include_usage": True}))
+    finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 32
+
+
+def test_echo_puts_the_prompt_first(door):
+    _, client, _ = door
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    echoed = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + whole.choices[0].text
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echoed.choices[0].text
+
+
+def test_tokenize_detokenize_and_model_length(door):
+    cluster, client, _ = door
+    base = cluster.instances["router"].frontdoor_url
+    tokens = httpx.post(f"{base}/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT}, timeout=10).json()
+    assert tokens["tokens"] == target().encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 4096
+    text = httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}, timeout=10).json()
+    assert text == {"prompt": PROMPT}
+    chat = httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=10).json()
+    assert chat["tokens"] == target().encode(fallback_text([{"role": "user", "content": "hi"}]))
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, 1 << 20]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 4096
