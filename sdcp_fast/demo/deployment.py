@@ -12,46 +12,63 @@ import tempfile
 from pathlib import Path
 
 from ..drafter import rounds_from_file
-from ..procs import Cluster
+from ..procs import Cluster, free_port
 
 DRAFTERS = ("drafter-1", "drafter-2")
 LEASE_TTL_S = 2.0      # a router silent this long loses its sessions to another
+UP_MAX_NEW = 256       # `sdcp-fast up`: new tokens of a request that gives no max_tokens
 
 
 def router_names(routers: int) -> list[str]:
     return ["router"] + [f"router-{n}" for n in range(2, routers + 1)]
 
 
+def drafter_names(drafters: int) -> list[str]:
+    return [f"drafter-{n}" for n in range(1, drafters + 1)]
+
+
 def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int,
-         stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False) -> None:
+         stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False,
+         drafters: int = len(DRAFTERS), rounds_log: bool = True, metrics: bool = False,
+         **router_options) -> None:
     """Add the instances and their configs (as many routers as the cluster was made for);
     `cluster.start()` launches them. `stop`: the
     contract's stop tokens (the real pair's end of turn); `verifier_spec`: the target as the
     verifier loads it (options such as threads; the router's spec names the same weights);
     `slow`: a model whose first load may convert files and whose passes take 100 ms, so
-    TTLs and timeouts with room for it."""
+    TTLs and timeouts with room for it. `rounds_log`: the drafters log every verdict (the
+    demo's table; a long-running `up` leaves it off); `metrics`: every instance serves
+    /metrics and /health on a port of its own; `router_options`: more [router] members
+    (`up`'s front door and served name)."""
     # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
     ttl = 8000 if slow else 3000
+
+    def observed() -> dict:
+        return {"metrics": f"127.0.0.1:{free_port()}"} if metrics else {}
+
     cluster.verifier("verifier", model=verifier_spec or target_spec, max_wait_ms=1.0, ttl_ms=ttl,
-                     status_interval_s=0.5)
-    for name in DRAFTERS:
+                     status_interval_s=0.5, **observed())
+    names = drafter_names(drafters)
+    for name in names:
         extra = {"request_timeout_s": 60.0, "give_up_after_s": 120.0} if slow else {}
+        if not rounds_log:
+            extra["rounds_log"] = None
         cluster.drafter(name, model=draft_spec, ttl_ms=ttl if slow else 2000, status_interval_s=0.4,
-                        **extra)
+                        **extra, **observed())
     contract = {"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
                 "fallback": ["reduce", "switch", "self_decode"], "self_load": 60, "self_max": 16}
     if stop:
         contract["stop"] = list(stop)
     extra = {"stall_s": 60.0, "request_timeout_s": 60.0} if slow else {}
     for router in router_names(len(cluster.router_ports)):
-        cluster.router(model=target_spec, drafter_models={d: draft_digest for d in DRAFTERS}, name=router,
-                       contract=contract, lease_ttl_s=LEASE_TTL_S, **extra)
+        cluster.router(model=target_spec, drafter_models=dict.fromkeys(names, draft_digest), name=router,
+                       contract=contract, lease_ttl_s=LEASE_TTL_S, **extra, **observed(), **router_options)
 
 
 def rounds(cluster: Cluster) -> list[dict]:
     """Every verdict the drafters received (their rounds logs), in time order."""
     out = []
-    for name in DRAFTERS:
+    for name in [i.name for i in cluster.instances.values() if i.role == "drafter"]:
         for record in rounds_from_file(cluster.workdir / f"{name}.rounds.jsonl"):
             if not record.get("dropped"):
                 record["drafter"] = name

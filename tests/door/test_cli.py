@@ -214,22 +214,70 @@ def test_info_keeps_the_chatty_libraries_quiet():
     assert "GET https://127.0.0.1:1/health" in said
 
 
+def ready_line(proc: subprocess.Popen) -> str:
+    """`up`'s stdout up to its ready line (progress lines come before it)."""
+    said = []
+    while True:
+        line = proc.stdout.readline()
+        said.append(line)
+        if not line or line.startswith("OpenAI API at"):
+            assert line, ("".join(said), proc.stderr.read() if proc.poll() is not None else "")
+            return line
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--target", "nope:x"], ["--target nope:x", "unknown model kind"]),
+    (["--target", "hf:/no/such/dir"], ["--target hf:/no/such/dir", "not found"]),
+    (["--target", "tiny:demo-target", "--draft", "tiny:/no/such.safetensors"], ["--draft", "not found"]),
+    (["--target", "tiny:demo-target", "--draft", "ngram:smollm2"], ["tokenizer is not the target's"]),
+    (["--target", "tiny:/no/file.safetensors", "--draft", "tiny:demo-draft"], ["--target", "not found"]),
+    (["--target", "tiny:demo-target", "--max-model-len", "64"], ["--max-model-len needs an hf: target"]),
+    (["--max-model-len", "0"], ["--max-model-len must be a positive integer"]),
+    (["--drafters", "0"], ["--drafters must be at least 1"]),
+    (["--drafters", "two"], ["--drafters", "invalid int value"]),
+    (["--no-such-flag"], ["unrecognized arguments: --no-such-flag"]),
+    (["--logprobs-mode", "raw_logits"], ["--logprobs-mode", "invalid choice"]),
+    ([str(EXAMPLES / "deployment"), "--target", "tiny:demo-target"], ["--target: only without DIR"]),
+])
+def test_up_bad_flags_and_specs_are_one_line(args, words):
+    assert_one_line_error(cli("up", "--port", "0", *args), *words)
+
+
+@pytest.mark.parametrize(("args", "words"), [
+    (["--pair", "tiny", "--target", "tiny:demo-target"], ["real pair"]),
+    (["--target", "nope:x"], ["cannot load", "unknown model kind"]),
+    (["--drafters", "0"], ["--drafters must be at least 1"]),
+])
+def test_demo_bad_flags_and_specs_are_one_line(args, words):
+    assert_one_line_error(cli("demo", *args), *words)
+
+
+def test_up_help_shows_the_common_cases():
+    done = cli("up", "--help")
+    assert done.returncode == 0
+    for words in ("sdcp-fast up ", "--target tiny:demo-target", "--draft", "--served-model-name", "--max-model-len",
+                  "--drafters", "examples/deployment-real"):
+        assert words in done.stdout, words
+
+
 @pytest.mark.timeout(180)
-def test_up_without_a_directory_serves_the_demo_pair(tmp_path):
-    """`sdcp-fast up` alone: the demo pair (here on any free port, one drafter), greedy
-    output identical to the target alone; Ctrl-C stops every process and removes the
-    temporary work directory."""
+def test_up_with_the_demo_pair_serves_it(tmp_path):
+    """`sdcp-fast up --target tiny:demo-target`: the demo pair (here on any free port, one
+    drafter), greedy output identical to the target alone; Ctrl-C stops every process and
+    removes the temporary work directory."""
     import openai
     from door_support import greedy_text
 
-    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", "--port", "0", "--drafters", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", "--target", "tiny:demo-target",
+                             "--port", "0", "--drafters", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
         starting = proc.stderr.readline()
         workdir = Path(re.search(r"\(logs in (.+)\)", starting).group(1))
-        line = proc.stdout.readline()
-        api = re.fullmatch(r"OpenAI API at (http://127\.0\.0\.1:\d+/v1)\n", line)
+        line = ready_line(proc)
+        api = re.fullmatch(r"OpenAI API at (http://127\.0\.0\.1:\d+/v1) \(model demo-target: target "
+                           r"tiny:demo-target, draft tiny:demo-draft x 1\)\n", line)
         assert api, (starting, line, proc.stderr.read() if proc.poll() is not None else "")
         client = openai.OpenAI(base_url=api.group(1), api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["demo-target"]
@@ -280,9 +328,9 @@ def test_up_starts_the_example_deployment_and_serves_the_openai_api(tmp_path):
                              "--workdir", str(tmp_path / "work")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
-        line = proc.stdout.readline()
-        assert line == f"OpenAI API at http://127.0.0.1:{front}/v1\n", (line, proc.stderr.read() if
-                                                                         proc.poll() is not None else "")
+        line = ready_line(proc)
+        assert line == (f"OpenAI API at http://127.0.0.1:{front}/v1 (model demo-target: target tiny:demo-target, "
+                        "draft tiny:demo-draft x 2)\n"), line
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="unused", max_retries=0,
                                timeout=120)
         r = client.chat.completions.create(model="demo-target", max_tokens=12, temperature=0,
