@@ -37,21 +37,40 @@ class LaunchConfig:
     splits: int  # programs per row along V in the chunked kernels
     npiv: int = 16  # pivots per search pass (power of two)
     num_warps: int = 4
+    programs: int = 8  # programs that fill the device: sizes the draw's V-split by proposals
 
 
-def _program_target(device: torch.device) -> int:
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 8  # interpreter: enough splits to exercise the chunking logic
+PROGRAMS_PER_MULTIPROCESSOR = 4
+# Most programs per row along V. The kernels that combine a row's chunks read all MAX_SPLITS
+# slots (masked): one compiled variant for every split count, not one per power of two.
+MAX_SPLITS = tl.constexpr(64)
+INTERPRETER_PROGRAMS = 8  # enough splits to exercise the chunking logic in the interpreter
+
+
+def multiprocessors(device: torch.device) -> int | None:
+    """Streaming multiprocessors of a CUDA device; None for any other device (the
+    interpreter runs the kernels on CPU tensors)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_config(rows: int, vocab: int, device: torch.device) -> LaunchConfig:
-    """Block size and V-split for `rows` rows of width `vocab`."""
-    block = 1024 if device.type == "cuda" else 256
-    block = min(block, triton.next_power_of_2(vocab))
+    """Block size and V-split for `rows` rows of width `vocab` on `device`."""
+    return launch_config_for(rows, vocab, multiprocessors(device))
+
+
+def launch_config_for(rows: int, vocab: int, sm_count: int | None) -> LaunchConfig:
+    """`launch_config` for a GPU with `sm_count` multiprocessors (None: the interpreter).
+    A pure function of its arguments, so that the compile check (compile_sweep.py) can ask
+    for the configurations of a GPU that is not there."""
+    on_gpu = sm_count is not None
+    programs = PROGRAMS_PER_MULTIPROCESSOR * sm_count if on_gpu else INTERPRETER_PROGRAMS
+    block = min(1024 if on_gpu else 256, triton.next_power_of_2(vocab))
     blocks_per_row = triton.cdiv(vocab, block)
-    splits = max(1, min(blocks_per_row, triton.cdiv(_program_target(device), max(rows, 1)), 64))
-    return LaunchConfig(block=block, splits=splits, num_warps=8 if block >= 1024 else 4)
+    splits = max(1, min(blocks_per_row, triton.cdiv(programs, max(rows, 1)), MAX_SPLITS.value))
+    return LaunchConfig(block=block, splits=splits, num_warps=8 if block >= 1024 else 4,
+                        programs=programs)
 
 
 # ---------------------------------------------------------------- shared device helpers
@@ -156,8 +175,20 @@ def _kept(key, offs, tau, tie_last):
 
 # ---------------------------------------------------------------- kernels
 
+# Specialisation: Triton compiles a kernel once per divisibility class of its arguments
+# (pointers and integers divisible by 16, integers equal to 1). Two kinds of argument would
+# multiply the variants and the compiles on a serving GPU without changing the code that
+# matters: the split count (an index factor, never an address alignment) and the batch's
+# per-proposal fields, which `pack_batch` lays out as views at offsets of 8 bytes x B or N
+# into two buffers and which are only read one scalar at a time. CHUNK and V stay
+# specialised: they align the vocabulary loops' vector loads.
+SPLIT_COUNTS = ["SPLITS"]
+BATCH_FIELDS = ["tokens_ptr", "acc_u_ptr", "num_draft_ptr", "rule_ptr", "temp_ptr", "row_start_ptr",
+                "token_start_ptr", "q_start_ptr", "extra_u_ptr"]
 
-@triton.jit
+
+
+@triton.jit(do_not_specialize=SPLIT_COUNTS)
 def _chunk_stats_kernel(logits_ptr, row_temp_ptr, cmax_ptr, carg_ptr, csum_ptr, cbad_ptr,
                         V, CHUNK, SPLITS, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -190,11 +221,11 @@ def _chunk_stats_kernel(logits_ptr, row_temp_ptr, cmax_ptr, carg_ptr, csum_ptr, 
     tl.store(cbad_ptr + out, bad)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_COUNTS)
 def _row_finalize_kernel(logits_ptr, row_temp_ptr, row_topk_ptr, row_topp_ptr,
                          cmax_ptr, carg_ptr, csum_ptr, cbad_ptr,
                          rmax_ptr, rarg_ptr, rbad_ptr, tau_ptr, tie_ptr, mass_ptr,
-                         V, SPLITS, SPLITS_P: tl.constexpr, BLOCK: tl.constexpr,
+                         V, SPLITS, BLOCK: tl.constexpr,
                          NPIV: tl.constexpr):
     row = tl.program_id(0)
     t_milli = tl.load(row_temp_ptr + row)
@@ -203,7 +234,7 @@ def _row_finalize_kernel(logits_ptr, row_temp_ptr, row_topk_ptr, row_topp_ptr,
     T = tl.where(t_milli == 0, 1000, t_milli).to(tl.float32) / 1000.0
 
     # combine the chunk stats
-    cs = tl.arange(0, SPLITS_P)
+    cs = tl.arange(0, MAX_SPLITS)
     cmask = cs < SPLITS
     cmax = tl.load(cmax_ptr + row * SPLITS + cs, mask=cmask, other=float("-inf"))
     carg = tl.load(carg_ptr + row * SPLITS + cs, mask=cmask, other=V)
@@ -265,7 +296,7 @@ def _row_finalize_kernel(logits_ptr, row_temp_ptr, row_topk_ptr, row_topp_ptr,
     tl.store(mass_ptr + row, kept_mass)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=BATCH_FIELDS)
 def _accept_kernel(logits_ptr, tokens_ptr, acc_u_ptr, num_draft_ptr, rule_ptr, temp_ptr,
                    row_start_ptr, token_start_ptr, q_ptr, q_start_ptr,
                    rmax_ptr, rarg_ptr, rbad_ptr, tau_ptr, tie_ptr, mass_ptr,
@@ -349,7 +380,7 @@ def _draw_row(logits_ptr, q_ptr, row_start_ptr, q_start_ptr, rmax_ptr, tau_ptr, 
     return row_ptr, qrow_ptr, T, tau, tie_last, m, kept_mass
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_COUNTS, do_not_specialize_on_alignment=BATCH_FIELDS)
 def _draw_partial_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, row_start_ptr,
                          q_start_ptr, rmax_ptr, tau_ptr, tie_ptr, mass_ptr, accepted_ptr,
                          extra_ptr, cw_ptr, cp_ptr, V, CHUNK, SPLITS, BLOCK: tl.constexpr):
@@ -375,18 +406,18 @@ def _draw_partial_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, r
     tl.store(cp_ptr + b * SPLITS + c, sp)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_COUNTS, do_not_specialize_on_alignment=BATCH_FIELDS)
 def _draw_final_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, row_start_ptr,
                        q_start_ptr, extra_u_ptr, rmax_ptr, tau_ptr, tie_ptr, mass_ptr,
                        accepted_ptr, extra_ptr, cw_ptr, cp_ptr, V, CHUNK, SPLITS,
-                       SPLITS_P: tl.constexpr, BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr):
     b = tl.program_id(0)
     t_milli = tl.load(temp_ptr + b)
     eligible = (tl.load(rule_ptr + b) == 2) & (t_milli > 0) & (tl.load(extra_ptr + b) >= 0)
     if eligible:
         a = tl.load(accepted_ptr + b)
         residual = a < tl.load(num_draft_ptr + b)
-        cs = tl.arange(0, SPLITS_P)
+        cs = tl.arange(0, MAX_SPLITS)
         cmask = cs < SPLITS
         cw = tl.load(cw_ptr + b * SPLITS + cs, mask=cmask, other=0.0)
         cp = tl.load(cp_ptr + b * SPLITS + cs, mask=cmask, other=0.0)
@@ -395,7 +426,7 @@ def _draw_final_kernel(logits_ptr, q_ptr, num_draft_ptr, rule_ptr, temp_ptr, row
         target = tl.load(extra_u_ptr + tl.load(row_start_ptr + b) + a) * tl.sum(weights, axis=0)
         cum = tl.cumsum(weights, axis=0)
         last_nonempty = tl.max(tl.where(weights > 0.0, cs, 0), axis=0)
-        chunk = tl.minimum(tl.min(tl.where((cum > target) & cmask, cs, SPLITS_P), axis=0), last_nonempty)
+        chunk = tl.minimum(tl.min(tl.where((cum > target) & cmask, cs, MAX_SPLITS), axis=0), last_nonempty)
         running = tl.sum(tl.where(cs == chunk, cum - weights, 0.0), axis=0)
 
         row_ptr, qrow_ptr, T, tau, tie_last, m, kept_mass = _draw_row(
@@ -506,7 +537,7 @@ def row_stats(logits: torch.Tensor, row_temp: torch.Tensor, row_topk: torch.Tens
         cmax_ptr=cmax, carg_ptr=carg, csum_ptr=csum, cbad_ptr=cbad,
         rmax_ptr=stats.row_max, rarg_ptr=stats.row_arg, rbad_ptr=stats.row_bad,
         tau_ptr=stats.tau, tie_ptr=stats.tie_last, mass_ptr=stats.kept_mass,
-        V=vocab, SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), BLOCK=cfg.block,
+        V=vocab, SPLITS=splits, BLOCK=cfg.block,
         NPIV=cfg.npiv, num_warps=cfg.num_warps)
     return stats
 
@@ -569,7 +600,7 @@ def verify(batch: VerifyBatch, cfg: LaunchConfig | None = None) -> VerifyResult:
         accepted_ptr=accepted, extra_ptr=extra, bad_q_ptr=bad_q, nan_ptr=nan, V=vocab)
 
     target_splits = max(1, min(triton.cdiv(vocab, cfg.block),
-                               triton.cdiv(_program_target(dev), b), 64))
+                               triton.cdiv(cfg.programs, b), MAX_SPLITS.value))
     chunk, draw_splits = _chunking(vocab, target_splits, cfg.block)
     cw = torch.empty(b * draw_splits, dtype=torch.float64, device=dev)
     cp = torch.empty(b * draw_splits, dtype=torch.float64, device=dev)
@@ -578,8 +609,7 @@ def verify(batch: VerifyBatch, cfg: LaunchConfig | None = None) -> VerifyResult:
                 cw_ptr=cw, cp_ptr=cp, V=vocab, CHUNK=chunk, SPLITS=draw_splits,
                 BLOCK=cfg.block, num_warps=cfg.num_warps)
     _draw_partial_kernel[(b, draw_splits)](**draw)
-    _draw_final_kernel[(b,)](**draw, extra_u_ptr=batch.extra_uniforms,
-                             SPLITS_P=triton.next_power_of_2(draw_splits))
+    _draw_final_kernel[(b,)](**draw, extra_u_ptr=batch.extra_uniforms)
     return VerifyResult(accepted=accepted, extra_token=extra, bad_q=bad_q.bool(),
                         nan_logits=nan.bool())
 
