@@ -4,6 +4,7 @@ parser, and the target alone as the greedy reference."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from sdcp_fast import config as schema
 from sdcp_fast.models import DEMO_DIR, load_backend
 from sdcp_fast.models.weights import load_tiny, save_tiny
 from sdcp_fast.procs import Cluster, free_port
@@ -85,3 +87,17 @@ def greedy_text(prompt_ids: list[int], n: int) -> tuple[list[int], str]:
         backend.commit(b"ref", [token])
         out.append(token)
     return out, backend.decode(out)
+
+
+def rewrite_ports(src: Path, dst: Path) -> dict[int, int]:
+    """The example configs with each port replaced by a free one (ports are shared by the
+    TOML files, so the same map serves all)."""
+    texts = {p.name: p.read_text() for p in src.glob("*.toml")}
+    ports = sorted({int(m) for t in texts.values() for m in re.findall(r"127\.0\.0\.1:(\d+)", t)})
+    mapping = {port: free_port() for port in ports}
+    dst.mkdir()
+    for name, text in texts.items():
+        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{mapping[int(m.group(1))]}", text)
+        (dst / name).write_text(text)
+        schema.loads(text, name)           # still a valid config
+    return mapping

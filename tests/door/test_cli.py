@@ -304,23 +304,10 @@ def test_up_with_the_demo_pair_serves_it(tmp_path):
 # ---------------------------------------------------------------------- sdcp-fast up examples/deployment
 
 
-def rewrite_ports(src: Path, dst: Path) -> dict[int, int]:
-    """The example configs with each port replaced by a free one (ports are shared by the
-    TOML files, so the same map serves all)."""
-    texts = {p.name: p.read_text() for p in src.glob("*.toml")}
-    ports = sorted({int(m) for t in texts.values() for m in re.findall(r"127\.0\.0\.1:(\d+)", t)})
-    mapping = {port: free_port() for port in ports}
-    dst.mkdir()
-    for name, text in texts.items():
-        text = re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{mapping[int(m.group(1))]}", text)
-        (dst / name).write_text(text)
-        schema.loads(text, name)           # still a valid config
-    return mapping
-
-
 @pytest.mark.timeout(180)
 def test_up_starts_the_example_deployment_and_serves_the_openai_api(tmp_path):
     import openai
+    from door_support import rewrite_ports
 
     mapping = rewrite_ports(EXAMPLES / "deployment", tmp_path / "deployment")
     front = mapping[8000]
