@@ -1,7 +1,7 @@
 """GPU benchmark of the fused Triton verify against the one-read HBM bound and a torch-native
 pipeline, measured side by side in one run. Writes JSON; run by bench/gpu_check.sh.
 
-    python3 bench/gpu_bench.py --out DIR [--budget-s 150] [--smoke]
+    python3 bench/gpu_bench.py --out DIR [--budget-s 150] [--smoke] [--compile-json FILE]
 
 Grid (the goal's neighbourhood first, V 128k bf16; the budget cuts the tail):
 B in {1, 8, 64, 256}, M in {1, 4, 8, 16}, V in {32k, 128k, 256k}, bf16 and fp32 logits,
@@ -12,6 +12,10 @@ row per proposal), the ratio of our time to the one-read HBM bound (bytes / peak
 the issue's goal is <= 1.5), the same against the copy bandwidth measured in this run, and
 the speed-up over the torch-native pipeline (softmax over every row, sort-based top-k/top-p,
 rejection and residual draw in torch: what a plain PyTorch verifier does).
+With --compile-json (bench/gpu_compile.py's output, as bench/gpu_check.sh passes it) each
+point also holds, per kernel, what the compiler made for this GPU's architecture and the
+point's logits type (registers, spills, blocks per SM, widest load) beside the kernel's
+measured time (torch.profiler, mean of 10 calls).
 --smoke runs a few tiny points on the CPU (Triton interpreter) so the script is exercised
 where there is no GPU.
 """
@@ -34,6 +38,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--budget-s", type=float, default=150.0, help="stop adding points after this")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Triton interpreter)")
+    ap.add_argument("--compile-json", type=Path,
+                    help="bench/gpu_compile.py's gpu_compile.json: its figures go beside each point's times")
     return ap.parse_args()
 
 
@@ -124,6 +130,46 @@ def peak_gbps(device: torch.device) -> float | None:
     return next((v for k, v in HBM_PEAK_GBPS.items() if k in name), None)
 
 
+def compile_predictions(path: Path | None, arch: int | None) -> dict[str, dict[str, dict]]:
+    """What bench/gpu_compile.py read from the compiled kernels for `arch` (the first target
+    when None), by logits type ("*bf16", ...) and kernel: registers, spills, blocks per SM,
+    widest global load in bits. Empty without the file."""
+    if path is None or not path.exists():
+        return {}
+    targets = json.loads(path.read_text())["targets"]
+    target = next((t for t in targets if arch is None or t["gpu"]["arch"] == arch), None)
+    by_type: dict[str, dict[str, dict]] = {}
+    for f in (target or {"facts": []})["facts"]:
+        if f["error"] is None and "logits_ptr" in f["signature"]:
+            by_type.setdefault(f["signature"]["logits_ptr"], {})[f["kernel"]] = dict(
+                registers=f["registers"], spills=f["spills"], blocks_per_sm=f["blocks_per_sm"],
+                num_warps=f["num_warps"], widest_load_bits=max(map(int, f["load_bits"]), default=0))
+    return by_type
+
+
+def kernel_times_us(fn, device: torch.device, names) -> dict[str, float] | str | None:
+    """Mean GPU time per call of each kernel in `names` over 10 calls of fn (torch.profiler);
+    None on the CPU, the error's text if the profiler fails (the point is kept)."""
+    if device.type != "cuda" or not names:
+        return None
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        times = {}
+        for event in prof.key_averages():
+            total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+            if event.key in names and event.count:
+                times[event.key] = round(total / event.count, 2)
+        return times
+    except Exception as error:  # noqa: BLE001 - a profiler problem must not lose the point
+        return f"{type(error).__name__}: {error}"
+
+
 def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not ARGS.smoke else "cpu")
     if device.type != "cuda" and not ARGS.smoke:
@@ -143,6 +189,11 @@ def main() -> int:
                  + [("filtered", filtered, (b, 4, 131_072, "bf16")) for b in (64, 8, 1)]
                  + [("plain", plain, p) for p in rest if p not in first])
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    arch = None
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        arch = major * 10 + minor
+    predictions = compile_predictions(ARGS.compile_json, arch)
     peak = peak_gbps(device)
     copy = copy_gbps(device)
     started = time.perf_counter()
@@ -152,6 +203,8 @@ def main() -> int:
         torch=torch.__version__, python=sys.version.split()[0], smoke=ARGS.smoke,
         hbm_peak_gbps=peak, copy_gbps_read_plus_write=round(copy, 1),
         seconds=0.0, points=results, skipped_for_time=skipped)
+    if ARGS.compile_json is not None and ARGS.compile_json.exists():
+        report["gpu_compile"] = json.loads(ARGS.compile_json.read_text())["summary"]
     try:
         import triton
         report["triton"] = triton.__version__
@@ -179,6 +232,13 @@ def main() -> int:
                      accept_agreement_with_native=round(agree, 4))
         if peak:
             point["ratio_to_hbm_bound"] = round((ours_ms * 1e-3) / (needed / (peak * 1e9)), 2)
+        predicted = predictions.get("*" + dt, {})
+        if predicted:   # the compiler's figures beside the measured time of each kernel
+            measured = kernel_times_us(lambda batch=batch: verify(batch, path="triton"), device, set(predicted))
+            point["kernels"] = {name: {**facts, "us": measured.get(name) if isinstance(measured, dict) else None}
+                                for name, facts in sorted(predicted.items())}
+            if isinstance(measured, str):
+                point["kernel_times_error"] = measured
         results.append(point)
         print(json.dumps(point), flush=True)
         # after every point: a run cut by the check's time limit keeps what it measured

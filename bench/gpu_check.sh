@@ -14,8 +14,10 @@
 # 2. the tests that need a GPU, on CUDA (Triton compiled for it): the kernel tests, the
 #    cache's GPU tier and q-row staging, the built-in model on CUDA, the verifier's device
 #    path (token-exact against the reference); JUnit XML + log;
-# 3. the kernel benchmark (bench/gpu_bench.py) and the verifier end to end
-#    (bench/gpu_e2e.py), each within its time budget, as JSON.
+# 3. the compile check for this GPU (bench/gpu_compile.py --gpu device --quick: every kernel
+#    compiled for its architecture, registers, spills, occupancy, load widths), then the
+#    kernel benchmark (bench/gpu_bench.py, with those figures beside the measured kernel
+#    times) and the verifier end to end (bench/gpu_e2e.py), each within its time budget, as JSON.
 # The repository is a plain working tree, not installed: `sdcp_fast` (with `kernels`
 # inside it, as pyproject.toml maps it) is a throw-away folder of symlinks.
 #
@@ -96,7 +98,8 @@ PY
 # 2. tests. The shared known-answer vectors live outside the repository; without them that
 # test file cannot run here (it fails, never skips, where the file is expected to exist).
 VECTORS=${SDCP_VECTORS:-$ROOT/../shared/vectors/sdcp-vectors.json}
-IGNORE=(--ignore "$ROOT/tests/kernels/test_statistics.py")  # CPU-path statistics, needs long runs
+IGNORE=(--ignore "$ROOT/tests/kernels/test_statistics.py"  # CPU-path statistics, needs long runs
+        --ignore "$ROOT/tests/kernels/test_gpu_compile.py")  # both targets' full sweep: step 3 compiles for this GPU
 if [ ! -f "$VECTORS" ]; then
   echo "note: $VECTORS not here: tests/kernels/test_target_dist_vectors.py not run" | tee -a "$OUT/environment.txt"
   IGNORE+=(--ignore "$ROOT/tests/kernels/test_target_dist_vectors.py")
@@ -117,9 +120,15 @@ tests_rc=${PIPESTATUS[0]}
 # stops starting points at its budget (a point started before then may take up to the
 # margin: 15 s for a kernel point, 35 s for a 1B model's round of 64 sessions) and is cut
 # at its hard limit; both write their JSON after every point.
+# the compile check's log opens gpu_bench.log (the device tool brings back 8 files at most)
+GPUS=(--gpu device)
+[ "$SMOKE" = 1 ] && GPUS=(--gpu sm90)   # no device here: the H100/H200 target
+timeout -k 5 90 "$PY" "$ROOT/bench/gpu_compile.py" --out "$WORK/compile" "${GPUS[@]}" --quick --jobs 1 \
+  2>&1 | grep -v "FP_FUSION" | tee "$OUT/gpu_bench.log"
+compile_rc=${PIPESTATUS[0]}
 limit=$(( $(left) * 2 / 5 )); limit=$(( limit > 30 ? limit : 30 ))
 timeout -k 5 "$limit" "$PY" "$ROOT/bench/gpu_bench.py" --out "$OUT" --budget-s $(( limit - 15 )) "${SIZE[@]}" \
-  2>&1 | tee "$OUT/gpu_bench.log"
+  --compile-json "$WORK/compile/gpu_compile.json" 2>&1 | tee -a "$OUT/gpu_bench.log"
 bench_rc=${PIPESTATUS[0]}
 limit=$(left); limit=$(( limit > 45 ? limit : 45 ))
 timeout -k 5 "$limit" "$PY" "$ROOT/bench/gpu_e2e.py" --out "$OUT" --budget-s $(( limit - 35 )) "${SIZE[@]}" \
@@ -133,7 +142,8 @@ if [ "$SMOKE" = 1 ]; then
   imports_rc=${PIPESTATUS[0]}
 fi
 
-printf '{"wheels_rc": %d, "tests_rc": %d, "gpu_bench_rc": %d, "gpu_e2e_rc": %d, "imports_rc": %d, "smoke": %s, "seconds": %d}\n' \
-  "$wheels_rc" "$tests_rc" "$bench_rc" "$e2e_rc" "$imports_rc" "$([ "$SMOKE" = 1 ] && echo true || echo false)" \
+printf '{"wheels_rc": %d, "tests_rc": %d, "gpu_compile_rc": %d, "gpu_bench_rc": %d, "gpu_e2e_rc": %d, "imports_rc": %d, "smoke": %s, "seconds": %d}\n' \
+  "$wheels_rc" "$tests_rc" "$compile_rc" "$bench_rc" "$e2e_rc" "$imports_rc" "$([ "$SMOKE" = 1 ] && echo true || echo false)" \
   "$(elapsed)" | tee "$OUT/summary.json"
-[ "$wheels_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$imports_rc" -eq 0 ]
+[ "$wheels_rc" -eq 0 ] && [ "$tests_rc" -eq 0 ] && [ "$compile_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] \
+  && [ "$imports_rc" -eq 0 ]
