@@ -156,6 +156,11 @@ class RouterSection:
                                             # empty: beside the commit log. Routers sharing one share sessions
     lease_ttl_s: float = 5.0                # a router silent this long loses its sessions to another
     status_grace_s: float = 3.0             # after start, an instance not heard from yet is not taken for dead
+    itl_target_ms: float = 0.0              # inter-token latency objective: admission lets in as many generations
+                                            # as keep the median under it (0: no target, max_running run)
+    max_running: int = 256                  # generations running at once, at most; more wait in the queue
+    max_waiting: int = 1024                 # generations the admission queue holds; more get 503 + Retry-After
+    admission_interval_s: float = 1.0       # how often admission adjusts to the measured latency
     contract: ContractSection = field(default_factory=ContractSection)
 
 

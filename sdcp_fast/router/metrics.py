@@ -1,7 +1,12 @@
 """The router's Prometheus series (prometheus-client), named as vLLM's under `sdcp_`:
 
     sdcp_num_requests_running                 generations placed on a verifier, not yet ended
-    sdcp_num_requests_waiting                 generations waiting for a verifier to open them
+    sdcp_num_requests_waiting                 generations waiting to be scheduled: in the
+                                              admission queue, or for a verifier to open them
+    sdcp_admission_waiting                    generations in the admission queue (admission.py)
+    sdcp_admission_capacity                   generations admission lets run at once now
+    sdcp_admission_wait_seconds               request received -> admitted (0 when at once)
+    sdcp_admission_rejected_total             generations refused: the admission queue was full
     sdcp_time_to_first_token_seconds          request received -> first committed token
     sdcp_inter_token_latency_seconds          gap between committed tokens after the first
                                               burst (a burst of k tokens after a gap t counts
@@ -45,12 +50,18 @@ class Metrics:
                                     labels={"why": REPLACEMENTS})
         self.takeovers = counter(r, "router_takeovers", "Sessions taken over from a router whose lease ended")
         self.lost = counter(r, "router_sessions_lost", "Sessions this router stopped acting for")
+        self.admission_wait = histogram(r, "admission_wait_seconds", "Time a generation waited for admission",
+                                        REQUEST_BUCKETS)
+        self.admission_rejected = counter(r, "admission_rejected", "Generations refused: admission queue full")
 
     def watch(self, *, running: Callable[[], float], waiting: Callable[[], float],
-              followed: Callable[[], float] = lambda: 0) -> None:
+              followed: Callable[[], float] = lambda: 0, queued: Callable[[], float] = lambda: 0,
+              capacity: Callable[[], float] = lambda: 0) -> None:
         gauge(self.registry, "num_requests_running", "Generations placed on a verifier", running)
-        gauge(self.registry, "num_requests_waiting", "Generations waiting for a verifier", waiting)
+        gauge(self.registry, "num_requests_waiting", "Generations waiting to be scheduled", waiting)
         gauge(self.registry, "router_sessions_followed", "Sessions of other routers streamed here", followed)
+        gauge(self.registry, "admission_waiting", "Generations in the admission queue", queued)
+        gauge(self.registry, "admission_capacity", "Generations admission lets run at once", capacity)
 
     def output(self, tokens: int, gap_s: float, first: bool, since_request_s: float) -> None:
         """`tokens` new committed tokens arrived `gap_s` after the previous ones."""

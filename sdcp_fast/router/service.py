@@ -43,6 +43,10 @@ the session table, which fails once another router owns the session:
 - output: one long-poll reader per session, GET output?from=n with n = tokens received so
   far, so a retried or repeated read never duplicates or loses a token; output carrying a
   lower epoch than the session's is discarded;
+- admission (admission.py): a generation takes a slot before its record is written and
+  gives it back when it ends, however (finish, fail, cancel, a failed open, the session
+  lost to another router); past the capacity new generations wait in order, and a full
+  queue is answered UNAVAILABLE. A session taken over counts as running, never refused;
 - takeover (every `scan_interval_s`, default lease_ttl_s / 8): a record whose owner's lease has ended is taken (one
   router wins; its router epoch + 1), its committed tokens read from the log, and the
   session re-adopted where its verifier still serves it (PUT drafter with the new router
@@ -78,6 +82,7 @@ from ..core.problems import Kind, problem
 from ..refs import commit_log_name, decode_instance_id
 from ..transport import Authorizer, Call, Routed, Router
 from . import stored
+from .admission import Admission, Full, Slot
 from .committed import CommittedLog
 from .failover import Failover
 from .follow import LogTail, follow
@@ -130,6 +135,10 @@ class RouterConfig:
     follow_interval_s: float = 0.05               # followed sessions: their commit log read this often
     status_grace_s: float = 3.0                   # after start, an instance not heard from yet is not dead
     max_followed: int = 1024                      # sessions of other routers streamed here at once
+    max_running: int = 256                        # generations running at once, at most (admission.py)
+    max_waiting: int = 1024                       # generations waiting for admission; more: UNAVAILABLE
+    itl_target_ms: float = 0.0                    # inter-token latency objective (0: none, run max_running)
+    admission_interval_s: float = 1.0             # the admission controller's step
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
 
@@ -141,10 +150,18 @@ class RouterService(Routed):
         self.commit_log = commit_log
         self.table = table              # the session table (a cache.RecordTable)
         self.metrics = metrics or Metrics()
+        self.admission = Admission(max_running=config.max_running, max_waiting=config.max_waiting,
+                                   itl_target_s=config.itl_target_ms / 1000,
+                                   interval_s=config.admission_interval_s,
+                                   on_wait=self.metrics.admission_wait.observe,
+                                   on_reject=self.metrics.admission_rejected.inc)
+        self._slots: dict[bytes, Slot] = {}       # session -> its admission slot, until it ends here
         self.metrics.watch(
             running=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is not None),
-            waiting=lambda: sum(1 for s in self.sessions.values() if not s.done and s.verifier is None),
-            followed=lambda: sum(1 for s in self.followed.values() if not s.done))
+            waiting=lambda: self.admission.waiting + sum(1 for s in self.sessions.values()
+                                                         if not s.done and s.verifier is None),
+            followed=lambda: sum(1 for s in self.followed.values() if not s.done),
+            queued=lambda: self.admission.waiting, capacity=lambda: self.admission.capacity)
         self.registry = Registry(session_load=config.session_load, grace_s=config.status_grace_s)
         for uri in config.verifiers:
             self.registry.add(uri, ROLE_VERIFIER)
@@ -182,6 +199,7 @@ class RouterService(Routed):
             self.tasks.spawn(self.own.keep())
             self.tasks.spawn(self._scan_forever())
         self.tasks.spawn(self._monitor())
+        self.tasks.spawn(self.admission.run())
 
     async def stop(self) -> None:
         """Stop acting, and hand the sessions over: the lease is revoked, so another router
@@ -233,14 +251,31 @@ class RouterService(Routed):
                        wait_for_instances_s: float = 10.0) -> RouterSession:
         """Record the session, open it on a verifier chosen by load, assign a drafter, read
         its output. `door`: how the client streams it (stored with it, so that a stream can
-        resume at any router)."""
+        resume at any router). Waits for admission first (UNAVAILABLE when its queue is
+        full); the slot is the session's until it ends, and given back if this raises."""
         if not prompt:
             raise problem(Kind.BAD_REQUEST, "empty prompt")
         if len([s for s in self.sessions.values() if not s.done]) >= self.config.max_sessions:
             raise problem(Kind.UNAVAILABLE, "router at max_sessions")
+        arrived, arrived_wall = time.monotonic(), time.time()   # its latencies count the wait
+        try:
+            slot = await self.admission.acquire()
+        except Full as exc:
+            raise problem(Kind.UNAVAILABLE, f"the router's admission queue is full: {exc}") from None
         sid = os.urandom(16)
-        s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid), door=dict(door or {}))
+        s = RouterSession(sid, contract, tuple(prompt), commit_log_name(sid), door=dict(door or {}),
+                          created=arrived, created_wall=arrived_wall)
         self.sessions[sid] = s            # before its record exists: the scan leaves it alone
+        self._slots[sid] = slot
+        try:
+            return await self._start(s, wait_for_instances_s)
+        except BaseException:
+            self._release(s)
+            raise
+
+    async def _start(self, s: RouterSession, wait_for_instances_s: float) -> RouterSession:
+        """generate's steps once admitted: the record, the open, a drafter, the reader."""
+        sid, prompt = s.id, s.prompt
         try:
             await self.own.create(s)
         except CacheError as exc:        # no table, no lease, or the store is down
@@ -391,11 +426,21 @@ class RouterService(Routed):
         gap = now - (s.last_output_at or s.created)
         s.last_output_at = now
         self.metrics.output(len(tokens), gap, first, now - s.created)
+        if not first:
+            self.admission.observe_itl(gap, len(tokens))
         if now - s.saved_at >= 1.0:      # the relayed cursor, now and then
             s.saved_at = now
             self.tasks.spawn(self._save(s))
 
+    def _release(self, s: RouterSession) -> None:
+        """Give back `s`'s admission slot, if it still holds one (each end path calls this;
+        the first call releases)."""
+        slot = self._slots.pop(s.id, None)
+        if slot is not None:
+            slot.release()
+
     def _ended(self, s: RouterSession) -> None:
+        self._release(s)
         reason = s.finish_reason or "fail"
         self.metrics.finished.labels(finished_reason=reason).inc()
         self.metrics.e2e.observe((s.finished_at or time.monotonic()) - s.created)
@@ -527,6 +572,7 @@ class RouterService(Routed):
             return
         if self.sessions.get(s.id) is not s:
             return
+        self._release(s)                      # it runs on, counted by its new owner
         del self.sessions[s.id]
         s.owned = None
         self.metrics.lost.inc()
@@ -607,6 +653,8 @@ class RouterService(Routed):
         s.seen_events = set()
         s.place("takeover", previous=record.holder, router_epoch=s.router_epoch)
         self.sessions[sid] = s
+        if not s.done:
+            self._slots[sid] = self.admission.adopt()
         self.metrics.takeovers.inc()
         log.warning("session %s: taken over from %s (router epoch %d, epoch %d, verifier %s)", sid.hex(),
                     record.holder, owned.token, s.epoch, s.verifier)
