@@ -1,9 +1,10 @@
 """The rehearsal of bench/gpu_check.sh (GPU_CHECK_SMOKE=1) on this machine, wheels included:
 bench/gpu_wheels.sh downloads the few wheels the GPU machine lacks (needs PyPI; pip's cache
 makes reruns quick), the check installs them for Python 3.12, runs a sample of its tests,
-the kernel benchmark and the verifier end to end at tiny sizes through the Triton
+the compile check for sm_90 (a quick sweep), the kernel benchmark (with the compiler's
+figures beside each point) and the verifier end to end at tiny sizes through the Triton
 interpreter, and audits that every module any step imported exists on the GPU machine or
-in a wheel. Marked slow: about 60 s."""
+in a wheel. Marked slow: about 90 s."""
 
 from __future__ import annotations
 
@@ -33,12 +34,22 @@ def test_gpu_check_rehearsal_passes(tmp_path):
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["smoke"] is True and summary["seconds"] <= 480   # its limit there (270 s on a GPU)
-    assert all(summary[k] == 0 for k in ("wheels_rc", "tests_rc", "gpu_bench_rc", "gpu_e2e_rc", "imports_rc"))
+    assert all(summary[k] == 0 for k in ("wheels_rc", "tests_rc", "gpu_compile_rc", "gpu_bench_rc", "gpu_e2e_rc",
+                                         "imports_rc"))
     assert "imports ok" in (out / "imports.log").read_text()
     assert 'failures="0"' in (out / "tests.xml").read_text()
     bench = json.loads((out / "gpu_bench.json").read_text())
     assert bench["points"] and not bench["skipped_for_time"]
-    assert (out / "gpu_bench.log").read_text().strip().splitlines()[-1].startswith("gpu_bench: 3 points, 0 skipped; ")
+    bench_log = (out / "gpu_bench.log").read_text()
+    assert bench_log.strip().splitlines()[-1].startswith("gpu_bench: 3 points, 0 skipped; ")
+    # the compile check for the H100/H200 target (no device here), its figures beside each point
+    compiled = "gpu compile: 6 kernels x 18 specialisations x 1 targets, 0 failures, "
+    assert compiled in bench_log and bench["gpu_compile"].startswith(compiled)
+    for point in bench["points"]:
+        kernels = point["kernels"]
+        assert {"_chunk_stats_kernel", "_row_finalize_kernel", "_accept_kernel"} <= set(kernels)
+        assert all(k["registers"] > 0 and k["spills"] == 0 and k["blocks_per_sm"] >= 2 and k["us"] is None
+                   for k in kernels.values())
     # the device tool brings back 8 files at most: these, and the rehearsal's audit
     assert {f.name for f in out.iterdir()} == {
         "environment.txt", "tests.log", "tests.xml", "gpu_bench.log", "gpu_bench.json", "gpu_e2e.log",
