@@ -13,6 +13,8 @@
 
     offload = Offload()
     await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
+    Offload(compute=True)              # ... each call on the host's free cores (cores.py)
+    await compute(fn, *args)           # a long compute call (a prefill) in a worker thread
 
     run(main())                        # asyncio.run, on uvloop when it is installed
 
@@ -140,11 +142,13 @@ class Offload:
     moves itself back to threads by the same measurement.
     """
 
-    def __init__(self, inline_below_s: float | None = None, alpha: float = 0.25):
+    def __init__(self, inline_below_s: float | None = None, alpha: float = 0.25, *,
+                 compute: bool = False):
         if inline_below_s is None:   # SDCP_INLINE_BELOW_US=0: every call in a thread
             inline_below_s = float(os.environ.get("SDCP_INLINE_BELOW_US", "300")) / 1e6
         self.inline_below_s = inline_below_s
         self.alpha = alpha
+        self.compute = compute               # each call takes the host's free cores (cores.py)
         self.per_unit: float | None = None   # seconds per unit of work, measured
 
     def inline(self, units: int) -> bool:
@@ -153,18 +157,28 @@ class Offload:
     async def run(self, fn, *args: Any, units: int = 1) -> Any:
         if self.inline(units):
             return self.timed(units, fn, *args)
-        return await asyncio.to_thread(self.timed, units, fn, *args)
+        return await asyncio.to_thread(self.timed, units, fn, *args, in_thread=True)
 
-    def timed(self, units: int, fn, *args: Any) -> Any:
+    def timed(self, units: int, fn, *args: Any, in_thread: bool = False) -> Any:
         """`fn(*args)` here, its duration taken into the estimate (for callers that pick the
-        thread themselves)."""
+        thread themselves). A compute call runs on the cores it takes (`cores.compute_threads`:
+        a worker thread waits for a free core, the event loop never does)."""
         started = time.perf_counter()
         try:
-            return fn(*args)
+            if not self.compute:
+                return fn(*args)
+            from .cores import compute_threads  # torch: only processes that compute import it
+            with compute_threads(wait=in_thread):
+                return fn(*args)
         finally:
             per_unit = (time.perf_counter() - started) / max(units, 1)
             self.per_unit = per_unit if self.per_unit is None else \
                 self.per_unit + self.alpha * (per_unit - self.per_unit)
+
+
+async def compute(fn, *args: Any) -> Any:
+    """`fn(*args)` in a worker thread on the host's free cores (a prefill: always long)."""
+    return await asyncio.to_thread(Offload(compute=True).timed, 1, fn, *args, in_thread=True)
 
 
 async def within(coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:

@@ -229,8 +229,10 @@ class Cluster:
     def launch(self, instance: Instance) -> None:
         instance.config_path.write_text(schema.dumps(instance.config))
         instance.ready_path.unlink(missing_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads),
-               "MKL_NUM_THREADS": str(self.threads)}
+        # each compute call takes the host's free cores (cores.py); between calls no OpenMP
+        # thread spins on a core another process's call now holds
+        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
         instance.popen = subprocess.Popen(
             [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",

@@ -67,7 +67,7 @@ class DraftBatcher:
         self.steps = 0               # forward passes run
         self.rows = 0                # tokens drafted over all steps (rows / steps = batching)
         self.widest = 0              # most sessions drafted in one pass
-        self._stepping = Offload()   # a step measured cheaper than a thread hop runs on the loop
+        self._stepping = Offload(compute=True)   # on the free cores; a step cheaper than a thread hop on the loop
 
     @property
     def queue_depth(self) -> int:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..aio import compute
 from ..cache import NotFound
 from ..core.control import AcceptanceEstimate, VerifyCost, choose_m, clamp_m_init
 from ..core.digest import chain, extend_digest, prefix_digest
@@ -188,7 +189,7 @@ class DraftSession:
                     log.info("session %s: published draft KV unusable (%s)", self.id.hex(), exc)
                     with contextlib.suppress(ModelError):
                         backend.release(self.id)
-            await asyncio.to_thread(backend.open, self.id, want)
+            await compute(backend.open, self.id, want)
 
     # ------------------------------------------------------------------ the round loop
 

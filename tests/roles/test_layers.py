@@ -67,7 +67,7 @@ def test_no_role_imports_another_role(role):
 
 def test_shared_pieces_and_transport_import_no_role():
     for name, deps in GRAPH.items():
-        if top(name) in ("core", "transport", "cache", "models", "kernels", "aio", "refs", "commits", "reports",
+        if top(name) in ("core", "transport", "cache", "models", "kernels", "aio", "cores", "refs", "commits", "reports",
                         "config", "metrics", "logs"):
             assert not {d for d in deps if top(d) in ROLES}, (name, deps)
 
