@@ -53,6 +53,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 LADDER = ("reduce", "switch", "self_decode", "fail")
 ROLES = ("verifier", "drafter", "router")
+SPECULATION_MODES = ("auto", "on", "off")   # [verifier] speculation (verifier/speculation.py)
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,9 @@ class VerifierSection:
     max_wait_ms: float = 2.0                # the first job's wait for company
     company_share: float = 0.5              # ... and up to this share of a batch's cost for sessions of the last two batches
     group_commit: bool = True               # a batch's commit records in one durable write (false: one each)
+    speculation: str = "auto"               # auto: speculate while it commits more than self-decoding
+                                            # (measured); on: always (the drafters' M under the load
+                                            # rule); off: self-decode every session after its first round
     batch_log: str | None = None            # JSON line per verify batch (timelines, benchmarks)
     metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
     max_sessions: int = 4096
@@ -80,6 +84,10 @@ class VerifierSection:
     retire_idle_s: float = 30.0             # over budget, sessions idle this long may be retired
     max_context_tokens: int = 32768         # the longest session a memory reservation counts with
     idle_s: float = 1800.0                  # a session untouched this long is retired
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise ConfigError(f"speculation: one of {', '.join(SPECULATION_MODES)}, not {self.speculation!r}")
 
 
 @dataclass(frozen=True)

@@ -175,7 +175,8 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
                                     engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms,
                                                                group_commit=v.group_commit,
                                                                company_share=v.company_share,
-                                                               batch_log=v.batch_log))
+                                                               batch_log=v.batch_log,
+                                                               speculation=v.speculation))
     return built
 
 

@@ -4,7 +4,9 @@
 (consecutive rounds that are not low) and j (position in the fallback list). `next_m_cap`
 is section 6.5.1: reduce halves m_cap, the verifier's load lowers it, and it is restored one
 per round when rounds are no longer low and load permits. `choose_m` is the recommended
-M-choice rule of section 6.2.
+M-choice rule of section 6.2. `plan_speculation` is the verifier's side of the same rule:
+from its measured pass costs and the drafters' measured turnaround, the m_cap that commits
+the most, or self-decoding when no M does better than the verifier decoding by itself.
 """
 
 from __future__ import annotations
@@ -120,6 +122,44 @@ def choose_m(alpha: float, t_draft: float, t_verify: float | Callable[[int], flo
     return best_m
 
 
+SELF_DECODE = 0   # plan_speculation's answer when no M pays: the verifier decodes itself
+
+
+def plan_speculation(alpha: float, m_limit: int, sessions: int, pass_cost: Callable[[int], float],
+                     draft_gap: Callable[[int], float], *, speculating: bool = True,
+                     margin: float = 0.1) -> int:
+    """The verifier's choice for a session among its `sessions` active ones: the M in
+    1..m_limit that maximises committed tokens per second, or SELF_DECODE (0) when the
+    verifier decoding them itself commits more.
+
+    With every session proposing M, one round is the drafters' work for sessions x M tokens
+    (`draft_gap(x)`: from a verdict to the next proposal, measured) followed by one pass over
+    sessions x (M + 1) tokens (`pass_cost(n)`, measured), and commits expected_tokens(alpha,
+    M) a session. Self-decoded, every pass over `sessions` tokens commits one a session.
+    Comparing whole rounds of all sessions, not one session at the margin, matters: one
+    session that alone stopped speculating would still wait for the others' long pass, so
+    at the margin speculation always looks better, even where all of them self-decoding
+    commits more (a CPU verifier under load, whose pass cost grows with every token).
+
+    `speculating`: what the session does now; it changes only for a rate better by more than
+    `margin`, so that measurement noise does not move sessions to and fro (each move back
+    to drafting costs the drafter a catch-up prefill)."""
+    if m_limit < 1:
+        raise ValueError("m_limit must be at least 1")
+    sessions = max(1, sessions)
+    alpha = min(1.0, max(0.0, alpha))
+    self_rate = sessions / max(1e-9, pass_cost(sessions))
+    best_m, best_rate = 1, -1.0
+    for m in range(1, m_limit + 1):
+        round_s = draft_gap(sessions * m) + pass_cost(sessions * (m + 1))
+        rate = sessions * expected_tokens(alpha, m) / max(1e-9, round_s)
+        if rate > best_rate * (1 + 1e-12):
+            best_m, best_rate = m, rate
+    if speculating:
+        return SELF_DECODE if self_rate > best_rate * (1 + margin) else best_m
+    return best_m if best_rate > self_rate * (1 + margin) else SELF_DECODE
+
+
 @dataclass
 class VerifyCost:
     """The verify cost of a round as a function of M, t_v(M) = base + slope * M, learned from
@@ -136,6 +176,8 @@ class VerifyCost:
     initial: float = 0.010
     weight: float = 0.3
     prior_slope: float = 0.15
+    max_rounds: float = float("inf")   # cap on a point's weight in the line: a smaller cap lets
+                                       # points seen lately count as much as old ones
     seen: dict[int, list[float]] = field(default_factory=dict)   # M -> [EWMA seconds, rounds]
 
     def observe(self, m: int, seconds: float) -> None:
@@ -144,7 +186,7 @@ class VerifyCost:
             self.seen[m] = [seconds, 1.0]
         else:
             entry[0] += self.weight * (seconds - entry[0])
-            entry[1] += 1.0
+            entry[1] = min(self.max_rounds, entry[1] + 1.0)
 
     def line(self) -> tuple[float, float]:
         """(base, slope) of t_v(M) = base + slope * M."""

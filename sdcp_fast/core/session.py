@@ -8,7 +8,7 @@ caller (the verifier role) does all IO:
     session = VerifierSession.open(msg, model_digest=..., prompt=[...])
     session.assign(assignment)                                   -> SessionState
     step = session.check(caller, proposal)                       -> Replay | Wait | Job
-    record = session.complete(job, accepted, extra, load)        -> CommitRecord
+    record = session.complete(job, accepted, extra, load[, plan]) -> CommitRecord
       (or session.refuse(job, problem) when q rows were unavailable or bad)
     verdict = session.commit_result(appended=True)               -> Verdict | None (self round)
       (or session.commit_failed() when nothing could be appended)
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .control import (
+    SELF_DECODE,
     Counters,
     Escalation,
     clamp_m_init,
@@ -375,9 +376,17 @@ class VerifierSession:
         self.assigned_during_job = False
         return ProblemError(prob)
 
-    def complete(self, job: Job, accepted: int, extra: int, load: int) -> CommitRecord:
+    def complete(self, job: Job, accepted: int, extra: int, load: int,
+                 plan: int | None = None) -> CommitRecord:
         """The verification result: a accepted tokens and the additional token. Returns the
-        commit record to append; the verdict exists only after `committed(True)`."""
+        commit record to append; the verdict exists only after `committed(True)`.
+
+        `plan`: the verifier's speculation plan for the session (control.plan_speculation),
+        None for none: an M becomes the next m_cap (instead of the load rule of
+        `next_m_cap`), SELF_DECODE (0) moves the session to self-decoding where the contract
+        permits it at this load (section 6.5.2's self_decode, taken because speculation
+        loses rather than because rounds were low: the ladder's counters are untouched).
+        Finish, and any action the ladder takes, come first."""
         self._expect_inflight(job, S.VERIFYING)
         if not 0 <= accepted <= job.m:
             raise ProtocolError(f"accepted {accepted} outside 0..{job.m}")
@@ -394,8 +403,14 @@ class VerifierSession:
             counters, action, low = escalate(self.escalation, self.counters, accepted, job.m, load)
             if finished:
                 action = Action.FINISH   # takes precedence over any escalation
-            m_cap = next_m_cap(self.m_cap, self.contract.m_max, action,
-                               is_low(accepted, job.m, self.escalation.low_ratio), load)
+            elif (plan == SELF_DECODE and action == Action.CONTINUE
+                  and self_decode_permitted(self.escalation, load)):
+                action = Action.SELF_DECODE
+            if plan and action != Action.REDUCE:
+                m_cap = max(1, min(self.contract.m_max, plan))
+            else:
+                m_cap = next_m_cap(self.m_cap, self.contract.m_max, action,
+                                   is_low(accepted, job.m, self.escalation.low_ratio), load)
             verdict = Verdict(self.id, self.epoch, job.round, accepted, emitted, committed,
                               digest, action, m_cap, low, load)
             event = _COMMIT_EVENTS[action]

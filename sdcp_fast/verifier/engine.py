@@ -53,7 +53,7 @@ from ..aio import LoopTask, Offload, within
 from ..cache import Fenced
 from ..cache.qrows import QFetch, QRowStager
 from ..commits import RecordAppend, append_records, landed
-from ..core.messages import Verdict
+from ..core.messages import Action, Verdict
 from ..core.problems import Kind, Problem
 from ..core.session import Job, State, VerifierSession
 from ..kernels.device import Device
@@ -61,6 +61,7 @@ from ..kernels.dispatch import ENV_VAR as KERNELS_PATH_VAR
 from . import logprobs, verify_step
 from .metrics import Metrics
 from .sessions import ServedSession, ServedSessions
+from .speculation import SpeculationPolicy
 from .target import TargetModel
 from .verify_step import JobOutcome
 
@@ -131,6 +132,9 @@ class EngineConfig:
                                       # on the CPU it costs a copy and hides little)
     batch_log: str | None = None      # JSON line per batch: when it formed, whose jobs, its
                                       # time split (the timeline of bench_real --timeline)
+    speculation: str = "on"           # auto | on | off: when sessions speculate (speculation.py);
+                                      # the engine alone does what section 6.5 says ("on"), a
+                                      # deployment's verifier plans by cost ([verifier] speculation)
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ class Engine:
         self.load_override: int | None = None         # pins the reported load (tests, drills)
         self._loop = LoopTask(self._run, "verifier-engine")
         self._batch_file = open(config.batch_log, "a") if config.batch_log else None  # noqa: SIM115
+        self.policy = SpeculationPolicy(config.speculation)
 
     # ------------------------------------------------------------------ load
 
@@ -248,10 +253,14 @@ class Engine:
         as the future resolves, from the engine's own step: it must be quick and not raise
         (what it raises is logged)."""
         future: asyncio.Future[RoundResult] = self.event_loop.create_future()
+        state = served.speculation
         if served.answered_at:   # how long its drafter takes to come back (the company wait's guide)
             gap = time.perf_counter() - served.answered_at
             served.turnaround_s = gap if not served.turnaround_s else \
                 served.turnaround_s + TURNAROUND_ALPHA * (gap - served.turnaround_s)
+            if not job.self_decoded and not state.last_self_decoded:   # a drafter's turnaround
+                self.policy.observe_turnaround(job.m, gap)
+        state.last_self_decoded = job.self_decoded
         fetch = None
         if job.q_rows is not None:   # rule 2: start moving its q rows now, or at its batch
             fetch = (self._stager.fetch if self._prefetch else self._stager.deferred)(job.q_rows, job.m)
@@ -433,6 +442,8 @@ class Engine:
         """Keep the batch's split; the results are back, so every event has completed."""
         self.batch_times.append(times)
         seconds = (times.forward_ms + times.kernel_ms + times.commit_ms) / 1e3
+        self.policy.observe_pass(sum(item.job.m + 1 for item in batch), time.perf_counter() - started,
+                                 len(set().union(*self._recent)))
         self._batch_s = seconds if self._batch_s == 0 else self._batch_s + 0.2 * (seconds - self._batch_s)
         if self._batch_file is not None:
             self._batch_file.write(json.dumps({
@@ -469,8 +480,13 @@ class Engine:
             if outcome.problem is not None:
                 self._refuse(item, outcome.problem)
                 continue
+            plan = None
+            if not item.job.self_decoded:   # the verifier's plan for the session's next rounds
+                state = item.served.speculation
+                self.policy.observe_round(state, outcome.accepted, item.job.m)
+                plan = self.policy.plan(state, item.session.contract.m_max)
             try:
-                record = item.session.complete(item.job, outcome.accepted, outcome.extra, load)
+                record = item.session.complete(item.job, outcome.accepted, outcome.extra, load, plan)
             except Exception as exc:   # a bug: that job alone is answered 503
                 self._broken(item, exc)
                 continue
@@ -501,6 +517,8 @@ class Engine:
                 self._broken(item, failure)
                 continue
             rounds.append((item.job.m, accepted, verdict.action if verdict else None))
+            if verdict is not None and verdict.action == Action.SELF_DECODE:
+                self.policy.moved_to_self_decoding(item.served.speculation)
             item.served.wake()
             verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
         self.metrics.hold_rounds(rounds)

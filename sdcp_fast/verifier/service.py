@@ -277,8 +277,12 @@ class VerifierService(Routed):
         """Decode the session with the target model, one round per token, until the period
         ends (self_max tokens or load above self_load) or the router assigns a drafter."""
         session = served.machine
+        policy = self.engine.policy
         try:
             while True:
+                if policy.resume_drafting(served.speculation, session.self_tokens, session.contract.m_max):
+                    session.end_self_decoding()   # speculation pays again: the router assigns a drafter
+                    break
                 job = session.next_self_job(self.engine.load)
                 if job is None:
                     break

@@ -16,13 +16,14 @@ import contextlib
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..aio import KeyedLock
 from ..core.messages import CommitRecord, LogprobsAsk, Output, Verdict
 from ..core.problems import Kind, Problem, ProblemError, problem
 from ..core.session import Job, State, VerifierSession
 from .logprobs import Committed, Entry
+from .speculation import SessionSpeculation
 
 _PROPOSING = frozenset({State.SERVING, State.SELF_DECODING})
 
@@ -38,6 +39,7 @@ class ServedSession:
     retired: bool = False
     answered_at: float = 0.0                            # perf_counter when its last job's answer went out
     turnaround_s: float = 0.0                           # from an answer to its next job (EWMA; 0: unknown)
+    speculation: SessionSpeculation = field(default_factory=SessionSpeculation)   # speculation.py
     logprobs: LogprobsAsk | None = None                 # the session asked for the target's log-probabilities
     scored: tuple[int, list[Entry]] | None = None       # (round, entries) of the last scored job (logprobs.py)
     committed_logprobs: Committed | None = None         # those of its committed tokens

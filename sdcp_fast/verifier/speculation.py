@@ -1,0 +1,137 @@
+"""When the verifier lets a session speculate, and how far: its side of section 6.2's rule.
+
+Speculation pays only while a round (the drafters' turnaround plus one pass over M + 1
+tokens a session) commits more per second than the verifier decoding the session itself
+(one pass over one token a session, no drafter). Which one wins depends on the hardware and
+the load: on a GPU a pass over 6 tokens costs about what a pass over 1 does, so speculation
+wins at any load; on a CPU the pass cost grows with every token, so at a high enough load
+the same tokens cost more verified than decoded. So nothing here is a constant tuned to a
+machine: the policy measures
+
+- the pass cost t(n) over n new tokens in a pass, from every pass the engine runs (the
+  whole pass: forward, verify, commit, answers), as a line through per-n averages;
+- the drafters' turnaround g(x), from a verdict's answer to the session's next proposal,
+  against x = the draft tokens all active sessions ask for in a round;
+- each session's acceptance (an EWMA of a/M, as the drafter keeps it),
+
+and `control.plan_speculation` turns them into a plan per drafted round: an M (the next
+m_cap) or self-decoding. A self-decoding session goes back to a drafter once a plan with
+its acceptance says speculating pays again (after at least `min_self_tokens`: each move
+back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
+(self_load, the ladder's own use of it); where the contract does not permit it the plan's
+M still applies.
+
+Modes (`[verifier] speculation`): "auto" (the above), "on" (no plan: the drafters' own
+M-choice under section 6.5's load rule, as before) and "off" (every session self-decoded
+after its first round: the target alone behind the same door, for comparisons).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation
+
+MODES = ("auto", "on", "off")
+POINT_WEIGHT_CAP = 16     # a cost point's weight in its line: recent conditions count as much as old
+MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to a drafter
+
+
+@dataclass
+class SessionSpeculation:
+    """What the policy keeps per session."""
+
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    self_decoding: bool = False     # the plan moved it to self-decoding (its drafted rounds stopped)
+    last_self_decoded: bool = True  # its last job was self-decoded (or none yet): no turnaround to take
+
+
+class MeasuredCosts:
+    """The pass cost t(n) and the drafters' turnaround g(x) as lines through what was
+    measured (control.VerifyCost), refreshed once per pass: a plan reads them per verdict."""
+
+    def __init__(self) -> None:
+        # prior slopes: with one point seen, a pass's cost grows by 15% of itself a token
+        # (a CPU's; a GPU's measured line soon replaces it), the turnaround is all drafting
+        self.passes = VerifyCost(initial=0.010, prior_slope=0.15, max_rounds=POINT_WEIGHT_CAP)
+        self.turnarounds = VerifyCost(initial=0.010, prior_slope=1.0, max_rounds=POINT_WEIGHT_CAP)
+        self._lines = (self.passes.line(), self.turnarounds.line())
+
+    def observe_pass(self, tokens: int, seconds: float) -> None:
+        self.passes.observe(max(1, tokens), seconds)
+        self._lines = (self.passes.line(), self.turnarounds.line())
+
+    def observe_turnaround(self, draft_tokens: int, seconds: float) -> None:
+        self.turnarounds.observe(max(1, draft_tokens), seconds)
+
+    def pass_cost(self, tokens: int) -> float:
+        base, slope = self._lines[0]
+        return max(1e-6, base + slope * tokens)
+
+    def turnaround(self, draft_tokens: int) -> float:
+        base, slope = self._lines[1]
+        return max(0.0, base + slope * draft_tokens)
+
+
+class SpeculationPolicy:
+    """`costs`: where t(n) and g(x) come from (default `MeasuredCosts`; tests give a model)."""
+
+    def __init__(self, mode: str = "auto", *, costs=None, margin: float = 0.1,
+                 min_self_tokens: int = MIN_SELF_TOKENS):
+        if mode not in MODES:
+            raise ValueError(f"speculation: one of {', '.join(MODES)}, not {mode!r}")
+        self.mode = mode
+        self.costs = costs if costs is not None else MeasuredCosts()
+        self.margin = margin
+        self.min_self_tokens = min_self_tokens
+        self.active = 1                 # sessions in the last two passes
+        self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0}   # decisions taken
+
+    # ------------------------------------------------------------------ measurements
+
+    def observe_pass(self, tokens: int, seconds: float, active: int) -> None:
+        """A pass over `tokens` new tokens took `seconds`; `active` sessions are in play."""
+        self.active = max(1, active)
+        if self.mode == "auto":
+            self.costs.observe_pass(tokens, seconds)
+
+    def observe_turnaround(self, m: int, seconds: float) -> None:
+        """A session's drafter came back with M tokens `seconds` after the last verdict:
+        one point of g at x = M x the active sessions (the drafters draft for all of them)."""
+        if self.mode == "auto":
+            self.costs.observe_turnaround(m * self.active, seconds)
+
+    @staticmethod
+    def observe_round(state: SessionSpeculation, accepted: int, m: int) -> None:
+        state.acceptance = state.acceptance.update(accepted, m)
+
+    # ------------------------------------------------------------------ decisions
+
+    def _plan(self, state: SessionSpeculation, m_max: int, *, speculating: bool) -> int:
+        return plan_speculation(state.acceptance.alpha, m_max, self.active, self.costs.pass_cost,
+                                self.costs.turnaround, speculating=speculating, margin=self.margin)
+
+    def plan(self, state: SessionSpeculation, m_max: int) -> int | None:
+        """The plan for a drafted round's verdict: an M for m_cap, SELF_DECODE, or None
+        (mode "on")."""
+        if self.mode == "on":
+            return None
+        if self.mode == "off":
+            return SELF_DECODE
+        m = self._plan(state, m_max, speculating=True)
+        self.plans["self" if m == SELF_DECODE else "speculate"] += 1
+        return m
+
+    @staticmethod
+    def moved_to_self_decoding(state: SessionSpeculation) -> None:
+        state.self_decoding = True
+
+    def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int) -> bool:
+        """Whether a session the plan moved to self-decoding should go back to a drafter."""
+        if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
+            return False
+        if self._plan(state, m_max, speculating=False) == SELF_DECODE:
+            return False
+        state.self_decoding = False
+        self.plans["resume"] += 1
+        return True

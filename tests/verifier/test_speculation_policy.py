@@ -1,0 +1,146 @@
+"""The verifier's speculation policy in a running verifier (table model, real stores), with a
+cost model the test controls instead of measured timings:
+
+- a greedy session moves from drafted rounds to self-decoding when the costs say
+  speculation loses, and back to a drafter when they say it pays again; its output is the
+  target's greedy decoding, every token once, its rounds consecutive on the commit log;
+- under rule 2, tokens self-decoded after the plan's move follow the target distribution
+  (chi-square, with the test's power shown against the draft's distribution).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from sdcp_fast.commits import read_records
+from sdcp_fast.core.messages import Action, Sampling, SessionState, Verdict
+from sdcp_fast.verifier import EngineConfig
+from tests.verifier.harness import Harness, contract_for, harness_test
+from tests.verifier.test_rule2_distribution import chi_square_p, draft_table, target_p
+
+AUTO = EngineConfig(speculation="auto", max_wait_ms=1.0)
+
+
+class Costs:
+    """A cost model switched by the test: `speculate` True is a GPU-like verifier (a pass
+    costs the same for any number of tokens, drafting is quick), False a loaded CPU one
+    (every token of a pass costs, drafting is slow): the plan must self-decode there."""
+
+    def __init__(self, speculate=lambda: True):
+        self.speculate = speculate
+
+    def observe_pass(self, tokens, seconds):
+        pass
+
+    def observe_turnaround(self, draft_tokens, seconds):
+        pass
+
+    def pass_cost(self, n):
+        return 0.010 if self.speculate() else 0.010 * n
+
+    def turnaround(self, x):
+        return 0.001 if self.speculate() else 1.0
+
+
+def greedy(h: Harness, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(h.backend.table[seq[-1]].argmax()))
+    return seq[len(prompt):]
+
+
+async def until(condition, timeout=10.0):
+    for _ in range(int(timeout / 0.002)):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError("condition not reached")
+
+
+@harness_test(timeout=60, engine_config=AUTO)
+async def test_a_session_moves_to_self_decoding_and_back_without_losing_a_token(h):
+    prompt, max_new = [1, 2, 3], 40
+    contract = contract_for(h.backend, max_new=max_new, low_rounds=1000,
+                            fallback=(Action.REDUCE, Action.SWITCH, Action.SELF_DECODE), self_load=100)
+    sid, r = await h.open(contract, prompt=prompt)
+    machine = h.service.sessions[sid].machine
+    # drafting pays until 10 tokens are committed, loses until 25, pays again after
+    h.service.engine.policy.costs = Costs(lambda: not 10 <= machine.committed < 25)
+    state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+    expected = greedy(h, prompt, max_new)
+    actions, m_cap = [], 4
+    while not machine.closed:
+        context = prompt + list(machine.output_tokens)
+        m = min(m_cap, max_new - len(machine.output_tokens))
+        tokens = greedy(h, context, m)    # a drafter that is always right
+        resp = await h.propose(sid, state, tokens)
+        assert resp.status == 200, resp.body
+        v = Verdict.from_cbor(resp.body)
+        actions.append(v.action)
+        m_cap = v.m_cap
+        if v.action == Action.SELF_DECODE:   # the verifier decodes until drafting pays again
+            await until(lambda: machine.state.value == "awaiting-drafter" or machine.closed)
+            if machine.closed:
+                break
+            assert machine.committed >= 25
+        state = machine.state_message()
+        if v.action == Action.SELF_DECODE:   # a drafter again, from the assignment's m_init
+            state = SessionState.from_cbor((await h.assign(sid, contract, state, m_init=4)).body)
+            m_cap = 4
+    assert Action.SELF_DECODE in actions and actions[-1] == Action.FINISH
+    assert list(machine.output_tokens) == expected
+    records = await read_records(h.log, machine.commit_log)
+    assert [rec.round for rec in records] == list(range(1, len(records) + 1))
+    assert [t for rec in records for t in rec.emitted] == expected
+    plans = h.service.engine.policy.plans
+    assert plans["self"] >= 1 and plans["resume"] == 1
+
+
+V = 6
+N = 1500
+SAMPLING = Sampling(top_k=4, seed=20261204)
+
+
+@harness_test(timeout=300, table_seed=7, vocab=V, engine_config=AUTO)
+async def test_tokens_self_decoded_after_the_move_follow_the_target(h):
+    """Each session: prompt [0], max_new 3, one drafted token x1 ~ q(.|0) (M = 1), whose
+    verdict commits two tokens and moves the session to self-decoding (the costs say so);
+    the verifier decodes the third. The triples (o1, o2, o3) must follow p(o1|0) p(o2|o1)
+    p(o3|o2): 216 cells, those expected below 5 pooled, p-value above 1e-4 (a false alarm
+    once in 10,000 runs); the same counts against the draft's own joint distribution for o1
+    (q, then p) must be rejected (p < 1e-4), which shows the test's power."""
+    h.service.engine.policy.costs = Costs(lambda: False)
+    contract = contract_for(h.backend, rule=2, max_new=3, sampling=SAMPLING, low_rounds=10_000,
+                            fallback=(Action.REDUCE, Action.SELF_DECODE), self_load=100)
+    q_table = torch.softmax(draft_table().double(), -1).float()
+    sem = asyncio.Semaphore(64)
+
+    async def one(n: int) -> tuple[int, ...]:
+        async with sem:
+            sid = n.to_bytes(16, "big")
+            g = torch.Generator().manual_seed(n)
+            _, r = await h.open(contract, prompt=(0,), sid=sid)
+            state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+            x1 = int(torch.multinomial(q_table[0].double(), 1, generator=g))
+            ref = f"mlc:/q/{n}/1"
+            await h.store.put(ref, q_table[0].unsqueeze(0).numpy().tobytes(), lease_ms=60_000)
+            resp = await h.propose(sid, state, [x1], q_rows=ref)
+            await h.store.release(ref)
+            assert resp.status == 200, resp.body
+            assert Verdict.from_cbor(resp.body).action == Action.SELF_DECODE
+            machine = h.service.sessions[sid].machine
+            await until(lambda: machine.closed, timeout=120)
+            return tuple(machine.output_tokens)
+
+    outputs = await asyncio.gather(*(one(n) for n in range(N)))
+    counts = torch.zeros(V ** 3, dtype=torch.float64)
+    for o1, o2, o3 in outputs:
+        counts[(o1 * V + o2) * V + o3] += 1
+    p = [target_p(h, a) for a in range(V)]
+    joint = torch.stack([p[0][a] * p[a][b] * p[b] for a in range(V) for b in range(V)]).reshape(-1)
+    assert chi_square_p(counts, joint) > 1e-4
+    q0 = torch.softmax(draft_table().double(), -1)[0]
+    wrong = torch.stack([q0[a] * p[a][b] * p[b] for a in range(V) for b in range(V)]).reshape(-1)
+    assert chi_square_p(counts, wrong) < 1e-4
