@@ -13,6 +13,11 @@ sizes the V-split):
   `MAX_PROPOSALS * (MAX_DRAFT + 1)` and that the uniform batches did not produce, one ragged
   batch with that many rows; `target_probs` once per LaunchConfig.
 
+`QUICK_PROPOSAL_COUNTS` x `QUICK_DRAFT_COUNTS` replace the full B x M grid for a quick look
+(bench/gpu_check.sh): the same specialisations today, in a twentieth of the calls.
+`jit_functions` and `never_compiled` find the jit functions that no compiled kernel is or
+calls: a kernel that no launch reaches fails the check.
+
 Nothing here names a kernel or a signature: a new kernel or a changed launch in triton_path
 is recorded as it is launched.
 """
