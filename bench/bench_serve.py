@@ -37,7 +37,8 @@ Outputs: a table per temperature, --json with everything, --plot (tokens/s and I
 against concurrency, one line per way). Last line (greedy; a T=0.7 line before it):
 `serve: c=1 A.AAx c=2 B.BBx ... c=64 G.GGx vs the target alone on the whole machine (min
 M.MMx), identical yes|no` (SDCP tokens/s over the baseline's at each level; identical when
-every greedy answer of every mode equals the reference).
+every greedy answer of every mode equals the reference). Exit code 0 only when every request
+finished and the greedy answers are identical.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Answer:
     last: float | None
     text: str = ""
     finish: str | None = None
+    error: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -233,20 +235,23 @@ async def one_request(client, model: str, text: str, max_tokens: int, temperatur
     answer = Answer(0, sent, None, None)
     parts = []
     options = {"seed": seed} if temperature > 0 else {}
-    stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=temperature,
-        stream=True, stream_options={"include_usage": True}, **options)
-    async for chunk in stream:
-        now = time.perf_counter()
-        if chunk.usage is not None:
-            answer.tokens = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            if choice.delta is not None and choice.delta.content:
-                parts.append(choice.delta.content)
-                answer.first = answer.first or now
-                answer.last = now
-            if choice.finish_reason:   # the stop token ends the answer with no text of its own
-                answer.finish, answer.last = choice.finish_reason, now
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+            temperature=temperature, stream=True, stream_options={"include_usage": True}, **options)
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                answer.tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                if choice.delta is not None and choice.delta.content:
+                    parts.append(choice.delta.content)
+                    answer.first = answer.first or now
+                    answer.last = now
+                if choice.finish_reason:   # the stop token ends the answer with no text of its own
+                    answer.finish, answer.last = choice.finish_reason, now
+    except Exception as exc:   # counted and shown; the level goes on
+        answer.error = f"{type(exc).__name__}: {str(exc)[:200]}"
     answer.text = "".join(parts)
     return answer
 
@@ -341,6 +346,7 @@ def plot(path: str, results: dict, levels: list[int], ways: list[str], temperatu
         ax.set_xlabel("concurrent streamed requests")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
+    itl_ax.set_yscale("log")   # the batched baseline's steps grow with the batch; the servers' stay near flat
     rate_ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M behind the OpenAI door vs transformers generate() (bench/bench_serve.py)")
     fig.tight_layout()
@@ -421,6 +427,7 @@ def main() -> int:
             print(f"  {level.rate:.1f} tokens/s", flush=True)
 
     different: dict[str, list[int]] = {}
+    failed = 0
     with deployment.work_directory(args.workdir) as root:
         for mode in modes:
             cluster, front, metrics_url = start_deployment(root, mode, draft_spec, draft_digest,
@@ -433,7 +440,11 @@ def main() -> int:
                             level = asyncio.run(drive(front, texts[:c], args.max_tokens, t, args.repeat,
                                                       metrics_url, mode))
                         results[mode, t, c] = level
-                        print(f"  {level.rate:.1f} tokens/s, {level.tokens} tokens", flush=True)
+                        errors = [a.error for a in level.answers if a.error]
+                        print(f"  {level.rate:.1f} tokens/s, {level.tokens} tokens"
+                              + (f"; {len(errors)} request(s) FAILED, e.g. {errors[0]}" if errors else ""),
+                              flush=True)
+                        failed += len(errors)
                         if t == 0:
                             for n, answer in enumerate(level.answers):
                                 if answer.text != reference_texts[n % c]:
@@ -463,8 +474,10 @@ def main() -> int:
     if args.plot:
         plot(args.plot, results, levels, ways, temperatures)
         print(f"plot in {args.plot}")
+    if failed:
+        print(f"{failed} request(s) failed (see the lines above)")
     if "sdcp" not in modes:
-        return 0
+        return 1 if failed else 0
 
     def ratios(t: float) -> tuple[str, float]:
         rs = [results["sdcp", t, c].rate / results["baseline", t, c].rate if results["baseline", t, c].rate else 0.0
@@ -479,7 +492,7 @@ def main() -> int:
         line, low = ratios(0.0)
         print(f"serve: {line} vs the target alone on the whole machine (min {low:.2f}x), "
               f"identical {'no' if different else 'yes'}")
-    return 0
+    return 1 if failed or different else 0
 
 
 if __name__ == "__main__":
