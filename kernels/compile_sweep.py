@@ -6,12 +6,11 @@ What is swept, per GPU model (`GPU_MODELS`: its architecture and multiprocessor 
 sizes the V-split):
 - logits fp32, bf16 and fp16 (`batch.LOGIT_DTYPES`); V in `VOCABS`;
 - `verify` on every B in 1..`MAX_PROPOSALS` with every M in 1..`MAX_DRAFT` drafted tokens per
-  proposal, every proposal rule 2 (the only rule that launches every kernel with q), built as
-  the verifier builds it (`pack_batch`'s two buffers, unpacked into views: the views' offsets
+  proposal, every proposal rule 2 (q rows for all), built as the verifier builds it (`pack_batch`'s two buffers, unpacked into views: the views' offsets
   decide which pointers Triton sees as 16-byte aligned);
 - then, for each LaunchConfig that `launch_config_for` returns for some row count up to
   `MAX_PROPOSALS * (MAX_DRAFT + 1)` and that the uniform batches did not produce, one ragged
-  batch with that many rows; `target_probs` once per LaunchConfig.
+  batch with that many rows; `target_probs` once per LaunchConfig; one batch without q.
 
 `QUICK_PROPOSAL_COUNTS` x `QUICK_DRAFT_COUNTS` replace the full B x M grid for a quick look
 (bench/gpu_check.sh): the same specialisations today, in a twentieth of the calls.
@@ -62,15 +61,16 @@ GPU_MODELS = (
 )
 
 
-def meta_batch(drafts_per_proposal: list[int], vocab: int, dtype: torch.dtype) -> VerifyBatch:
-    """A rule-2 batch of meta tensors laid out as `pack_batch` lays it out on a device."""
+def meta_batch(drafts_per_proposal: list[int], vocab: int, dtype: torch.dtype, with_q: bool = True) -> VerifyBatch:
+    """A batch of meta tensors laid out as `pack_batch` lays it out on a device: with q rows
+    for every draft (rule 2) or none (rule 1 only)."""
     b, n = len(drafts_per_proposal), sum(drafts_per_proposal)
     rows = n + b
     packed = PackedBatch(
         logits=torch.empty(rows, vocab, dtype=dtype, device=META),
         ints=torch.empty(8 * b + n, dtype=torch.int64, device=META),
         floats=torch.empty(n + rows, dtype=torch.float64, device=META),
-        q=torch.empty(n, vocab, dtype=torch.float32, device=META), num_proposals=b)
+        q=torch.empty(n, vocab, dtype=torch.float32, device=META) if with_q else None, num_proposals=b)
     return packed.unpack()
 
 
@@ -97,8 +97,9 @@ def config_representatives(vocab: int, sm_count: int, max_rows: int) -> dict[tri
     return first
 
 
-def _verify(drafts: list[int], vocab: int, dtype: torch.dtype, sm_count: int) -> triton_path.LaunchConfig:
-    batch = meta_batch(drafts, vocab, dtype)
+def _verify(drafts: list[int], vocab: int, dtype: torch.dtype, sm_count: int,
+            with_q: bool = True) -> triton_path.LaunchConfig:
+    batch = meta_batch(drafts, vocab, dtype, with_q)
     cfg = triton_path.launch_config_for(batch.logits.shape[0], vocab, sm_count)
     triton_path.verify(batch, cfg)
     return cfg
@@ -134,6 +135,8 @@ def record_gpu(gpu: GpuModel, proposal_counts: Iterable[int] = ALL_PROPOSAL_COUN
                         calls += 1
                     _target_probs(rows, vocab, dtype, cfg)
                     calls += 1
+                _verify([1], vocab, dtype, gpu.sm_count, with_q=False)   # no rule-2 proposal: no q
+                calls += 1
         if extra_launches is not None:
             extra_launches()
             calls += 1
