@@ -176,6 +176,19 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{', '.join(given)}: only without DIR (DIR's configs name the models)")
     if args.drafters < 1:
         raise ConfigError("--drafters must be at least 1")
+    if not args.dir and args.port and not port_free(args.host, args.port):
+        raise ConfigError(f"{args.host}:{args.port} is in use (--port N for another port, --port 0 for any free one)")
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether the front door could listen at host:port now (checked before the models load)."""
+    import socket
+
+    try:
+        with socket.create_server((host, port)):
+            return True
+    except OSError:
+        return False
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,8 +7,8 @@ Two steps, so that sessions which did not ask pay nothing (no softmax, no copy):
   launch's results came back: for each job of a session that asked and was not refused,
   the rows of the tokens it may commit (the a accepted proposals and the extra token: rows
   0..a of its logits) go through one log-softmax in float64 (or, when the session asked for
-  processed scores, `kernels.target_probs` under the round's sampling profile, then the
-  log), the committed candidates' values are gathered and the `top` alternatives taken with
+  processed scores, `kernels.target_probs` under the round's sampling profile on its
+  float64 reference path, then the log), the committed candidates' values are gathered and the `top` alternatives taken with
   `torch.topk`. The result waits on the session's record (`ServedSession.scored`) with its
   round number.
 - `ServedSession.keep_logprobs(record)`, in the engine's commit step, once the round's
@@ -58,7 +58,9 @@ def score_rows(rows: torch.Tensor, tokens: Sequence[int], ask: LogprobsAsk,
     """Entries for `tokens[k]` scored by logits row k (float64 on the rows' device)."""
     rows = rows.double()
     if ask.processed:
-        logp = torch.log(kernels.target_probs(rows, **transform))
+        # the float64 reference: the semantics every kernel path is checked against, and
+        # float64 where the fast paths give float32 (a few rows per round: its cost is small)
+        logp = torch.log(kernels.target_probs(rows, **transform, path="reference"))
     else:
         logp = torch.log_softmax(rows, dim=-1)
     index = torch.tensor(list(tokens), device=logp.device).unsqueeze(1)

@@ -231,6 +231,12 @@ def test_up_bad_flags_and_specs_are_one_line(args, words):
     assert_one_line_error(cli("up", "--port", "0", *args), *words)
 
 
+def test_up_on_a_port_in_use_is_one_line():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert_one_line_error(cli("up", "--port", str(port)), f"127.0.0.1:{port} is in use")
+
+
 @pytest.mark.parametrize(("args", "words"), [
     (["--pair", "tiny", "--target", "tiny:demo-target"], ["real pair"]),
     (["--target", "nope:x"], ["cannot load", "unknown model kind"]),
