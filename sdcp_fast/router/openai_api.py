@@ -178,6 +178,9 @@ class OpenAIRoutes:
         """vLLM's POST /tokenize: a prompt's token ids ("prompt"; "add_special_tokens" is
         the tokenizer's default), or a chat's ("messages", with the generation prompt)."""
         self.check_model(body, required=False)
+        for name in ("add_generation_prompt", "add_special_tokens"):   # only the way prompts are made here
+            if body.get(name) not in (None, True):
+                raise APIError(400, f"{name} other than true is not supported", param=name)
         if "messages" in body:
             tokens = self.chat_prompt(body["messages"])
         elif isinstance(body.get("prompt"), str):

@@ -482,3 +482,6 @@ def test_tokenize_detokenize_and_model_length(door):
     bad = httpx.post(f"{base}/detokenize", json={"tokens": [1, 1 << 20]}, timeout=10)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
     assert httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 4096
+    unsupported = httpx.post(f"{base}/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "add_generation_prompt": False}, timeout=10)
+    assert unsupported.status_code == 400 and unsupported.json()["error"]["param"] == "add_generation_prompt"
