@@ -369,7 +369,7 @@ class OpenAIRoutes:
         stop = tuple(sorted({*self.router.config.contract.stop, *self.eos}))
         created = int(time.time())
         sessions = await self.open_choices(req, stop, created)
-        replies = [Reply.of(s) for s in sessions]
+        replies = [Reply.of(sessions[0])] * len(sessions)   # one completion: its first session's id
         if req.stream:
             return StreamingResponse(200, self.stream(sessions, replies, 0))
         try:

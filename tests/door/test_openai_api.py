@@ -457,6 +457,7 @@ def test_n_choices_share_one_prefill_and_seeds_differ(door):
     finishes = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices
                 and c.choices[0].finish_reason}
     assert finishes == {0: "length", 1: "length"} and chunks[-1].usage.completion_tokens == 32
+    assert len({c.id for c in chunks}) == 1      # one completion, whichever choice a chunk carries
 
 
 def test_echo_puts_the_prompt_first(door):
