@@ -124,7 +124,7 @@ def measure(workdir: Path, protocol: str, args: argparse.Namespace, tree: Path |
     table, spec = table_target(workdir)
     backend = load_backend(spec)
     cluster = Cluster(workdir / f"{label}-{protocol}", protocol=protocol, log_level="warning")
-    verifier = cluster.verifier("verifier", model=spec, max_wait_ms=2.0, router_uri=None)
+    verifier = cluster.verifier("verifier", model=spec, speculation="on", max_wait_ms=2.0, router_uri=None)
     make_certs(cluster.certs, [cluster.router_uri, *DRAFTERS])
     out = workdir / f"{label}-{protocol}.out"
     setup = {"next_token": table.argmax(dim=1).tolist(), "drafter": DRAFTERS[0], "certs": str(cluster.certs),

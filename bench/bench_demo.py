@@ -89,7 +89,7 @@ def round_latency(protocol: str, tokens: int = 200) -> int:
         write_table(table, torch.randn(64, 64, generator=torch.Generator().manual_seed(0)))
         spec = f"table:{table}"
         cluster = Cluster(Path(tmp) / "cluster", protocol=protocol)
-        cluster.verifier("verifier", model=spec, max_wait_ms=1.0)
+        cluster.verifier("verifier", model=spec, speculation="on", max_wait_ms=1.0)
         cluster.drafter("drafter", model=spec)
         cluster.router(model=spec, drafter_models={"drafter": load_backend(spec).digest.hex()},
                        contract={"rule": 1, "m_max": 4, "max_new": tokens})

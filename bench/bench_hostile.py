@@ -438,7 +438,7 @@ def main() -> None:
         spec = f"table:{workdir / 'target.safetensors'}"
         backend = load_backend(spec)
         cluster = Cluster(workdir / "cluster", log_level="info")
-        verifier = cluster.verifier("v1", model=spec, max_wait_ms=0.5)
+        verifier = cluster.verifier("v1", model=spec, speculation="on", max_wait_ms=0.5)
         make_certs(cluster.certs, [cluster.router_uri, DRAFTER, *ATTACKERS])
         with cluster:
             cluster.start(timeout=60)

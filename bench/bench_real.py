@@ -133,7 +133,7 @@ def start_sdcp(workdir: Path, target_spec: str, draft_spec: str, draft_digest: s
     cluster = Cluster(workdir / "cluster", protocol="h2")
     # the verifier's own torch threads; the router loads the target only to tokenize
     verifier_spec = f"{target_spec}{'&' if '?' in target_spec else '?'}threads={threads}"
-    cluster.verifier("verifier", model=verifier_spec, **{"max_wait_ms": 1.0, "ttl_ms": 5000,
+    cluster.verifier("verifier", model=verifier_spec, **{"speculation": "on", "max_wait_ms": 1.0, "ttl_ms": 5000,
                                                          "status_interval_s": 0.5, **verifier_options})
     # generous timeouts: on a busy machine a first prefill can take seconds
     cluster.drafter("drafter", model=draft_spec, ttl_ms=5000, status_interval_s=0.5,

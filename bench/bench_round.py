@@ -244,7 +244,7 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
         cluster = Cluster(workdir / f"{variant}-{protocol}-{sessions}", protocol=protocol, log_level="warning")
         # no router: the drafters here open sessions with a router's certificate, and status
         # reports to a router that is not there would only cost the verifier retries
-        verifier = cluster.verifier("verifier", model=spec, max_wait_ms=2.0, metrics="127.0.0.1:0",
+        verifier = cluster.verifier("verifier", model=spec, speculation="on", max_wait_ms=2.0, metrics="127.0.0.1:0",
                                     router_uri=None, **options)
         make_certs(cluster.certs, [cluster.router_uri, *DRAFTERS])
         with cluster:

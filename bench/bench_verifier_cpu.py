@@ -172,7 +172,7 @@ def measure(workdir: Path, tree: Path | None, spec: str, protocol: str, sessions
             next_token: list[int], digests: tuple[bytes, bytes], keep: Path | None, label: str,
             tool: str, inline_below_us: str) -> dict:
     cluster = MeasuredCluster(workdir, tree, tool, inline_below_us, protocol=protocol, log_level="warning")
-    verifier = cluster.verifier("verifier", model=spec, max_wait_ms=2.0, router_uri=None, metrics="127.0.0.1:0")
+    verifier = cluster.verifier("verifier", model=spec, speculation="on", max_wait_ms=2.0, router_uri=None, metrics="127.0.0.1:0")
     make_certs(cluster.certs, [cluster.router_uri, *DRAFTERS])
     with cluster:
         cluster.start(timeout=600)

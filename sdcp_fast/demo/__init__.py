@@ -123,7 +123,9 @@ def _run(cluster, protocol: str, target, draft, target_spec: str, draft_spec: st
     print(f"sdcp-fast demo: target {target_spec} ({target.digest.hex()[:12]}), "
           f"draft {draft_spec} ({draft.digest.hex()[:12]})")
     print(f"work directory {cluster.workdir}")
-    deployment.plan(cluster, target_spec, draft_spec, draft.digest.hex(), max_new)
+    # the toy pair shows the protocol's rounds: its target is so cheap that the cost plan
+    # ("auto") would decode it by itself
+    deployment.plan(cluster, target_spec, draft_spec, draft.digest.hex(), max_new, speculation="on")
     started = time.perf_counter()
     http = {"h2": "HTTP/2", "h3": "HTTP/3"}[protocol]
     names = deployment.router_names(len(cluster.router_ports))

@@ -30,7 +30,7 @@ def drafter_names(drafters: int) -> list[str]:
 def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int,
          stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False,
          drafters: int = len(DRAFTERS), rounds_log: bool = True, metrics: bool = False,
-         **router_options) -> None:
+         speculation: str = "auto", **router_options) -> None:
     """Add the instances and their configs (as many routers as the cluster was made for);
     `cluster.start()` launches them. `stop`: the
     contract's stop tokens (the real pair's end of turn); `verifier_spec`: the target as the
@@ -39,7 +39,7 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
     TTLs and timeouts with room for it. `rounds_log`: the drafters log every verdict (the
     demo's table; a long-running `up` leaves it off); `metrics`: every instance serves
     /metrics and /health on a port of its own; `router_options`: more [router] members
-    (`up`'s front door and served name)."""
+    (`up`'s front door and served name); `speculation`: the verifier's policy (auto, on, off)."""
     # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
     ttl = 8000 if slow else 3000
 
@@ -47,7 +47,7 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
         return {"metrics": f"127.0.0.1:{free_port()}"} if metrics else {}
 
     cluster.verifier("verifier", model=verifier_spec or target_spec, max_wait_ms=1.0, ttl_ms=ttl,
-                     status_interval_s=0.5, **observed())
+                     status_interval_s=0.5, speculation=speculation, **observed())
     names = drafter_names(drafters)
     for name in names:
         extra = {"request_timeout_s": 60.0, "give_up_after_s": 120.0} if slow else {}
@@ -55,8 +55,13 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
             extra["rounds_log"] = None
         cluster.drafter(name, model=draft_spec, ttl_ms=ttl if slow else 2000, status_interval_s=0.4,
                         **extra, **observed())
+    # self_max: under "on" a self-decoding period of 16 tokens shows the ladder giving the
+    # drafter another chance; under "auto" the verifier ends a period when speculating pays
+    # again, and a fixed period would only add drafter catch-ups
     contract = {"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
-                "fallback": ["reduce", "switch", "self_decode"], "self_load": 60, "self_max": 16}
+                "fallback": ["reduce", "switch", "self_decode"], "self_load": 60}
+    if speculation == "on":
+        contract["self_max"] = 16
     if stop:
         contract["stop"] = list(stop)
     extra = {"stall_s": 60.0, "request_timeout_s": 60.0} if slow else {}

@@ -41,7 +41,9 @@ def never_agreeing_draft(workdir: Path) -> str:
 def demo_cluster(workdir: Path, *, drafters: int = 2, draft: str = DRAFT, contract: dict | None = None) -> Cluster:
     """Verifier, drafters and router as processes, each with /metrics and /health."""
     cluster = Cluster(workdir / "cluster")
-    cluster.verifier("verifier", model=TARGET, metrics=f"127.0.0.1:{free_port()}", max_wait_ms=1.0)
+    # speculation on: the toy target is so cheap that the cost plan would self-decode it
+    cluster.verifier("verifier", model=TARGET, metrics=f"127.0.0.1:{free_port()}", max_wait_ms=1.0,
+                     speculation="on")
     names = [f"drafter-{n}" for n in range(1, drafters + 1)]
     for name in names:
         cluster.drafter(name, model=draft, metrics=f"127.0.0.1:{free_port()}")

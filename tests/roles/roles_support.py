@@ -61,7 +61,7 @@ def build_cluster(workdir: Path, *, drafters: int = 2, verifiers: int = 1, proto
     for n in range(1, verifiers + 1):
         options = {k: v for k, v in (verifier_options or {}).items() if not k.startswith("v")}
         options.update((verifier_options or {}).get(f"v{n}", {}))   # {"v1": {...}}: for v1 only
-        cluster.verifier(f"v{n}", model=target, **options)
+        cluster.verifier(f"v{n}", model=target, **{"speculation": "on", **options})   # the protocol's rounds
     digest = load_backend(draft).digest.hex()
     for n in range(1, drafters + 1):
         options = dict(drafter_options or {})
