@@ -85,9 +85,13 @@ class RouterSession:
             self._changed = None
 
     async def wait_changed(self, timeout: float) -> None:
+        """Until the next `notify` or `timeout` s. Under asyncio.timeout, not wait_for: on
+        Python 3.11 wait_for drops a cancellation that arrives as the event is set, and the
+        waiter (a reader being replaced, a client's request) would go on as if not cancelled."""
         event = self.changed_event()
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await event.wait()
         except TimeoutError:
             pass
 
