@@ -60,11 +60,10 @@ from transformers.generation.streamers import BaseStreamer
 from sdcp_fast.demo import deployment
 from sdcp_fast.demo.client import wait_live
 from sdcp_fast.demo.hf_baseline import (
-    _StockAttention,
     chat_prompts,
     end_of_turn,
+    generate_batched,
     generate_each,
-    until_stop,
 )
 from sdcp_fast.demo.real_pair import TARGET, choose_draft, progress
 
@@ -167,25 +166,16 @@ class StepTimes(BaseStreamer):
 
 @torch.no_grad()
 def alone_batch(model, prompts: list[list[int]], max_new: int, eos: int, temperature: float) -> list[Answer]:
-    """generate() with the target alone, the prompts in one left-padded batch (as
-    hf_baseline.generate_batched, with a streamer and sampling): one Answer per row."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    """generate() with the target alone, the prompts in one left-padded batch
+    (hf_baseline.generate_batched), with a streamer timing its steps: one Answer per row."""
     sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0
                 else dict(do_sample=False))
     streamer = StepTimes()
-    with _StockAttention(model):
-        sent = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=eos,
-                             pad_token_id=eos, streamer=streamer, **sampling)
-    answers = []
-    for row in out:
-        tokens = until_stop(row[width:].tolist(), eos)
-        steps = streamer.steps
-        answers.append(Answer(len(tokens), sent, steps[0] if steps else None,
-                              steps[min(len(tokens), len(steps)) - 1] if steps else None))
-    return answers
+    decoded = generate_batched(model, prompts, max_new, eos, streamer=streamer, **sampling)
+    steps = streamer.steps
+    return [Answer(len(tokens), decoded.started, steps[0] if steps else None,
+                   steps[min(len(tokens), len(steps)) - 1] if steps else None)
+            for tokens in decoded.outputs]
 
 
 # ---------------------------------------------------------------------- the deployment

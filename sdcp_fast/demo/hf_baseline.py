@@ -33,6 +33,7 @@ class Decoded:
 
     outputs: list[list[int]]
     seconds: list[float]
+    started: float = 0.0      # perf_counter when the (first) call began
 
     @property
     def tokens(self) -> int:
@@ -79,16 +80,18 @@ def generate_each(model, prompts: list[list[int]], max_new: int, eos: int, **ass
 
 
 @torch.no_grad()
-def generate_batched(model, prompts: list[list[int]], max_new: int, eos: int) -> Decoded:
+def generate_batched(model, prompts: list[list[int]], max_new: int, eos: int, **options) -> Decoded:
     """generate(), greedy, all prompts in one left-padded batch (with its attention mask):
     transformers' own way to serve several prompts at once. Padding changes the arithmetic,
-    so its outputs are not the reference; only its time is."""
+    so its outputs are not the reference; only its time is. `options` go to generate() (a
+    streamer, sampling instead of greedy)."""
     width = max(map(len, prompts))
     ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    options = {"do_sample": False, **options}
     with _StockAttention(model):
         started = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                             eos_token_id=eos, pad_token_id=eos)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, eos_token_id=eos,
+                             pad_token_id=eos, **options)
         seconds = time.perf_counter() - started
-    return Decoded([until_stop(row[width:].tolist(), eos) for row in out], [seconds])
+    return Decoded([until_stop(row[width:].tolist(), eos) for row in out], [seconds], started)
