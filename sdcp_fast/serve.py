@@ -248,13 +248,16 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
         else:
             raise ConfigError(f"router.drafters: {entry.uri} needs model or model_digest")
         drafters.append((entry.uri, digest))
-    config = RouterConfig(
-        uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
-        monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
-        open_timeout_s=r.open_timeout_s, target_kv=r.target_kv, session_load=r.session_load, lease_ttl_s=r.lease_ttl_s,
-        status_grace_s=r.status_grace_s, max_running=r.max_running, max_waiting=r.max_waiting,
-        itl_target_ms=r.itl_target_ms, admission_interval_s=r.admission_interval_s,
-        contract=contract_defaults(r.contract))
+    try:
+        config = RouterConfig(
+            uri=cfg.uri, verifiers=tuple(r.verifiers), drafters=tuple(drafters), m_init=r.m_init,
+            monitor_interval_s=r.monitor_interval_s, stall_s=r.stall_s, request_timeout_s=r.request_timeout_s,
+            open_timeout_s=r.open_timeout_s, target_kv=r.target_kv, session_load=r.session_load,
+            lease_ttl_s=r.lease_ttl_s, status_grace_s=r.status_grace_s, max_running=r.max_running,
+            max_waiting=r.max_waiting, itl_target_ms=r.itl_target_ms, admission_interval_s=r.admission_interval_s,
+            contract=contract_defaults(r.contract))
+    except ValueError as exc:
+        raise ConfigError(f"router.{exc}") from None
     metrics = Metrics()
     built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(r.metrics, metrics.registry, health, built)

@@ -141,6 +141,18 @@ class RouterConfig:
     admission_interval_s: float = 1.0             # the admission controller's step
     contract: ContractDefaults = field(default_factory=ContractDefaults)
 
+    def __post_init__(self) -> None:
+        """The admission members, checked where a config file's values arrive (ValueError
+        naming the member)."""
+        if self.max_running < 1:
+            raise ValueError(f"max_running must be at least 1, not {self.max_running}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must not be negative, not {self.max_waiting}")
+        if self.itl_target_ms < 0:
+            raise ValueError(f"itl_target_ms must not be negative (0: no target), not {self.itl_target_ms}")
+        if self.admission_interval_s <= 0:
+            raise ValueError(f"admission_interval_s must be positive, not {self.admission_interval_s}")
+
 
 class RouterService(Routed):
     def __init__(self, config: RouterConfig, backend, store, commit_log, *, client, table=None,

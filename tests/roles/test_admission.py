@@ -236,6 +236,15 @@ def test_a_session_waiter_is_cancelled_even_as_new_output_arrives():
     run(main())
 
 
+@pytest.mark.parametrize(("member", "value"), [("max_running", 0), ("max_waiting", -1), ("itl_target_ms", -5.0),
+                                               ("admission_interval_s", 0.0)])
+def test_admission_members_out_of_range_are_refused_by_name(member, value):
+    from sdcp_fast.router import RouterConfig
+
+    with pytest.raises(ValueError, match=member):
+        RouterConfig("https://router.test/", (), (), **{member: value})
+
+
 def test_the_router_answers_unavailable_when_full_and_gives_back_a_failed_sessions_slot(tmp_path):
     from roles_support import make_tables
 
