@@ -87,7 +87,7 @@ MODES = {"sdcp": "auto", "off": "off", "on": "on"}   # mode -> the verifier's `s
 DRIVER = "the official openai client (AsyncOpenAI, one asyncio process)"
 VERIFIER_SERIES = ("sdcp_spec_decode_num_draft_tokens_total", "sdcp_spec_decode_num_accepted_tokens_total",
                    "sdcp_self_decoded_tokens_total", "sdcp_forward_seconds_sum", "sdcp_forward_seconds_count",
-                   "sdcp_batch_size_sum", "sdcp_queue_wait_seconds_sum")
+                   "sdcp_batch_size_sum", "sdcp_queue_wait_seconds_sum", "process_cpu_seconds_total")
 
 
 @dataclass
@@ -121,6 +121,7 @@ class Level:
     answers: list[Answer] = field(default_factory=list)
     wall: float = 0.0  # summed over the waves
     verifier: dict[str, float] = field(default_factory=dict)   # /metrics deltas
+    cpu: float = 0.0   # CPU seconds of the target's process (the baseline's own; the verifier's)
 
     @property
     def tokens(self) -> int:
@@ -130,6 +131,13 @@ class Level:
     def rate(self) -> float:
         return self.tokens / self.wall if self.wall else 0.0
 
+    @property
+    def per_cpu_second(self) -> float:
+        """Tokens per CPU second of the process that runs the target (the split-drafting view:
+        a verifier host whose drafters run elsewhere spends only the verifier's CPU)."""
+        cpu = self.cpu or self.verifier.get("process_cpu_seconds_total", 0.0)
+        return self.tokens / cpu if cpu else 0.0
+
     def pct(self, what: str, q: float) -> float:
         values = [v for v in (getattr(a, what) for a in self.answers) if v is not None]
         return float(np.percentile(values, q)) if values else float("nan")
@@ -138,7 +146,8 @@ class Level:
         out = {"way": self.way, "temperature": self.temperature, "concurrency": self.concurrency,
                "tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.rate,
                **{f"{w}_p{q}_s": self.pct(w, q) for w in ("ttft", "itl") for q in (50, 99)},
-               "verifier": self.verifier}
+               "target_cpu_s": self.cpu or self.verifier.get("process_cpu_seconds_total", 0.0),
+               "tokens_per_target_cpu_s": self.per_cpu_second, "verifier": self.verifier}
         if self.verifier and self.tokens:
             out["self_decoded_share"] = self.verifier.get("sdcp_self_decoded_tokens_total", 0.0) / self.tokens
         return out
@@ -410,7 +419,9 @@ def main() -> int:
             with progress(f"the target alone: generate(), {c} prompt(s) in one batch, T = {t:g}"):
                 level = Level("baseline", t, c)
                 for _ in range(args.repeat):
+                    cpu = time.process_time()
                     answers = alone_batch(model, prompts[:c], args.max_tokens, eos, t)
+                    level.cpu += time.process_time() - cpu
                     level.answers += answers
                     level.wall += max(a.last for a in answers) - answers[0].sent
                 results[level.way, t, c] = level
@@ -474,6 +485,10 @@ def main() -> int:
               for c in levels]
         return " ".join(f"c={c} {r:.2f}x" for c, r in zip(levels, rs, strict=True)), min(rs)
 
+    split = " ".join(f"c={c} {results['sdcp', t, c].per_cpu_second / results['baseline', t, c].per_cpu_second:.2f}x"
+                     for t in temperatures[:1] for c in levels if results["baseline", t, c].per_cpu_second)
+    print(f"split-drafting view (tokens per CPU second of the verifier's process over the target alone's, "
+          f"T={temperatures[0]:g}; drafting on other hosts): {split}")
     for t in temperatures:
         if t != 0:
             line, low = ratios(t)

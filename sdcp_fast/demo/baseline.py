@@ -23,20 +23,15 @@ class Baseline:
 def target_alone(backend, prompts: list[list[int]], lengths: list[int]) -> Baseline:
     """Greedy decoding by the target alone, one forward pass per token: once with every
     prompt in each pass (the concurrency the verifier had), once prompt by prompt."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)   # as each serving process runs (procs.Cluster): a like-for-like CPU
-    try:
-        outputs, batched = decode_alone(backend, prompts, lengths)
-        each = []
-        for n in range(len(prompts)):
-            single, seconds = decode_alone(backend, prompts[n:n + 1], lengths[n:n + 1])
-            assert single[0] == outputs[n], "the target's greedy decoding is not deterministic"
-            each.append(seconds)
-        return Baseline(outputs, batched, each)
-    finally:
-        torch.set_num_threads(threads)
+    # torch's default threads: the whole machine, as the serving processes take the free
+    # cores per call (cores.py)
+    outputs, batched = decode_alone(backend, prompts, lengths)
+    each = []
+    for n in range(len(prompts)):
+        single, seconds = decode_alone(backend, prompts[n:n + 1], lengths[n:n + 1])
+        assert single[0] == outputs[n], "the target's greedy decoding is not deterministic"
+        each.append(seconds)
+    return Baseline(outputs, batched, each)
 
 
 def decode_alone(backend, prompts, lengths) -> tuple[list[list[int]], float]:

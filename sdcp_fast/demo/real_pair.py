@@ -101,14 +101,14 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workd
         target: str | None = None, draft: str | None = None, drafters: int = 2) -> int:
     """`target` / `draft`: the --target / --draft flags (a spec that does not load is one
     line and exit code 2); else SDCP_DEMO_TARGET or hf:smollm2, and `choose_draft()`."""
-    import torch
 
     from ..models import BackendSpecError, load_backend
     from ..models.real_tokenizer import cache_dir
 
     target_spec = target or os.environ.get("SDCP_DEMO_TARGET", TARGET)
     draft_spec, why = (draft, "given with --draft") if draft else choose_draft()
-    torch.set_num_threads(1)   # as each serving process runs (procs.Cluster): a like-for-like CPU
+    # the comparisons run the target alone with torch's default threads (the whole machine),
+    # as a user would; the serving processes take the free cores per call (cores.py)
     try:
         with progress(f"loading the target {target_spec} (the first run converts the GGUF to fp32 "
                       f"into {cache_dir()}: 30-100 s)"):
