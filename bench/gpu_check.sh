@@ -14,7 +14,7 @@
 # 2. the tests that need a GPU, on CUDA (Triton compiled for it): the kernel tests, the
 #    cache's GPU tier and q-row staging, the built-in model on CUDA, the verifier's device
 #    path (token-exact against the reference); JUnit XML + log;
-# 3. the compile check for this GPU (bench/gpu_compile.py --gpu device --quick: every kernel
+# 3. the compile check for this GPU (bench/gpu_compile.py --gpu device --sweep quick: every kernel
 #    compiled for its architecture, registers, spills, occupancy, load widths), then the
 #    kernel benchmark (bench/gpu_bench.py, with those figures beside the measured kernel
 #    times) and the verifier end to end (bench/gpu_e2e.py), each within its time budget, as JSON.
@@ -127,7 +127,7 @@ tests_rc=${PIPESTATUS[0]}
 GPUS=(--gpu device)
 [ "$SMOKE" = 1 ] && GPUS=(--gpu sm90)   # no device here: the H100/H200 target
 timeout -k 5 90 env -u SDCP_IMPORT_AUDIT "$PY" "$ROOT/bench/gpu_compile.py" --out "$WORK/compile" "${GPUS[@]}" \
-  --quick --jobs 1 \
+  --sweep quick --jobs 1 \
   2>&1 | grep -v "FP_FUSION" | tee "$OUT/gpu_bench.log"
 compile_rc=${PIPESTATUS[0]}
 limit=$(( $(left) * 2 / 5 )); limit=$(( limit > 30 ? limit : 30 ))

@@ -2,15 +2,16 @@
 launchers specialise it, without a GPU, and report what the compiler made. Prints a table
 and one summary line; writes gpu_compile.json to --out.
 
-    python bench/gpu_compile.py [--out DIR] [--gpu sm90 --gpu sm100 | --gpu device] [--quick]
-                                [--plant FILE.py [--no-sweep]] [--jobs N]
+    python bench/gpu_compile.py [--out DIR] [--gpu sm90 --gpu sm100 | --gpu device]
+                                [--sweep full|ci|quick|none] [--plant FILE.py] [--jobs N]
 
 The launches come from kernels/compile_sweep.py (the launchers run on meta tensors under a
 compile-only target, kernels/compile_target.py); each distinct specialisation is compiled
-once per target, afresh, and read by kernels/compiled_facts.py. --quick samples the batch
-shapes (the configurations of every row count are still covered); --gpu device takes the
-architecture and multiprocessor count of the CUDA device present (bench/gpu_check.sh);
---plant FILE adds the launches of FILE's `launch_on_meta()` and its kernels to the check
+once per target, afresh, and read by kernels/compiled_facts.py. --sweep ci and quick sample
+the batch shapes (compile_sweep.SWEEPS; the configurations of every row count are still
+covered), none leaves only the planted launches; --gpu device takes the architecture and
+multiprocessor count of the CUDA device present (bench/gpu_check.sh); --plant FILE adds the
+launches of FILE's `launch_on_meta()` and its kernels to the check
 (tests/kernels/planted_kernel.py). Exit status 0 only when every kernel of kernels/ (and
 of FILE) compiled, without a failure or a spill, with at least MIN_BLOCKS_PER_SM blocks per
 multiprocessor.
@@ -46,9 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="folder for gpu_compile.json")
     ap.add_argument("--gpu", action="append", choices=[*GPU_KEYS, "device"],
                     help="target(s); default sm90 and sm100")
-    ap.add_argument("--quick", action="store_true", help="a sample of the batch shapes")
+    ap.add_argument("--sweep", choices=["full", "ci", "quick", "none"], default="full",
+                    help="the batch shapes: all, samples (kernels/compile_sweep.py), or none")
     ap.add_argument("--plant", type=Path, help="a file whose launch_on_meta() launches more kernels")
-    ap.add_argument("--no-sweep", action="store_true", help="only the planted launches")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     return ap.parse_args(argv)
 
@@ -74,18 +75,17 @@ def _gpu_model(key: str):
     return compile_sweep.GpuModel(props.name, GPUTarget("cuda", major * 10 + minor, 32), props.multi_processor_count)
 
 
-def check_gpu(key: str, quick: bool, plant: Path | None, sweep: bool) -> dict:
+def check_gpu(key: str, sweep: str, plant: Path | None) -> dict:
     """Record, compile and read every specialisation for one GPU (runs in a worker)."""
     from sdcp_fast.kernels import compile_sweep, compiled_facts
 
     gpu = _gpu_model(key)
     planted = _load_plant(plant)
     started = time.perf_counter()
+    proposal_counts, draft_counts = compile_sweep.SWEEPS.get(sweep, ((), ()))
     launches, calls = compile_sweep.record_gpu(
-        gpu,
-        proposal_counts=compile_sweep.QUICK_PROPOSAL_COUNTS if quick else compile_sweep.ALL_PROPOSAL_COUNTS,
-        draft_counts=compile_sweep.QUICK_DRAFT_COUNTS if quick else compile_sweep.ALL_DRAFT_COUNTS,
-        vocabs=compile_sweep.VOCABS if sweep else (),
+        gpu, proposal_counts=proposal_counts, draft_counts=draft_counts,
+        vocabs=compile_sweep.VOCABS if sweep != "none" else (),
         extra_launches=planted.launch_on_meta if planted else None)
     recorded = time.perf_counter()
     with compiled_facts.fresh_cache():
@@ -94,7 +94,7 @@ def check_gpu(key: str, quick: bool, plant: Path | None, sweep: bool) -> dict:
 
     sources = sorted(Path(compile_sweep.__file__).parent.glob("*.py"))  # Python modules, not the native op
     modules = [importlib.import_module(f"{compile_sweep.__package__}.{p.stem}") for p in sources if p.stem != "__init__"]
-    functions = compile_sweep.jit_functions((modules if sweep else []) + ([planted] if planted else []))
+    functions = compile_sweep.jit_functions((modules if sweep != "none" else []) + ([planted] if planted else []))
     missing = compile_sweep.never_compiled(functions, {f.kernel for f in facts if f.error is None})
     return {"gpu": {"name": gpu.name, "arch": int(gpu.target.arch), "sm_count": gpu.sm_count,
                     "launcher_calls": calls, "record_s": round(recorded - started, 1),
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
     keys = args.gpu or list(GPU_KEYS)
-    jobs = [(key, args.quick, args.plant, not args.no_sweep) for key in keys]
+    jobs = [(key, args.sweep, args.plant) for key in keys]
     if args.jobs > 1 and len(jobs) > 1:
         with ProcessPoolExecutor(min(args.jobs, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
             results = list(pool.map(check_gpu, *zip(*jobs, strict=True)))

@@ -12,8 +12,10 @@ sizes the V-split):
   `MAX_PROPOSALS * (MAX_DRAFT + 1)` and that the uniform batches did not produce, one ragged
   batch with that many rows; `target_probs` once per LaunchConfig; one batch without q.
 
-`QUICK_PROPOSAL_COUNTS` x `QUICK_DRAFT_COUNTS` replace the full B x M grid for a quick look
-(bench/gpu_check.sh): the same specialisations today, in a twentieth of the calls.
+`SWEEPS` names the B x M grids: "full" (the above), "ci" (every B, M in 1, 2, 3 and 16:
+every parity of B and of N = B x M; a quarter of the calls, for the test suite) and "quick"
+(a sample, a twentieth of the calls, for bench/gpu_check.sh); all three give the same
+specialisations today, and the full one is bench/gpu_compile.py's default.
 `jit_functions` and `never_compiled` find the jit functions that no compiled kernel is or
 calls: a kernel that no launch reaches fails the check.
 
@@ -43,9 +45,11 @@ MAX_PROPOSALS = 128
 MAX_DRAFT = 16
 ALL_PROPOSAL_COUNTS = range(1, MAX_PROPOSALS + 1)
 ALL_DRAFT_COUNTS = range(1, MAX_DRAFT + 1)
-# a sample for a quick look (the GPU check): both parities of B and of N, the ends of the range
-QUICK_PROPOSAL_COUNTS = (1, 2, 3, 8, 63, 64, 127, 128)
-QUICK_DRAFT_COUNTS = (1, 2, 3, 16)
+SWEEPS = {
+    "full": (ALL_PROPOSAL_COUNTS, ALL_DRAFT_COUNTS),
+    "ci": (ALL_PROPOSAL_COUNTS, (1, 2, 3, MAX_DRAFT)),
+    "quick": ((1, 2, 3, 8, 63, 64, 127, 128), (1, 2, 3, MAX_DRAFT)),
+}
 
 
 @dataclass(frozen=True)
