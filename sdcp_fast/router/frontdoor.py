@@ -24,7 +24,7 @@ option). SDCP leaves client-facing APIs open (section 1.4); this one is
     GET  /health, GET /metrics             readiness and the router's Prometheus series
 
 Errors are JSON `{"error": ...}` with a 4xx status (a problem's suffix and detail for
-problems the router raises); a 503 (no verifier could take the session now, the router at
+problems the router raises); a 503 (no verifier could take the session now, the admission queue full, the router at
 max_sessions) or 429 carries `Retry-After`. Tokens are streamed exactly once each, in order: the stream
 reads the router's session output (which takes every committed token once, section 6.7)
 from an index, so a client that reconnects with from=n resumes without a gap or a repeat, here or at another router (router/follow.py).
@@ -34,8 +34,6 @@ sequence and sent as the difference, holding back a trailing incomplete characte
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -165,8 +163,7 @@ class FrontDoor:
             if s.done and index >= len(s.tokens):
                 yield _event("end", self._end(s, decode(s.tokens)), index)
                 return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), RECHECK_S)
+            await s.wait_changed(RECHECK_S, changed)
 
     def _end(self, s: RouterSession, text: str) -> dict:
         return {"id": s.id.hex(), "finish": s.finish.name.lower() if s.finish else None,

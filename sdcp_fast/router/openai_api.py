@@ -63,7 +63,6 @@ asks for it) is a 500 error, or an error chunk in a stream.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
@@ -541,8 +540,7 @@ class OpenAIRoutes:
                 if delta:
                     yield Piece(delta, None, len(tokens), first)
                     first = len(tokens)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), RECHECK_S)
+            await s.wait_changed(RECHECK_S, changed)
 
 
 @dataclass(frozen=True)

@@ -84,11 +84,12 @@ class RouterSession:
             self._changed.set()
             self._changed = None
 
-    async def wait_changed(self, timeout: float) -> None:
-        """Until the next `notify` or `timeout` s. Under asyncio.timeout, not wait_for: on
+    async def wait_changed(self, timeout: float, event: asyncio.Event | None = None) -> None:
+        """Until the next `notify` (or `event`, one `changed_event` gave before the caller
+        looked at the session) or `timeout` s. Under asyncio.timeout, not wait_for: on
         Python 3.11 wait_for drops a cancellation that arrives as the event is set, and the
         waiter (a reader being replaced, a client's request) would go on as if not cancelled."""
-        event = self.changed_event()
+        event = event or self.changed_event()
         try:
             async with asyncio.timeout(timeout):
                 await event.wait()
