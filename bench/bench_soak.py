@@ -21,8 +21,14 @@ counts as an error. The last line reads
 
 (G: the largest growth of any process since the first minute).
 
-    .venv/bin/python bench/bench_soak.py [--clients 256] [--minutes 10] [--window 10] [--protocol h2|h3]
+    .venv/bin/python bench/bench_soak.py [--clients 256 | --capacity K] [--minutes 10] [--window 10]
+                                         [--settle-minutes 1] [--flat 0.10] [--protocol h2|h3]
                                          [--stock-limits]
+
+Issue 38's soak: `--capacity 32 --minutes 30 --settle-minutes 5 --flat 0.05`: the router
+admits 32 generations at once (max_running) and 64 clients keep twice that many coming,
+the rest waiting in its admission queue; the verifier plans by cost (the table target is
+cheap, so most tokens are self-decoded after each session's first round).
 """
 
 from __future__ import annotations
@@ -62,13 +68,15 @@ PROBLEMS = re.compile(r"Traceback|\b(?:HTTP|status) 5\d\d\b|\s5\d\d (?:Internal|
 # ----------------------------------------------------------------------------- deployment
 
 
-def deploy(workdir: Path, max_new: int, clients: int, sized: bool, protocol: str) -> tuple[Cluster, str]:
+def deploy(workdir: Path, max_new: int, clients: int, sized: bool, protocol: str,
+           capacity: int | None = None) -> tuple[Cluster, str]:
     """`sized`: the deployment made for `clients` sessions at once (the stock limits are
     for 128 or fewer): each drafter takes half of them (DrafterSection.max_sessions, 64),
     and the verifier allows that many streams on one HTTP/2 connection: the router keeps an
     output long poll per session on its connection, each drafter a proposal per session on
     its (transport.limits' max_concurrent_streams, 128; over the peer's limit httpx fails a
-    request, "Max outbound streams is 128", instead of queueing it)."""
+    request, "Max outbound streams is 128", instead of queueing it). `capacity`: the router
+    admits that many generations at once (max_running) and queues the rest."""
     g = torch.Generator().manual_seed(0)
     target = torch.randn(V, V, generator=g) * 3
     write_table(workdir / "target.safetensors", target)
@@ -85,9 +93,11 @@ def deploy(workdir: Path, max_new: int, clients: int, sized: bool, protocol: str
     digest = load_backend(draft_spec).digest.hex()
     for name in ("d1", "d2"):
         cluster.drafter(name, model=draft_spec, **drafter_options)
+    admission = {"max_running": capacity} if capacity else {}
     cluster.router(model=target_spec, drafter_models={"d1": digest, "d2": digest},
                    contract={"rule": 1, "m_max": 6, "max_new": max_new, "low_rounds": 4,
-                             "fallback": ["reduce", "switch"]})
+                             "fallback": ["reduce", "switch", "self_decode"], "self_load": 60},
+                   **admission)
     return cluster, target_spec
 
 
@@ -239,9 +249,9 @@ async def soak(cluster: Cluster, target: str, args) -> tuple[Tally, dict[str, li
     return tally, rss
 
 
-def growth(series: list[tuple[float, float]], minutes: float) -> float:
-    """RSS at the end over RSS after the first minute (or a fifth of a shorter run)."""
-    settle = min(60.0, minutes * 60 / 5)
+def growth(series: list[tuple[float, float]], minutes: float, settle_minutes: float = 1.0) -> float:
+    """RSS at the end over RSS after the first `settle_minutes` (or a fifth of a shorter run)."""
+    settle = min(60.0 * settle_minutes, minutes * 60 / 5)
     baseline = next((mb for t, mb in series if t >= settle), series[0][1])
     return series[-1][1] / baseline - 1
 
@@ -257,7 +267,12 @@ def scan_logs(cluster: Cluster) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=256)
+    parser.add_argument("--clients", type=int, default=None, help="default 256, or twice --capacity")
+    parser.add_argument("--capacity", type=int, default=None,
+                        help="the router's max_running (admission); the clients default to twice it")
+    parser.add_argument("--settle-minutes", type=float, default=1.0,
+                        help="RSS growth is counted from this point of the run")
+    parser.add_argument("--flat", type=float, default=FLAT, help="largest RSS growth allowed (0.10: 10%%)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--window", type=float, default=10.0, help="seconds per line")
     parser.add_argument("--max-new", type=int, default=64)
@@ -267,11 +282,14 @@ def main() -> None:
     parser.add_argument("--stock-limits", action="store_true",
                         help="the stock drafter max_sessions and verifier stream limit, not sized for the clients")
     args = parser.parse_args()
+    if args.clients is None:
+        args.clients = 2 * args.capacity if args.capacity else 256
     workdir = Path(tempfile.mkdtemp(prefix="sdcp-soak-"))
     cluster, target = deploy(workdir, args.max_new, args.clients, sized=not args.stock_limits,
-                             protocol=args.protocol)
+                             protocol=args.protocol, capacity=args.capacity)
     print(f"soak: {args.clients} clients, {args.minutes} min, max_new {args.max_new}, {args.protocol}, "
           f"{'stock limits' if args.stock_limits else 'limits sized for the clients'}, "
+          f"{f'capacity {args.capacity} (router max_running), ' if args.capacity else ''}"
           f"load average {os.getloadavg()[0]:.1f}, workdir {workdir}", flush=True)
     try:
         cluster.start(timeout=120)
@@ -279,10 +297,10 @@ def main() -> None:
     finally:
         cluster.stop()
     problems = scan_logs(cluster)
-    growths = {name: growth(series, args.minutes) for name, series in rss.items() if series}
+    growths = {name: growth(series, args.minutes, args.settle_minutes) for name, series in rss.items() if series}
     for name, g in growths.items():
         first, last = rss[name][0][1], rss[name][-1][1]
-        print(f"  {name}: RSS {first:.0f} -> {last:.0f} MB, growth since the first minute {100 * g:+.1f}%")
+        print(f"  {name}: RSS {first:.0f} -> {last:.0f} MB, growth since minute {args.settle_minutes:g} {100 * g:+.1f}%")
     for line in tally.failures:
         print(f"  client error: {line}")
     if tally.kinds:
@@ -290,8 +308,8 @@ def main() -> None:
     for line in problems[:20]:
         print(f"  log: {line}")
     worst = max(growths.values(), default=0.0)
-    flat = worst <= FLAT
-    print(f"memory {'flat' if flat else 'NOT flat'} (largest growth {100 * worst:+.1f}%, limit {100 * FLAT:.0f}%); "
+    flat = worst <= args.flat
+    print(f"memory {'flat' if flat else 'NOT flat'} (largest growth {100 * worst:+.1f}%, limit {100 * args.flat:.0f}%); "
           f"{len(problems)} tracebacks or 5xx in the logs; load average {os.getloadavg()[0]:.1f}")
     if not args.keep:
         import shutil
