@@ -443,7 +443,7 @@ class Engine:
         self.batch_times.append(times)
         seconds = (times.forward_ms + times.kernel_ms + times.commit_ms) / 1e3
         self.policy.observe_pass(sum(item.job.m + 1 for item in batch), time.perf_counter() - started,
-                                 len(set().union(*self._recent)))
+                                 self.sessions.in_play())
         self._batch_s = seconds if self._batch_s == 0 else self._batch_s + 0.2 * (seconds - self._batch_s)
         if self._batch_file is not None:
             self._batch_file.write(json.dumps({

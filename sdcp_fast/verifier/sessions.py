@@ -209,6 +209,11 @@ class ServedSessions:
         # a list, not a generator: no Python call per session (this runs twice per batch)
         return sum([r.machine.state in _PROPOSING for r in self._records.values()])
 
+    def in_play(self) -> int:
+        """Sessions open and not closed: those a round of every session's drafting and
+        verifying involves (speculation.py plans for them all)."""
+        return sum([not r.machine.closed for r in self._records.values()])
+
     @staticmethod
     def _retire(record: ServedSession) -> None:
         record.retired = True

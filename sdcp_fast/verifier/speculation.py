@@ -28,11 +28,15 @@ after its first round: the target alone behind the same door, for comparisons).
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 
 from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation
 
+log = logging.getLogger("sdcp_fast.verifier.speculation")
 MODES = ("auto", "on", "off")
+LOG_EVERY_S = 10.0        # the plan's inputs and decisions, logged at most this often
 POINT_WEIGHT_CAP = 16     # a cost point's weight in its line: recent conditions count as much as old
 MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to a drafter
 
@@ -84,8 +88,9 @@ class SpeculationPolicy:
         self.costs = costs if costs is not None else MeasuredCosts()
         self.margin = margin
         self.min_self_tokens = min_self_tokens
-        self.active = 1                 # sessions in the last two passes
+        self.active = 1                 # sessions open at the last pass
         self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0}   # decisions taken
+        self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
 
@@ -94,6 +99,13 @@ class SpeculationPolicy:
         self.active = max(1, active)
         if self.mode == "auto":
             self.costs.observe_pass(tokens, seconds)
+            now = time.monotonic()
+            if now - self._logged >= LOG_EVERY_S:
+                self._logged = now
+                t, g, s = self.costs.pass_cost, self.costs.turnaround, self.active
+                log.info("speculation plan: %d sessions; a pass over 1 token a session %.0f ms, over 5 "
+                         "%.0f ms; drafters' turnaround for 4 a session %.0f ms; plans so far %s", s,
+                         1e3 * t(s), 1e3 * t(5 * s), 1e3 * g(4 * s), self.plans)
 
     def observe_turnaround(self, m: int, seconds: float) -> None:
         """A session's drafter came back with M tokens `seconds` after the last verdict:
