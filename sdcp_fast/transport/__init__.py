@@ -54,12 +54,11 @@ Certificates and TLS:
     TLSConfig(cert: Path, key: Path, ca: Path); TLSConfig.for_instance(directory, uri)
 """
 
-import h2.connection
-
 from .calls import Reply, call
 from .certs import CertPaths, make_certs
 from .client import Client
 from .client_base import ClientResponse, RequestTimeout, TransportError
+from .compat import H2_CLOSED_STREAMS_KEPT
 from .http import (
     ANY_CALLER,
     SDCP_MEDIA_TYPE,
@@ -79,19 +78,8 @@ from .server import Server, serve
 from .tlsconfig import TLSConfig
 
 __all__ = [
-    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client", "ClientResponse",
+    "ANY_CALLER", "H2_CLOSED_STREAMS_KEPT", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client", "ClientResponse",
     "Handler", "Limits", "Refusals", "Request", "RequestTimeout", "Response", "Routed", "Router",
     "Server", "TLSConfig",
     "TransportError", "call", "make_certs", "message_response", "problem_response", "serve",
 ]
-
-# Bounded memory per HTTP/2 connection (issue 21's soak). h2 remembers how each closed stream
-# ended, so that a frame arriving late on a stream it reset is answered with RST_STREAM
-# rather than a connection error; it keeps up to 65,536 such entries per connection (about
-# 7 MB), which the long-lived connections between roles (hundreds of thousands of streams)
-# fill over minutes, in every process and on both ends (ours and httpx's connections). Late
-# frames are those the peer sent within one round trip of the reset, so the last 4,096
-# closed streams are plenty (seconds of history at loopback rates); an older entry is only
-# ever needed for a frame a peer sends long after the stream ended, a protocol error anyway.
-H2_CLOSED_STREAMS_KEPT = 4096
-h2.connection.H2Connection.MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT

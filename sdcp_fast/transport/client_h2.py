@@ -45,67 +45,12 @@ from .client_base import (
     TransportError,
     split_https_url,
 )
-from .h2_lean import LeanConnection, lean_config
-from .hpack_blocks import header_block
+from .compat import H2Connection
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
 MAX_CONNECTIONS = 16   # per origin
 ErrorCodes = h2.errors.ErrorCodes
-
-
-class ClientConnection(LeanConnection):
-    """h2's client connection (h2_lean), with a request that fits sent whole."""
-
-    PRUNE_EVERY = 16   # closed streams kept past their end at most (h2 walks every stream to count)
-    _prune_at = 0
-
-    def send_whole_request(self, stream_id: int, block: bytes, body: bytes, method: bytes,
-                           authority: bytes) -> bool:
-        """Open `stream_id` (the next available) with the header block `block` (from
-        `request_block`) and send `body` ending it, as send_headers + send_data would. False,
-        with nothing changed, where h2's own path must send it: a connection no longer open,
-        a new stream over the server's SETTINGS_MAX_CONCURRENT_STREAMS, or a message
-        `fits` refuses."""
-        if (self.state_machine.state is h2.connection.ConnectionState.CLOSED
-                or not self.fits(self.remote_settings.initial_window_size, block, body)):
-            return False
-        # h2 counts the open streams by walking them all, dropping the closed ones; every
-        # stream held bounds that count from above (push is off: all are ours), so the walk
-        # runs once PRUNE_EVERY streams were added since the last, or at the limit
-        limit = self.remote_settings.max_concurrent_streams
-        known = len(self.streams)
-        if known >= self._prune_at or known >= limit:
-            known = self.open_outbound_streams
-            self._prune_at = known + self.PRUNE_EVERY
-            if known >= limit:
-                return False
-        stream = self._begin_new_stream(stream_id, h2.connection.AllowedStreamIDs.ODD)
-        stream._authority, stream.request_method = authority, method   # as send_headers records them
-        self.send_whole(stream, block, body)
-        return True
-
-
-_REQUEST_BLOCKS: dict[tuple[str, str, str, str | None], bytes] = {}   # (method, authority, path, type) -> block
-_REQUEST_BLOCKS_MAX = 1024
-
-
-def request_block(method: str, authority: str, path: str, content_type: str | None) -> bytes:
-    """The header block of a request (hpack_blocks.header_block), coded once per method, origin,
-    path and content type: a session sends the same one with each proposal. Bounded (all
-    forgotten at once when full)."""
-    key = (method, authority, path, content_type)
-    block = _REQUEST_BLOCKS.get(key)
-    if block is None:
-        fields = [(b":method", method.encode()), (b":scheme", b"https"),
-                  (b":authority", authority.encode()), (b":path", path.encode())]
-        if content_type:
-            fields.append((b"content-type", content_type.encode()))
-        block = header_block(fields)
-        if len(_REQUEST_BLOCKS) >= _REQUEST_BLOCKS_MAX:
-            _REQUEST_BLOCKS.clear()
-        _REQUEST_BLOCKS[key] = block
-    return block
 
 
 class _Exchange:
@@ -130,7 +75,9 @@ class H2ClientConnection(asyncio.Protocol):
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
         # the answers' fields are checked by h2 (any server may answer); our own are
         # lowercase literals and values we built
-        self._conn = ClientConnection(lean_config(client_side=True))
+        self._conn = H2Connection(h2.config.H2Configuration(
+            client_side=True, header_encoding=None, validate_outbound_headers=False,
+            normalize_outbound_headers=False))
         self._conn.local_settings = h2.settings.Settings(client=True, initial_values={
             h2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._transport: asyncio.Transport | None = None
@@ -251,16 +198,13 @@ class H2ClientConnection(asyncio.Protocol):
         conn = self._conn
         try:
             stream_id = conn.get_next_available_stream_id()
-            # a short body leaves with its headers, framed whole, unless the transport's
-            # buffer is full (then h2 sends the headers and _send_body waits to send it)
-            whole = (body is None or len(body) < ANNOUNCE_LENGTH_FROM) and self._writable.is_set()
-            if whole and conn.send_whole_request(
-                    stream_id, request_block(method, authority, path, None if body is None else content_type),
-                    body or b"", method.encode(), authority.encode()):
-                body = None   # all of it went
-            else:
-                conn.send_headers(stream_id, _request_headers(method, authority, path, body, content_type),
-                                  end_stream=not body)
+            conn.send_headers(stream_id, _request_headers(method, authority, path, body, content_type),
+                              end_stream=not body)
+            # a body that fits the window leaves with its headers, in one write
+            if body and self._writable.is_set() and len(body) <= min(
+                    conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size):
+                conn.send_data(stream_id, body, end_stream=True)
+                body = None
         except h2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
             raise TransportError(f"HTTP/2 stream not opened: {exc}", sent=False) from exc
         exchange = _Exchange(asyncio.get_running_loop().create_future())

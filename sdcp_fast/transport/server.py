@@ -15,8 +15,9 @@ from typing import Any
 
 from .http import Handler
 from .limits import Limits
+from .listener_h2 import TCPListener
 from .refusals import Refusals
-from .server_h2 import TCPListener
+from .server_h2 import H2ServerProtocol
 from .serving import Serving
 from .tlsconfig import TLSConfig
 
@@ -84,7 +85,7 @@ class Server:
         if self.http2:
             listening = socket.create_server((self.host, port), family=_family(self.host),
                                              backlog=max(256, self.serving.limits.max_handshakes))
-            self._tcp = TCPListener(self.serving, listening)
+            self._tcp = TCPListener(self.serving, listening, H2ServerProtocol)
             port = listening.getsockname()[1]
         if self.http3:
             from .server_h3 import serve_h3  # the optional h3 extra

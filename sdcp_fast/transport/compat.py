@@ -1,0 +1,83 @@
+"""Where the transport's libraries lack a public API SDCP needs: one shim each, the smallest
+that works, naming the upstream issue it waits for. This is the only module of the transport
+allowed to touch a library's private names (tests/transport/test_public_apis.py); each shim
+goes when its issue is resolved in a release inside our pinned range.
+
+- `H2StreamErrors` (h2): RFC 9113 8.1.1 makes a malformed request (a content-length that is
+  not a number, that conflicts with another, or that the body does not match) a *stream*
+  error; h2 raises it as a connection error and sends GOAWAY, which would let one bad request
+  end every other stream on the connection (a long-poll, a batch of proposals). Upstream:
+  python-hyper/h2 issue 114 (content-length policing, closed with the connection error);
+  the stream-error variant is not filed yet (bench/RESULTS.md, "Issue 37", has the
+  proposal: a ProtocolError subclass h2 itself turns into RST_STREAM).
+- `request_client_certificate` (aioquic): a QUIC server cannot ask for a client certificate
+  through aioquic's public API; its TLS context has the flag, "for test purposes only"
+  (aioquic issue 541). Read back: the certificate the client presented.
+- `set_max_streams_bidi` (aioquic): the initial MAX_STREAMS a server announces is fixed at
+  128 (no QuicConfiguration member; aioquic issue 541's sibling, not filed yet).
+"""
+
+from __future__ import annotations
+
+import h2.connection
+import h2.events
+import h2.exceptions
+from h2.errors import ErrorCodes
+from hpack.exceptions import HPACKError
+
+# h2 remembers how each closed stream ended (a late frame on a stream it reset is then a
+# stream error, not a connection error), up to 65,536 per connection by default: about
+# 7 MB, which the long-lived connections between roles fill within minutes. A late frame
+# comes within one round trip of the reset, so a few thousand are plenty.
+# (`MAX_CLOSED_STREAMS` is public, documented h2 API; set on our subclasses only.)
+H2_CLOSED_STREAMS_KEPT = 4096
+
+
+class MalformedStream(h2.events.Event):
+    """Our event: the request on `stream_id` was malformed (`reason`) and its stream reset
+    with PROTOCOL_ERROR; `flow_controlled_length`: DATA bytes to credit back."""
+
+    def __init__(self, stream_id: int, reason: str, flow_controlled_length: int = 0):
+        self.stream_id = stream_id
+        self.reason = reason
+        self.flow_controlled_length = flow_controlled_length
+
+
+class H2StreamErrors(h2.connection.H2Connection):
+    """h2's connection where a malformed request's error stays on its stream (see above)."""
+
+    MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
+
+    def _receive_headers_frame(self, frame):
+        try:
+            return super()._receive_headers_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            if not self._on_open_stream(exc, frame.stream_id):
+                raise
+            return self._malformed(frame.stream_id, exc, 0)
+
+    def _receive_data_frame(self, frame):
+        try:
+            return super()._receive_data_frame(frame)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            return self._malformed(frame.stream_id, exc, frame.flow_controlled_length)
+
+    def _on_open_stream(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
+        """Whether `exc` concerns the message on `stream_id` alone: not a header block that
+        would not decode (the shared HPACK state is lost then), not a limit of the connection."""
+        if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
+            return False
+        if isinstance(exc.__cause__, HPACKError | IndexError | TypeError | UnicodeDecodeError):
+            return False
+        stream = self.streams.get(stream_id)
+        return stream is not None and not stream.closed
+
+    def _malformed(self, stream_id: int, exc: Exception, length: int):
+        self.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
+        return [], [MalformedStream(stream_id, str(exc), length)]
+
+
+class H2Connection(h2.connection.H2Connection):
+    """h2's connection with the closed-stream memory bounded (no shim: a public attribute)."""
+
+    MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT

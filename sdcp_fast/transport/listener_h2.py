@@ -1,0 +1,175 @@
+"""HTTP/2's listener: TCP connections until their TLS 1.3 handshake is done.
+
+`TCPListener` accepts; `TLSAcceptor` takes the bare socket: the ClientHello is peeked at (a
+client that offers no "h2" is refused with no_application_protocol), then the handshake runs
+under `handshake_timeout`; at most `max_handshakes` run at once, and past that the oldest is
+dropped (a slow-loris of idle TCP connections cannot lock out clients that finish a
+handshake in milliseconds). The connection then goes to `server_h2.H2ServerProtocol`, which
+names the caller from its certificate and admits it or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+from . import clienthello
+from .refusals import Kind, log
+from .serving import Serving
+
+PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
+
+
+class TCPListener:
+    """The listening socket: each accepted connection goes to a `TLSAcceptor`.
+
+    Accepting here (not `loop.create_server`) leaves a new connection a bare socket until its
+    ClientHello has been looked at: on uvloop a transport reads the first bytes before the
+    protocol can pause it, so the peek would find nothing. The same code runs on both loops."""
+
+    def __init__(self, serving: Serving, sock: socket.socket, make_protocol: Callable[[Serving, Any], Any]):
+        self._serving = serving
+        self._make_protocol = make_protocol
+        self.sockets = [sock]
+        sock.setblocking(False)
+        self._task = asyncio.get_running_loop().create_task(self._run(sock), name="h2-accept")
+
+    async def _run(self, listening: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listening)
+            except OSError as exc:   # out of descriptors, say: let it pass, then go on
+                log.warning("h2: accept failed: %s", exc)
+                await asyncio.sleep(0.05)
+                continue
+            TLSAcceptor(self._serving, sock, peer, self._make_protocol).start()
+
+    def close(self) -> None:
+        self._task.cancel()
+        for sock in self.sockets:
+            sock.close()
+
+    async def wait_closed(self) -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
+class TLSAcceptor:
+    """One accepted TCP socket until the TLS 1.3 handshake with a client certificate completes."""
+
+    def __init__(self, serving: Serving, sock: socket.socket, peer: Any, make_protocol: Callable[[Serving, Any], Any]):
+        """`make_protocol(serving, peer)`: the protocol that takes the connection once the
+        handshake is done, through its `start(transport)`."""
+        self._serving = serving
+        self._make_protocol = make_protocol
+        self._sock: socket.socket | None = sock   # ours until a transport owns it
+        self._transport: asyncio.BaseTransport | None = None
+        self._peer = peer
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        host = self._peer[0] if isinstance(self._peer, tuple) else str(self._peer)
+        if not self._serving.may_connect(host):
+            self._serving.refusals.refuse(Kind.CONNECTION_RATE, self._peer, "h2: new connections too fast")
+            self._close_socket()
+            return
+        self._serving.handshake_started(self, self._drop, self._peer)
+        self._task = self._serving.spawn(self._accept())
+
+    def _drop(self) -> None:
+        """Over max_handshakes, this (the oldest) handshake makes room."""
+        if self._task is not None:
+            self._task.cancel()
+        self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def _accept(self) -> None:
+        serving, peer, sock = self._serving, self._peer, self._sock
+        if sock is None:
+            return
+        tls_transport = None
+        try:
+            async with asyncio.timeout(serving.limits.handshake_timeout):
+                if not await self._offers_h2(sock):
+                    return
+                protocol = self._make_protocol(serving, peer)
+                self._sock = None   # the transport owns it from here (and closes it on failure)
+                tls_transport, _ = await asyncio.get_running_loop().connect_accepted_socket(
+                    lambda: protocol, sock, ssl=serving.ssl_context,
+                    ssl_handshake_timeout=serving.limits.handshake_timeout)
+        except TimeoutError:
+            serving.refusals.refuse(Kind.HANDSHAKE_TIMEOUT, peer,
+                                    f"TLS not done within {serving.limits.handshake_timeout}s")
+            return
+        except (ssl.SSLError, OSError, ConnectionError) as exc:
+            serving.refusals.refuse(Kind.TLS, peer, f"h2: refused TLS from {peer}: {_reason(exc)}")
+            return
+        finally:
+            serving.handshake_ended(self)
+            self._close_socket()   # still ours: refused, timed out or dropped before the handshake
+        protocol.start(tls_transport)
+
+    async def _offers_h2(self, sock: socket.socket) -> bool:
+        """Peek at the ClientHello (the bytes stay for OpenSSL); refuse one without "h2"."""
+        try:
+            hello, size = await _peek_client_hello(sock)
+        except (clienthello.Unparsed, OSError):
+            return True  # not ours to judge: OpenSSL refuses what is not TLS 1.3
+        if hello.offers(b"h2"):
+            return True
+        offered = "no ALPN" if hello.alpn is None else f"ALPN {[p.decode('latin-1') for p in hello.alpn]}"
+        self._serving.refusals.refuse(Kind.ALPN, self._peer, f"h2 not offered ({offered}): no_application_protocol")
+        with contextlib.suppress(OSError):
+            sock.recv(size)   # read, so that the close is a FIN after the alert, not a reset
+            sock.send(clienthello.NO_APPLICATION_PROTOCOL_ALERT)   # 7 bytes: fits any send buffer
+            sock.shutdown(socket.SHUT_WR)
+        return False
+
+
+async def _peek_client_hello(sock: socket.socket) -> tuple[clienthello.Hello, int]:
+    """The ClientHello waiting on the socket, read with MSG_PEEK so that OpenSSL still reads
+    it (no transport reads the socket yet); with the bytes it spans."""
+    loop = asyncio.get_running_loop()
+    while True:
+        readable = loop.create_future()
+        loop.add_reader(sock.fileno(), _set_once, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(sock.fileno())
+        try:
+            data = sock.recv(clienthello.MAX_HELLO, socket.MSG_PEEK)
+        except BlockingIOError:
+            continue   # woken with nothing to read
+        if not data:
+            raise ConnectionResetError("closed before the ClientHello")
+        try:
+            return clienthello.parse(data), len(data)
+        except clienthello.Incomplete:
+            if len(data) >= clienthello.MAX_HELLO:
+                raise clienthello.Unparsed("ClientHello too long") from None
+            # the socket stays readable while the peeked bytes sit there: wait a little
+            # for the rest instead of spinning (bounded by handshake_timeout)
+            await asyncio.sleep(PEEK_RETRY_S)
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"{exc.reason}: {exc.verify_message}"
+    if isinstance(exc, ssl.SSLError):
+        return exc.reason or str(exc)
+    return f"{type(exc).__name__}: {exc}"
