@@ -1,0 +1,415 @@
+"""A deployment across test hosts with distance between drafters and verifier (issue 36).
+
+    flock /tmp/sdcp-quiet.lock .venv/bin/python bench/bench_hosts.py [--sessions 16] [--max-new 64]
+        [--rtts 0.1,2,10,30] [--out bench/hosts_runs.json]
+
+Needs root and `ip netns` (sdcp_fast/hosts). Hosts: a router, a verifier and 3 etcd members
+(commit log and session table) on the near wire; two drafters on the far wire; the relay host
+between the wires (sdcp_fast/hosts/relay.py) forwards TCP and UDP after RTT/2 each way. The
+pair is the byte-level demo pair (tiny:demo-target, tiny:demo-draft: a cost-faithful stand-in
+on 2 cores; the real SmolLM2 pair would spend minutes per point), rule 1, the demo's
+deployment plan (speculation "on").
+
+It measures, in order:
+1. the relay's own cost: TCP and UDP round trips between two hosts on one wire, then through
+   the relay at zero added delay, then at each RTT's delay (what the RTT really is);
+2. at each RTT (0.1 ms: the relay with no added delay, its own cost being about that), with
+   the drafters drafting ahead (`draft_ahead`, the drafter prepares the next proposal during
+   verification on the all-accepted verdict and throws it away otherwise) and without:
+   `--sessions` streams at once and one stream alone; tokens/s (all streams' tokens over the
+   wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
+   median over streams), every output checked against the target's greedy decoding;
+3. faults during live generations, each ending with every output exact: the verifier host
+   cut off (link down) for 1.5 s and back (inside its TTL: the same verifier carries on); a
+   drafter host cut off for good (its sessions go to the other drafter);
+4. the CPU seconds each process spent per committed token (router, verifier, drafters,
+   etcd members; from /proc) and the etcd cluster's append rate, for bench/fleet_sim.py.
+
+The drafters' rounds logs (m, accepted, draft and turnaround times) and the figures go to
+`--out` (JSON), which bench/fleet_sim.py calibrates from. The last line is the summary:
+`hosts: N hosts, RTT 0.1/2/10/30 ms: 16-session tokens/s A/B/C/D (ahead) vs E/F/G/H (not
+ahead); faults K/K exact`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sdcp_fast.demo import PROMPTS, deployment  # noqa: E402
+from sdcp_fast.demo.baseline import decode_alone  # noqa: E402
+from sdcp_fast.drafter import rounds_from_file  # noqa: E402
+from sdcp_fast.hosts.netns import Network, unavailable  # noqa: E402
+from sdcp_fast.hosts.relay import RelayProcess  # noqa: E402
+from sdcp_fast.hosts.testbed import Testbed  # noqa: E402
+from sdcp_fast.models import load_backend  # noqa: E402
+
+TARGET, DRAFT = "tiny:demo-target", "tiny:demo-draft"
+HOSTS = ["router", "verifier", "drafter-1", "drafter-2"]
+FAR = ["drafter-1", "drafter-2"]
+
+# ---------------------------------------------------------------------- the relay's own cost
+
+PING_SERVER = """
+import socket, sys, threading
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.bind((sys.argv[1], 8443))
+def udp():
+    while True:
+        d, p = u.recvfrom(65536); u.sendto(d, p)
+threading.Thread(target=udp, daemon=True).start()
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 8443)); s.listen(); print("ready", flush=True)
+while True:
+    c, _ = s.accept(); c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    while (d := c.recv(65536)):
+        c.sendall(d)
+    c.close()
+"""
+
+PING_CLIENT = """
+import json, socket, statistics, sys, time
+s = socket.create_connection((sys.argv[1], 8443), 5); s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+s.settimeout(5)
+def tcp():
+    t = time.perf_counter(); s.sendall(b"x" * 300); n = 0
+    while n < 300:
+        n += len(s.recv(65536))
+    return time.perf_counter() - t
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); u.settimeout(5); u.connect((sys.argv[1], 8443))
+def udp():
+    t = time.perf_counter(); u.send(b"y" * 300); u.recv(65536); return time.perf_counter() - t
+n = int(sys.argv[2])
+for f in (tcp, udp):
+    for _ in range(10):
+        f()
+print(json.dumps({"tcp_ms": 1e3 * statistics.median(tcp() for _ in range(n)),
+                  "udp_ms": 1e3 * statistics.median(udp() for _ in range(n))}))
+"""
+
+
+def ping(net: Network, src: str, dst: str, n: int) -> dict:
+    out = subprocess.run([*net.wrap(src), sys.executable, "-c", PING_CLIENT, net.address(dst), str(n)],
+                         capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-800:])
+    return json.loads(out.stdout)
+
+
+def relay_cost(workdir: Path, delays_ms: list[float], n: int = 300) -> dict:
+    """Round trips (median, ms) on one wire, and through the relay at each one-way delay."""
+    out: dict = {}
+    with Network(["a", "b"]) as net:
+        server = subprocess.Popen([*net.wrap("a"), sys.executable, "-c", PING_SERVER, net.address("a")],
+                                  stdout=subprocess.PIPE)
+        try:
+            server.stdout.readline()
+            out["direct"] = ping(net, "b", "a", n)
+        finally:
+            server.kill()
+            server.wait(5)
+    with Network(["a", "b"], far=["b"], relay=True) as net:
+        server = subprocess.Popen([*net.wrap("a"), sys.executable, "-c", PING_SERVER, net.address("a")],
+                                  stdout=subprocess.PIPE)
+        try:
+            server.stdout.readline()
+            for delay in delays_ms:
+                relay = RelayProcess(net, delay, workdir / "relay-cost.log")
+                relay.start()
+                try:
+                    out[f"relay {delay:g}"] = ping(net, "b", "a", n if delay < 5 else max(50, n // 5))
+                finally:
+                    relay.stop()
+        finally:
+            server.kill()
+            server.wait(5)
+    return out
+
+
+# ---------------------------------------------------------------------- streams
+
+
+@dataclasses.dataclass
+class Stream:
+    prompt: list[int]
+    gid: str = ""
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    times: list[float] = dataclasses.field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+
+    @property
+    def itl_ms(self) -> float | None:
+        if len(self.times) < 2 or len(self.tokens) < 2:
+            return None
+        return 1000 * (self.times[-1] - self.times[0]) / (len(self.tokens) - 1)
+
+
+def stream(front: str, s: Stream, max_new: int) -> None:
+    try:
+        with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as http, \
+                http.stream("POST", f"{front}/v1/generate", json={"tokens": s.prompt, "max_new": max_new}) as r:
+            r.raise_for_status()
+            name = None
+            for line in r.iter_lines():
+                if line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:") and name in ("start", "tokens", "end"):
+                    data = json.loads(line[5:])
+                    if name == "start":
+                        s.gid = data["id"]
+                    elif name == "tokens":
+                        assert data["index"] == len(s.tokens), "a gap or a repeat in the stream"
+                        s.tokens.extend(data["tokens"])
+                        s.times.append(time.perf_counter())
+                    else:
+                        s.finish = data["finish"]
+                        return
+    except Exception as exc:     # reported with the run; the benchmark carries on
+        s.error = f"{type(exc).__name__}: {exc}"
+
+
+def run_streams(front: str, prompts: list[list[int]], max_new: int, during=None) -> tuple[list[Stream], float]:
+    streams = [Stream(p) for p in prompts]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(len(streams) + 1) as pool:
+        futures = [pool.submit(stream, front, s, max_new) for s in streams]
+        if during is not None:
+            during(streams)
+        for f in futures:
+            f.result(timeout=600)
+    return streams, time.perf_counter() - started
+
+
+def exact(streams: list[Stream], reference: dict[tuple, list[int]]) -> bool:
+    return all(s.finish == "finish" and not s.error and s.tokens == reference[tuple(s.prompt)] for s in streams)
+
+
+# ---------------------------------------------------------------------- the deployment
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu(bed: Testbed) -> dict[str, float]:
+    out = {name: cpu_seconds(i.pid) for name, i in bed.cluster.instances.items() if i.alive()}
+    for host, popen in bed.etcd.processes.items():
+        if popen.poll() is None:
+            out[host] = cpu_seconds(popen.pid)
+    if bed.relay is not None and bed.relay.popen is not None and bed.relay.popen.poll() is None:
+        out["relay"] = cpu_seconds(bed.relay.popen.pid)
+    return out
+
+
+def restart_drafters(bed: Testbed, ahead: bool) -> None:
+    cluster = bed.cluster
+    drafters = [i for i in cluster.instances.values() if i.role == "drafter"]
+    for d in drafters:
+        d.stop()
+        d.config = dataclasses.replace(d.config, drafter=dataclasses.replace(d.config.drafter, draft_ahead=ahead))
+        cluster.launch(d)
+    cluster.wait_ready(drafters, 60)
+    deployment_live(bed)
+
+
+def deployment_live(bed: Testbed, count: int | None = None) -> None:
+    from sdcp_fast.demo.client import wait_live
+
+    wait_live(bed.cluster.instances["router"].frontdoor_url, count or len(bed.cluster.instances) - 1, timeout=60)
+    time.sleep(1.0)        # one more status round: the router's view of loads settles
+
+
+def set_delay(bed: Testbed, delay_ms: float) -> None:
+    bed.relay.stop()
+    bed.relay = RelayProcess(bed.net, delay_ms, bed.workdir / "relay.log")
+    bed.relay.start()
+    bed.delay_ms = delay_ms
+    deployment_live(bed)
+
+
+def rounds_since(bed: Testbed, since: float) -> list[dict]:
+    out = []
+    for name in FAR:
+        path = bed.cluster.workdir / f"{name}.rounds.jsonl"
+        if path.is_file():
+            out += [r for r in rounds_from_file(path) if r["t"] >= since and not r.get("dropped")]
+    return out
+
+
+def etcd_append_rate(spec: str, seconds: float = 3.0, concurrency: int = 16) -> float:
+    """Commit-log appends per second on the etcd cluster (each its own log, `concurrency` at once)."""
+    from sdcp_fast.cache import open_log
+
+    async def go() -> float:
+        log = await open_log(spec)
+        done = 0
+        stop = time.perf_counter() + seconds
+
+        async def writer(n: int) -> None:
+            nonlocal done
+            length, name = 0, f"log/bench-{uuid.uuid4().hex}-{n}"
+            while time.perf_counter() < stop:
+                length = await log.append(name, b"r" * 200, epoch=1, expected=length)
+                done += 1
+        try:
+            started = time.perf_counter()
+            await asyncio.gather(*(writer(n) for n in range(concurrency)))
+            return done / (time.perf_counter() - started)
+        finally:
+            await log.close()
+    return asyncio.run(go())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--rtts", default="0.1,2,10,30", help="round trips in ms (0.1: the relay without delay)")
+    parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
+    parser.add_argument("--no-faults", action="store_true")
+    args = parser.parse_args()
+    reason = unavailable()
+    if reason:
+        print(f"bench_hosts: test hosts cannot be made here: {reason}", file=sys.stderr)
+        return 2
+    rtts = [float(r) for r in args.rtts.split(",")]
+    delays = {rtt: (0.0 if rtt <= 0.1 else rtt / 2) for rtt in rtts}
+    target = load_backend(TARGET)
+    draft = load_backend(DRAFT)
+    prompts = [target.encode(PROMPTS[n % len(PROMPTS)] + " " * (n // len(PROMPTS))) for n in range(args.sessions)]
+    outputs, alone_s = decode_alone(target, prompts, [args.max_new] * len(prompts))
+    reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+    record: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+                    "sessions": args.sessions, "max_new": args.max_new, "target_alone_tokens_per_s":
+                    sum(map(len, outputs)) / alone_s, "runs": [], "faults": []}
+    print(f"target alone (one process, {args.sessions} prompts batched): "
+          f"{record['target_alone_tokens_per_s']:.0f} tokens/s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="sdcp-hosts-", dir=deployment.fast_tmp()) as tmp:
+        workdir = Path(tmp)
+        record["relay"] = relay_cost(workdir, sorted(set(delays.values())))
+        for name, r in record["relay"].items():
+            print(f"round trip {name:>10}: TCP {r['tcp_ms']:.3f} ms, UDP {r['udp_ms']:.3f} ms", flush=True)
+
+        with Testbed(workdir / "bed", hosts=HOSTS, far=FAR, delay_ms=0.0) as bed:
+            deployment.plan(bed.cluster, TARGET, DRAFT, draft.digest.hex(), args.max_new, speculation="on")
+            for d in FAR:      # room for 16 sessions per drafter
+                i = bed.cluster.instances[d]
+                i.config = dataclasses.replace(i.config, drafter=dataclasses.replace(i.config.drafter,
+                                                                                    max_sessions=64))
+            bed.start()
+            deployment_live(bed)
+            n_hosts = len(bed.net.hosts) + 1        # the relay host too
+            front = bed.cluster.instances["router"].frontdoor_url
+            run_streams(front, prompts[:2], 16)     # warm-up: first connections, first passes
+            for ahead in (True, False):
+                restart_drafters(bed, ahead)
+                for rtt in rtts:
+                    set_delay(bed, delays[rtt])
+                    for count in (args.sessions, 1):
+                        since = time.time()
+                        before = process_cpu(bed)
+                        streams, wall = run_streams(front, prompts[:count], args.max_new)
+                        after = process_cpu(bed)
+                        tokens = sum(len(s.tokens) for s in streams)
+                        itls = [s.itl_ms for s in streams if s.itl_ms is not None]
+                        rounds = rounds_since(bed, since)
+                        run = {"rtt_ms": rtt, "delay_ms": delays[rtt], "ahead": ahead, "sessions": count,
+                               "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                               "itl_ms": statistics.median(itls) if itls else None,
+                               "exact": exact(streams, reference),
+                               "cpu_s": {k: after[k] - before.get(k, 0.0) for k in after},
+                               "rounds": [{k: r[k] for k in ("m", "accepted", "emitted", "draft_ms", "verify_ms",
+                                                             "ahead", "action")} for r in rounds]}
+                        record["runs"].append(run)
+                        print(f"RTT {rtt:>4g} ms, {'ahead' if ahead else 'not ahead':>9}, {count:2d} sessions: "
+                              f"{run['tokens_per_s']:7.1f} tokens/s, ITL {run['itl_ms'] or 0:6.1f} ms, "
+                              f"{len(rounds)} rounds, exact {run['exact']}", flush=True)
+            record["etcd_appends_per_s"] = etcd_append_rate(bed.commit_log)
+            print(f"etcd cluster (3 members): {record['etcd_appends_per_s']:.0f} appends/s "
+                  "(16 logs at once, from the client link)", flush=True)
+            if not args.no_faults:
+                set_delay(bed, delays[rtts[min(1, len(rtts) - 1)]])
+                record["faults"] = faults(bed, front, prompts[:4], reference, args.max_new)
+        record["hosts"] = n_hosts
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+    def series(ahead: bool) -> str:
+        return "/".join(f"{r['tokens_per_s']:.0f}" for rtt in rtts for r in record["runs"]
+                        if r["rtt_ms"] == rtt and r["ahead"] == ahead and r["sessions"] == args.sessions)
+    ok = sum(1 for f in record["faults"] if f["exact"])
+    rtt_text = "/".join(f"{r:g}" for r in rtts)
+    print(f"hosts: {n_hosts} hosts, RTT {rtt_text} ms: {args.sessions}-session tokens/s {series(True)} (ahead) "
+          f"vs {series(False)} (not ahead); faults {ok}/{len(record['faults'])} exact")
+    return 0
+
+
+def faults(bed: Testbed, front: str, prompts: list[list[int]], reference: dict, max_new: int) -> list[dict]:
+    out = []
+
+    def verifier_cut(streams: list[Stream]) -> dict:
+        wait_tokens(streams, 8)
+        bed.net.cut("verifier")
+        t0 = time.perf_counter()
+        time.sleep(1.5)
+        bed.net.restore("verifier")
+        before = sum(len(s.tokens) for s in streams)
+        while sum(len(s.tokens) for s in streams) == before and not all(s.finish or s.error for s in streams):
+            time.sleep(0.005)
+        return {"recovery_s": time.perf_counter() - t0}
+
+    def drafter_cut(streams: list[Stream]) -> dict:
+        wait_tokens(streams, 8)
+        uri = bed.cluster.instances["drafter-1"].uri
+        on_it = {g["id"] for g in httpx.get(f"{front}/v1/generations", timeout=10).json()["generations"]
+                 if g.get("drafter") == uri and g.get("finish") is None}
+        bed.net.cut("drafter-1")
+        t0 = time.perf_counter()
+        moved = [s for s in streams if s.gid in on_it]
+        before = [len(s.tokens) for s in moved]
+        while not all(len(s.tokens) > b or s.finish or s.error for s, b in zip(moved, before, strict=True)):
+            time.sleep(0.005)
+        return {"recovery_s": time.perf_counter() - t0, "sessions_moved": len(moved)}
+
+    for name, fault in (("verifier host cut off 1.5 s and back", verifier_cut),
+                        ("drafter host cut off for good", drafter_cut)):
+        info: dict = {}
+        streams, wall = run_streams(front, prompts, max_new, during=lambda s, f=fault, i=info: i.update(f(s)))
+        result = {"fault": name, "exact": exact(streams, reference), "wall_s": wall, **info,
+                  "errors": [s.error for s in streams if s.error]}
+        out.append(result)
+        print(f"fault: {name}: exact {result['exact']}, the streams it held up moving again after "
+              f"{result.get('recovery_s', float('nan')):.2f} s"
+              + (f" ({result['sessions_moved']} sessions moved)" if "sessions_moved" in result else ""), flush=True)
+    return out
+
+
+def wait_tokens(streams: list[Stream], n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(len(s.tokens) >= n for s in streams):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no stream reached its fault point")
+        time.sleep(0.005)
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
