@@ -2,8 +2,8 @@
 
 HTTP/2 runs OpenSSL's verification during the handshake (chain to the CA, validity, the
 client's CertificateVerify) and then this policy on the leaf before the connection is used;
-HTTP/3 runs this policy inside the handshake (quic_mtls.py) and aioquic's CertificateVerify
-check. So what decides whether a certificate is valid is this module on both transports,
+HTTP/3 has aioquic check the client's CertificateVerify in the handshake and runs this policy
+as the handshake completes, before any request is read (server_h3.py). So what decides whether a certificate is valid is this module on both transports,
 and OpenSSL on HTTP/2 can only refuse more, never admit more (tests/transport/test_certpolicy.py
 runs every case on both and asserts the same answer).
 

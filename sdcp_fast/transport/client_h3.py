@@ -1,5 +1,6 @@
-"""HTTP/3 client adapter on aioquic (QuicConnectionProtocol + H3Connection): one QUIC
-connection per origin, kept and reused, our certificate presented, the server's checked."""
+"""HTTP/3 client on aioquic's QUIC connection (quic_io.py) and our HTTP/3 framing (h3.py): one
+QUIC connection per origin, kept and reused, our certificate presented, the server's checked
+(its chain by aioquic, its host name by identity.verify_server)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import socket
 from pathlib import Path
 
 from aioquic.h3.connection import ErrorCode
-from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import ConnectionTerminated, QuicEvent, StreamReset
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    StreamDataReceived,
+    StreamReset,
+)
 
 from .client_base import (
     ANNOUNCE_LENGTH_FROM,
@@ -21,13 +26,14 @@ from .client_base import (
     TransportError,
     split_https_url,
 )
+from .compat import peer_certificates
+from .h3 import Data, H3Error, H3Streams, Headers
 from .identity import CertificateRejected, verify_server
-from .quic_lean import LeanAcks, LeanH3
-from .quic_mtls import check_aioquic, peer_certificates
+from .quic_io import QuicDriver
 from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
-REMEMBERED_HEADS = 256   # request header lists kept per connection (forgotten all at once when full)
+MAX_ANSWER_FIELDS = 1 << 16   # the field-section size our client advertises for answers
 
 
 class _Exchange:
@@ -52,50 +58,65 @@ def _read_head(exchange: _Exchange, headers) -> None:
             exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
 
-class H3ClientConnection(LeanAcks):
-    def __init__(self, quic: QuicConnection, **kwargs):
-        super().__init__(quic, **kwargs)
-        self._h3 = LeanH3(quic)
+class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
+    """One QUIC connection to a server (its socket connected to it once `connected_to` is
+    set), requests as streams, answers to their futures."""
+
+    def __init__(self, quic: QuicConnection):
+        QuicDriver.__init__(self, quic, self._sendto)
+        self._h3: H3Streams | None = None
         self._exchanges: dict[int, _Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
-        # request header lists by (method, authority, target, content type): a session's
-        # proposals all go to one URL with the same fields
-        self._heads: dict[tuple, list[tuple[bytes, bytes]]] = {}
+        self.connected_to = None
+        self._connected = self._loop.create_future()
+        self._closed = asyncio.Event()
 
     @property
     def usable(self) -> bool:
         return self._terminated is None
 
+    def connection_made(self, transport) -> None:
+        self._datagram_transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        self.receive(data, addr)
+
+    def _sendto(self, data: bytes, addr) -> None:
+        if self.connected_to is not None:
+            self._datagram_transport.sendto(data)   # no address: no route look-up per send
+        else:
+            self._datagram_transport.sendto(data, addr)
+
+    def connect(self, addr) -> None:
+        self.quic.connect(addr, now=self._loop.time())
+        self.transmit()
+
+    async def wait_connected(self) -> None:
+        await asyncio.shield(self._connected)
+
     async def request(self, method: str, authority: str, target: str, body: bytes | None,
                       content_type: str | None, timeout: float | None, max_response: int) -> ClientResponse:
         """One exchange within `timeout` seconds; None: the caller bounds it (Client's attempt
-        does, under one asyncio.timeout for connecting and the exchange: a second one here
-        would cost a timer armed and cancelled per request)."""
+        does, under one asyncio.timeout for connecting and the exchange)."""
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
-        stream_id = self._quic.get_next_available_stream_id()
-        key = (method, authority, target, content_type if body is not None else None)
-        headers = self._heads.get(key)
-        if headers is None:
-            headers = [(b":method", method.encode()), (b":scheme", b"https"),
-                       (b":authority", authority.encode()), (b":path", target.encode())]
-            if content_type and body is not None:
+        stream_id = self.quic.get_next_available_stream_id()
+        headers = [(b":method", method.encode()), (b":scheme", b"https"),
+                   (b":authority", authority.encode()), (b":path", target.encode())]
+        if body is not None:
+            if content_type:
                 headers.append((b"content-type", content_type.encode()))
-            if len(self._heads) >= REMEMBERED_HEADS:
-                self._heads.clear()
-            self._heads[key] = headers
-        if body is not None and len(body) >= ANNOUNCE_LENGTH_FROM:
-            headers = [*headers, (b"content-length", str(len(body)).encode())]
-        exchange = _Exchange(self._loop.create_future(), max_response)   # the protocol's loop (no getpid())
+            if len(body) >= ANNOUNCE_LENGTH_FROM:
+                headers.append((b"content-length", str(len(body)).encode()))
+        exchange = _Exchange(self._loop.create_future(), max_response)
         self._exchanges[stream_id] = exchange
-        if body:
-            self._h3.send_message(stream_id, headers, body)
-        else:
-            self._h3.send_headers(stream_id, headers, end_stream=True)
-        self.transmit_data(alone=len(self._exchanges) == 1)   # with the other requests of this turn
+        self._h3.send(stream_id, headers, body or b"")
+        if len(self._exchanges) == 1:
+            self.transmit()
+        else:   # with the other requests of this turn
+            self.transmit_soon()
         try:
-            # the future is awaited directly (wait_for and shield would each add a loop turn)
             if timeout is None:
                 return await exchange.future
             async with asyncio.timeout(timeout):
@@ -113,57 +134,73 @@ class H3ClientConnection(LeanAcks):
         if self._terminated is not None:   # nothing left to tell the server
             return
         with contextlib.suppress(Exception):
-            self._quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-            self._quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self.quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self.quic.stop_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
         self.transmit()
 
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, ConnectionTerminated):
-            # A TLS alert (a transport close, frame_type set) means the handshake was refused:
-            # no request was processed. Application closes (H3 codes 0x100..) carry no frame type.
-            refused = event.frame_type is not None and event.error_code in CRYPTO_ERROR_RANGE
-            self._terminated = TransportError(
-                f"HTTP/3 connection closed ({event.error_code:#x}: {event.reason_phrase})", sent=not refused
-            )
-            for exchange in self._exchanges.values():
-                if not exchange.future.done():
-                    exchange.future.set_exception(self._terminated)
-            return
-        if isinstance(event, StreamReset):
+    def quic_event(self, event) -> None:
+        if isinstance(event, StreamDataReceived):
+            if self._h3 is not None:
+                self._on_stream_data(event.stream_id, event.data, event.end_stream)
+        elif isinstance(event, StreamReset):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None and not exchange.future.done():
                 sent = event.error_code != ErrorCode.H3_REQUEST_REJECTED  # rejected: unprocessed
                 exchange.future.set_exception(
-                    TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent)
-                )
-        h3_events = self._h3.handle_event(event)
-        if len(h3_events) == 2:
-            head, data = h3_events
-            if head.__class__ is HeadersReceived and data.__class__ is DataReceived and data.stream_ended \
-                    and head.stream_id == data.stream_id and not head.stream_ended:
-                # a whole answer (as every SDCP answer comes): settled at once
-                exchange = self._exchanges.get(head.stream_id)
-                if exchange is not None and not exchange.future.done() and not exchange.body \
-                        and len(data.data) <= exchange.max_response:
-                    _read_head(exchange, head.headers)
-                    exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, data.data))
-                    return
-        for h3_event in h3_events:
-            exchange = self._exchanges.get(getattr(h3_event, "stream_id", -1))
-            if exchange is None or exchange.future.done():
-                continue
-            if isinstance(h3_event, HeadersReceived):
+                    TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent))
+        elif isinstance(event, HandshakeCompleted):
+            self._h3 = H3Streams(self.quic, is_client=True, max_field_section_size=MAX_ANSWER_FIELDS)
+            if not self._connected.done():
+                self._connected.set_result(None)
+        elif isinstance(event, ConnectionTerminated):
+            # A TLS alert (a transport close, frame_type set) means the handshake or the
+            # certificate was refused: no request was processed. Application closes (H3
+            # codes) carry no frame type.
+            refused = event.frame_type is not None and event.error_code in CRYPTO_ERROR_RANGE
+            self._terminated = TransportError(
+                f"HTTP/3 connection closed ({event.error_code:#x}: {event.reason_phrase})", sent=not refused)
+            for exchange in self._exchanges.values():
+                if not exchange.future.done():
+                    exchange.future.set_exception(TransportError(str(self._terminated), sent=not refused))
+            if not self._connected.done():
+                self._connected.set_exception(ConnectionError(str(self._terminated)))
+                self._connected.exception()   # retrieved: nobody may be waiting
+            self.stop_timer()
+            self._closed.set()
+
+    def _on_stream_data(self, stream_id: int, data: bytes, ended: bool) -> None:
+        exchange = self._exchanges.get(stream_id)
+        try:
+            events = self._h3.receive(stream_id, data, ended)
+        except H3Error as exc:
+            self.quic.close(error_code=exc.code, reason_phrase=exc.reason)
+            self.transmit()
+            return
+        if exchange is None or exchange.future.done():
+            return
+        for h3_event in events:
+            if h3_event.__class__ is Headers:
                 _read_head(exchange, h3_event.headers)
-            elif isinstance(h3_event, DataReceived):
+            elif h3_event.__class__ is Data:
                 exchange.body += h3_event.data
                 if len(exchange.body) > exchange.max_response:
-                    self._cancel(h3_event.stream_id)
+                    self._cancel(stream_id)
                     exchange.future.set_exception(
                         TransportError(f"response over {exchange.max_response} bytes", sent=True))
-                    continue
-            if getattr(h3_event, "stream_ended", False) and not exchange.future.done():
-                exchange.future.set_result(
-                    ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
+                    return
+            else:
+                continue
+            if h3_event.ended:
+                exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
+                return
+
+    def close(self) -> None:
+        if self._terminated is None:
+            self.quic.close()
+            self.transmit()
+
+    async def wait_closed(self) -> None:
+        await self._closed.wait()
 
     async def aclose(self) -> None:
         self.close()
@@ -177,7 +214,6 @@ class H3ClientConnection(LeanAcks):
 async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
                      timeout: float, *, ca_file: str | Path) -> H3ClientConnection:
     """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
-    check_aioquic()  # peer_certificates() reads aioquic internals
     loop = asyncio.get_running_loop()
     # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
     # cancellation when its inner await finishes at the same moment (gh-86296), and then the
@@ -195,8 +231,7 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         lambda: H3ClientConnection(connection), family=family, remote_addr=addr,
     )
     assert isinstance(protocol, H3ClientConnection)
-    protocol._datagram_transport = transport
-    protocol._connected_to = addr
+    protocol.connected_to = addr
     protocol.connect(addr)
     try:
         async with asyncio.timeout(timeout):
@@ -209,7 +244,6 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
         protocol.close()
         transport.close()
         raise
-    protocol.lengthen_ack_delay()
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:

@@ -19,6 +19,9 @@ goes when its issue is resolved in a release inside our pinned range.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -81,3 +84,49 @@ class H2Connection(h2.connection.H2Connection):
     """h2's connection with the closed-stream memory bounded (no shim: a public attribute)."""
 
     MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
+
+
+# ---- aioquic (imported on first use: HTTP/3 is an optional extra) ------------------------
+
+@functools.cache
+def client_certificate_quic() -> type:
+    """aioquic's QuicConnection whose server TLS context asks for a client certificate
+    (aioquic issue 541: the flag is "for test purposes only"). aioquic then requires the
+    client's CertificateVerify over the transcript with the certificate's key (proof of
+    possession) but accepts an empty Certificate and checks no chain: the server checks the
+    certificate with its policy once the handshake completes (server_h3.py), and refuses a
+    connection without one."""
+    from aioquic.quic.connection import QuicConnection
+
+    class ClientCertificateQuic(QuicConnection):
+        def _initialize(self, peer_cid: bytes) -> None:
+            super()._initialize(peer_cid)
+            if not self.configuration.is_client:
+                self.tls._request_client_certificate = True
+
+    return ClientCertificateQuic
+
+
+def peer_certificates(quic) -> tuple[Any, list[Any]]:
+    """(leaf, intermediates) the peer presented in the TLS handshake, as aioquic parsed them;
+    (None, []) if none (aioquic issue 541: no public accessor on either side)."""
+    context = getattr(quic, "tls", None)
+    if context is None:
+        return None, []
+    return context._peer_certificate, list(context._peer_certificate_chain)
+
+
+def set_max_streams_bidi(quic, count: int) -> None:
+    """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram
+    (aioquic fixes it at 128, with no QuicConfiguration member; not filed upstream yet).
+    `sent` too: aioquic raises the limit by one per closed stream only once the new value is
+    ahead of what it believes was announced."""
+    streams = quic._local_max_streams_bidi
+    streams.value = streams.sent = count
+
+
+def unsent(quic, stream_id: int) -> bool:
+    """Whether data written on `stream_id` still waits to be sent (flow control), the stream
+    neither finished nor reset (aioquic has no public look-up of a stream's send state)."""
+    stream = quic._streams.get(stream_id)
+    return stream is not None and not stream.sender.buffer_is_empty and not stream.sender.is_finished

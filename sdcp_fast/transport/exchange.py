@@ -104,6 +104,7 @@ class IncomingRequest:
     content_type: str | None
     max_body: int
     head: bool = False  # a HEAD request: the answer carries no content (RFC 9110 9.3.2)
+    content_length: int | None = None   # as declared
     body: bytearray = field(default_factory=bytearray)
 
     @classmethod
@@ -138,7 +139,7 @@ class IncomingRequest:
         refusal = precheck(method, content_type, content_length, max_body)
         if refusal is not None:
             return refusal
-        return cls(method, path, query, content_type, max_body, head=method == "HEAD")
+        return cls(method, path, query, content_type, max_body, head=method == "HEAD", content_length=content_length)
 
     def add_body(self, data: bytes) -> Problem | None:
         if len(self.body) + len(data) > self.max_body:
@@ -149,17 +150,33 @@ class IncomingRequest:
     def finish(self, caller: str | None) -> Request:
         return Request(self.method, self.path, self.query, self.content_type, bytes(self.body), caller)
 
-    def whole(self, body: bytes, caller: str | None) -> Request | Problem:
-        """The request with `body` as its whole body, come with its headers: what add_body
-        and finish give, without the buffer in between. Leaves this one as it is (it may be
-        RequestHeads' remembered head: the query is the request's own copy)."""
-        if len(body) > self.max_body:
-            return self._too_large()
-        return Request(self.method, self.path, dict(self.query) if self.query else {}, self.content_type,
-                       bytes(body), caller)
+    def length_mismatch(self) -> str | None:
+        """A body that does not match the declared content-length (RFC 9113 8.1.1, RFC 9114
+        4.1.2: the request is malformed); checked once the body has ended."""
+        if self.content_length is None or self.head or self.content_length == len(self.body):
+            return None
+        return f"content-length {self.content_length} but a body of {len(self.body)} bytes"
 
     def _too_large(self) -> Problem:
         return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes")
+
+
+class BoundedMemo(dict):
+    """A memo of at most `size` entries, all forgotten at once when it is full: what it holds
+    is cheap to work out again, so a peer cycling through new keys costs one miss each and
+    never more memory, with no bookkeeping per hit."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def add(self, key, value=None) -> None:
+        if len(self) >= self.size:
+            self.clear()
+        self[key] = value
+
+    def forget(self, key) -> None:
+        self.pop(key, None)
 
 
 class RequestHeads:
@@ -178,14 +195,14 @@ class RequestHeads:
     def __init__(self, max_header_list: int, body_limit: Callable[[str, str], int]):
         self._max_header_list = max_header_list
         self._body_limit = body_limit
-        self._known: dict[tuple, IncomingRequest] = {}
+        self._known: BoundedMemo = BoundedMemo(self.REMEMBER)
 
     def incoming(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
         head = self.head(headers)
         if head.__class__ is not IncomingRequest:
             return head
         return IncomingRequest(head.method, head.path, dict(head.query) if head.query else {},
-                               head.content_type, head.max_body, head.head)
+                               head.content_type, head.max_body, head.head, head.content_length)
 
     def head(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
         """What `incoming` gives, but a request's remembered head itself, not a copy: not
@@ -198,9 +215,7 @@ class RequestHeads:
             if head.__class__ is not IncomingRequest:
                 return head
             if sum(map(len, chain.from_iterable(key))) <= self.REMEMBER_SIZE:
-                if len(self._known) >= self.REMEMBER:
-                    self._known.clear()
-                self._known[key] = head
+                self._known.add(key, head)
         return head
 
 

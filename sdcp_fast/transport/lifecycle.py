@@ -163,6 +163,13 @@ class RequestLifecycle:
             self._serving.spawn(rest, self._loop)
 
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
+        """The request is whole: run the handler (a body that breaks its content-length is
+        a malformed request instead)."""
+        mismatch = incoming.length_mismatch()
+        if mismatch is not None:
+            self._reset_malformed(stream_id)
+            self._stream_refused(stream_id, Kind.MALFORMED, mismatch)
+            return
         request = incoming.finish(self.caller)
         self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
 

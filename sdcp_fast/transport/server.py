@@ -44,7 +44,7 @@ class Server:
         self._requested_port = port
         self._port: int | None = None
         self._tcp: TCPListener | None = None
-        self._quic: Any = None  # aioquic QuicServer
+        self._quic: Any = None  # server_h3.H3Listener
 
     @property
     def port(self) -> int:
@@ -62,10 +62,6 @@ class Server:
         return self.serving.refusals
 
     async def start(self) -> None:
-        if self.http3:
-            from .quic_mtls import check_aioquic
-
-            check_aioquic()  # fail closed on an aioquic whose internals we did not review
         # With port 0, the TCP port is chosen first and UDP must get the same number; retry if taken.
         for _attempt in range(20):
             try:
