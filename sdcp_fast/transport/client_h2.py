@@ -31,12 +31,12 @@ import contextlib
 import logging
 import ssl
 
-import h2.config
-import h2.connection
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
+import jh2.config
+import jh2.connection
+import jh2.errors
+import jh2.events
+import jh2.exceptions
+import jh2.settings
 
 from .client_base import (
     ANNOUNCE_LENGTH_FROM,
@@ -50,7 +50,7 @@ from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
 MAX_CONNECTIONS = 16   # per origin
-ErrorCodes = h2.errors.ErrorCodes
+ErrorCodes = jh2.errors.ErrorCodes
 
 
 class _Exchange:
@@ -75,11 +75,11 @@ class H2ClientConnection(asyncio.Protocol):
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
         # the answers' fields are checked by h2 (any server may answer); our own are
         # lowercase literals and values we built
-        self._conn = H2Connection(h2.config.H2Configuration(
+        self._conn = H2Connection(jh2.config.H2Configuration(
             client_side=True, header_encoding=None, validate_outbound_headers=False,
             normalize_outbound_headers=False))
-        self._conn.local_settings = h2.settings.Settings(client=True, initial_values={
-            h2.settings.SettingCodes.ENABLE_PUSH: 0})
+        self._conn.local_settings = jh2.settings.Settings(client=True, initial_values={
+            jh2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._transport: asyncio.Transport | None = None
         self._exchanges: dict[int, _Exchange] = {}
         self._settled = asyncio.get_running_loop().create_future()   # the server's first SETTINGS
@@ -112,7 +112,7 @@ class H2ClientConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             events = self._conn.receive_data(data)
-        except h2.exceptions.ProtocolError as exc:
+        except jh2.exceptions.ProtocolError as exc:
             self._flush()   # h2 has queued a GOAWAY
             self._fail_all(TransportError(f"HTTP/2 protocol error from the server: {exc}", sent=True))
             self._transport.close()
@@ -133,8 +133,8 @@ class H2ClientConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._writable.set()
 
-    def _on_event(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.DataReceived):
+    def _on_event(self, event: jh2.events.Event) -> None:
+        if isinstance(event, jh2.events.DataReceived):
             exchange = self._exchanges.get(event.stream_id)
             self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             if exchange is None or exchange.future.done():
@@ -143,7 +143,7 @@ class H2ClientConnection(asyncio.Protocol):
             if len(exchange.body) > self._max_response:
                 self._end(event.stream_id, exchange,
                           TransportError(f"response over {self._max_response} bytes", sent=True))
-        elif isinstance(event, h2.events.ResponseReceived):
+        elif isinstance(event, jh2.events.ResponseReceived):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:
                 for name, value in event.headers:
@@ -151,14 +151,14 @@ class H2ClientConnection(asyncio.Protocol):
                         exchange.status = int(value)
                     elif name[:1] != b":":
                         exchange.headers[name.decode("latin-1")] = value.decode("latin-1")
-        elif isinstance(event, h2.events.StreamEnded):
+        elif isinstance(event, jh2.events.StreamEnded):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:
                 exchange.ended = True
                 if not exchange.future.done():
                     exchange.future.set_result(ClientResponse(exchange.status, exchange.headers,
                                                               bytes(exchange.body)))
-        elif isinstance(event, h2.events.StreamReset):
+        elif isinstance(event, jh2.events.StreamReset):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:
                 exchange.ended = True
@@ -166,13 +166,13 @@ class H2ClientConnection(asyncio.Protocol):
                     refused = event.error_code == ErrorCodes.REFUSED_STREAM   # not processed
                     exchange.future.set_exception(TransportError(
                         f"stream reset by the server ({_code(event.error_code)})", sent=not refused))
-        elif isinstance(event, h2.events.RemoteSettingsChanged):
+        elif isinstance(event, jh2.events.RemoteSettingsChanged):
             if not self._settled.done():
                 self._settled.set_result(None)
             self._window_open.set()
-        elif isinstance(event, h2.events.WindowUpdated):
+        elif isinstance(event, jh2.events.WindowUpdated):
             self._window_open.set()
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif isinstance(event, jh2.events.ConnectionTerminated):
             # GOAWAY: streams above last_stream_id were not processed and may go elsewhere;
             # those at or below it are still answered, until the server closes
             self._goaway_last = event.last_stream_id or 0
@@ -205,7 +205,7 @@ class H2ClientConnection(asyncio.Protocol):
                     conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size):
                 conn.send_data(stream_id, body, end_stream=True)
                 body = None
-        except h2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
+        except jh2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
             raise TransportError(f"HTTP/2 stream not opened: {exc}", sent=False) from exc
         exchange = _Exchange(asyncio.get_running_loop().create_future())
         exchange.sent_all = not body
@@ -255,7 +255,7 @@ class H2ClientConnection(asyncio.Protocol):
         exchange.ended = exchange.sent_all = True
 
     def _cancel(self, stream_id: int) -> None:
-        with contextlib.suppress(h2.exceptions.H2Error):
+        with contextlib.suppress(jh2.exceptions.H2Error):
             self._conn.reset_stream(stream_id, ErrorCodes.CANCEL)
         self._flush()
 
@@ -282,7 +282,7 @@ class H2ClientConnection(asyncio.Protocol):
         if self._closed is None:
             self._closed = TransportError("HTTP/2 connection closed by this client", sent=False)
         if self._transport is not None and not self._transport.is_closing():
-            with contextlib.suppress(h2.exceptions.H2Error):
+            with contextlib.suppress(jh2.exceptions.H2Error):
                 self._conn.close_connection()
             self._flush()
             self._transport.close()

@@ -22,11 +22,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import h2.connection
-import h2.events
-import h2.exceptions
-from h2.errors import ErrorCodes
-from hpack.exceptions import HPACKError
+import jh2.connection
+import jh2.events
+import jh2.exceptions
+from jh2.errors import ErrorCodes
 
 # h2 remembers how each closed stream ended (a late frame on a stream it reset is then a
 # stream error, not a connection error), up to 65,536 per connection by default: about
@@ -36,7 +35,7 @@ from hpack.exceptions import HPACKError
 H2_CLOSED_STREAMS_KEPT = 4096
 
 
-class MalformedStream(h2.events.Event):
+class MalformedStream(jh2.events.Event):
     """Our event: the request on `stream_id` was malformed (`reason`) and its stream reset
     with PROTOCOL_ERROR; `flow_controlled_length`: DATA bytes to credit back."""
 
@@ -46,7 +45,7 @@ class MalformedStream(h2.events.Event):
         self.flow_controlled_length = flow_controlled_length
 
 
-class H2StreamErrors(h2.connection.H2Connection):
+class H2StreamErrors(jh2.connection.H2Connection):
     """h2's connection where a malformed request's error stays on its stream (see above)."""
 
     MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
@@ -54,7 +53,7 @@ class H2StreamErrors(h2.connection.H2Connection):
     def _receive_headers_frame(self, frame):
         try:
             return super()._receive_headers_frame(frame)
-        except h2.exceptions.ProtocolError as exc:
+        except jh2.exceptions.ProtocolError as exc:
             if not self._on_open_stream(exc, frame.stream_id):
                 raise
             return self._malformed(frame.stream_id, exc, 0)
@@ -62,16 +61,16 @@ class H2StreamErrors(h2.connection.H2Connection):
     def _receive_data_frame(self, frame):
         try:
             return super()._receive_data_frame(frame)
-        except h2.exceptions.InvalidBodyLengthError as exc:
+        except jh2.exceptions.InvalidBodyLengthError as exc:
             return self._malformed(frame.stream_id, exc, frame.flow_controlled_length)
 
-    def _on_open_stream(self, exc: h2.exceptions.ProtocolError, stream_id: int) -> bool:
+    def _on_open_stream(self, exc: jh2.exceptions.ProtocolError, stream_id: int) -> bool:
         """Whether `exc` concerns the message on `stream_id` alone: not a header block that
         would not decode (the shared HPACK state is lost then), not a limit of the connection."""
-        if isinstance(exc, h2.exceptions.DenialOfServiceError | h2.exceptions.TooManyStreamsError):
+        if isinstance(exc, jh2.exceptions.DenialOfServiceError | jh2.exceptions.TooManyStreamsError):
             return False
-        if isinstance(exc.__cause__, HPACKError | IndexError | TypeError | UnicodeDecodeError):
-            return False
+        if exc.__cause__ is not None and not isinstance(exc.__cause__, ValueError):
+            return False   # raised from the header block's decoding
         stream = self.streams.get(stream_id)
         return stream is not None and not stream.closed
 
@@ -80,7 +79,7 @@ class H2StreamErrors(h2.connection.H2Connection):
         return [], [MalformedStream(stream_id, str(exc), length)]
 
 
-class H2Connection(h2.connection.H2Connection):
+class H2Connection(jh2.connection.H2Connection):
     """h2's connection with the closed-stream memory bounded (no shim: a public attribute)."""
 
     MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT

@@ -24,12 +24,12 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 
-import h2.config
-import h2.errors
-import h2.events
-import h2.exceptions
-import h2.settings
-import hyperframe.frame
+import jh2.config
+import jh2.errors
+import jh2.events
+import jh2.exceptions
+import jh2.hyperframe.frame
+import jh2.settings
 
 from .compat import H2StreamErrors, MalformedStream
 from .exchange import response_headers
@@ -40,7 +40,7 @@ from .refusals import Kind, log
 from .serving import Serving
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
-ErrorCodes = h2.errors.ErrorCodes
+ErrorCodes = jh2.errors.ErrorCodes
 _PREFACE_SIZE = 24   # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _BLOCK_STARTS, _CONTINUATION, _END_HEADERS = frozenset({0x1, 0x5}), 0x9, 0x4
 
@@ -90,7 +90,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         self._admitted = False
         # inbound fields are validated by exchange.malformed, outbound ones built by
         # exchange.response_headers (lowercase names, our own values): h2 need not do it again
-        self._conn = H2StreamErrors(h2.config.H2Configuration(
+        self._conn = H2StreamErrors(jh2.config.H2Configuration(
             client_side=False, header_encoding=None, validate_inbound_headers=False,
             normalize_inbound_headers=False, validate_outbound_headers=False, normalize_outbound_headers=False))
         self._edges = FrameEdges()
@@ -126,8 +126,8 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
             serving.refusals.refuse(Kind.CERTIFICATE, self._peer, f"h2: refused client {self._peer}: {exc}")
             transport.abort()
             return
-        codes = h2.settings.SettingCodes
-        self._conn.local_settings = h2.settings.Settings(client=False, initial_values={
+        codes = jh2.settings.SettingCodes
+        self._conn.local_settings = jh2.settings.Settings(client=False, initial_values={
             codes.MAX_HEADER_LIST_SIZE: limits.max_header_list, codes.ENABLE_PUSH: 0})
         # The advertised size is enforced per request (431, the connection goes on); HPACK
         # itself stops decoding far above it (a connection error: ENHANCE_YOUR_CALM).
@@ -144,7 +144,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
             return
         self._admitted = True
         log.debug("h2: connection from %s as %s (%s)", self._peer, self.caller, ssl_object.version())
-        limit = hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
+        limit = jh2.hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
         transport.write(self._conn.data_to_send() + limit.serialize())
         self._arm_idle_timer()
         self._arm_header_timer()
@@ -165,8 +165,8 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         try:
             events = self._conn.receive_data(data)
             self._preface_seen = self._preface_seen or bool(events)
-        except h2.exceptions.ProtocolError as exc:
-            kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, h2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
+        except jh2.exceptions.ProtocolError as exc:
+            kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, jh2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
             self._serving.refusals.refuse(kind, self._client, f"h2: connection error: {exc}")
             if kind == Kind.HEADERS_TOO_LARGE:
                 # a header block far over the advertised size: HPACK decoded a full budget
@@ -179,9 +179,9 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         while index < count and not self._transport.is_closing():
             event = events[index]
             index += 1
-            if isinstance(event, h2.events.RequestReceived):
+            if isinstance(event, jh2.events.RequestReceived):
                 body = events[index] if index < count else None
-                if (event.stream_ended is None and isinstance(body, h2.events.DataReceived)
+                if (event.stream_ended is None and isinstance(body, jh2.events.DataReceived)
                         and body.stream_id == event.stream_id and body.stream_ended is not None):
                     index += 1   # a whole request: its body is known with its headers
                     self._on_request(event, body)
@@ -212,7 +212,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         self._writable.set()
 
     # ---- h2 events -----------------------------------------------------------------------
-    def _on_request(self, event: h2.events.RequestReceived, data: h2.events.DataReceived | None) -> None:
+    def _on_request(self, event: jh2.events.RequestReceived, data: jh2.events.DataReceived | None) -> None:
         stream_id = event.stream_id
         self._last_activity = self._loop.time()
         if data is not None:   # credit is returned whatever happens to the bytes
@@ -221,25 +221,25 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         if len(self._conn.streams) > limit and self._conn.open_inbound_streams > limit and sum(
                 1 for other, stream in self._conn.streams.items() if other <= stream_id and stream.open) > limit:
             # over the limit when it opened: streams open later in this read have higher ids
-            with contextlib.suppress(h2.exceptions.H2Error):
+            with contextlib.suppress(jh2.exceptions.H2Error):
                 self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
             self._stream_refused(stream_id, Kind.STREAM_LIMIT, f"over max_concurrent_streams={limit}")
             return
         self._on_headers(stream_id, event.headers, event.stream_ended is not None,
                          None if data is None else data.data)
 
-    def _on_event(self, event: h2.events.Event) -> None:
-        if isinstance(event, h2.events.DataReceived):
+    def _on_event(self, event: jh2.events.Event) -> None:
+        if isinstance(event, jh2.events.DataReceived):
             stream_id = event.stream_id
             self._conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
             if stream_id in self._discarding:
                 self._discard(stream_id, len(event.data))
             else:
                 self._on_body(stream_id, event.data, event.stream_ended is not None)
-        elif isinstance(event, h2.events.StreamEnded):
+        elif isinstance(event, jh2.events.StreamEnded):
             self._discarding.pop(event.stream_id, None)
             self._on_body(event.stream_id, b"", True)   # a request ended by its trailers
-        elif isinstance(event, h2.events.StreamReset):
+        elif isinstance(event, jh2.events.StreamReset):
             self._discarding.pop(event.stream_id, None)
             self._on_reset(event.stream_id)
         elif isinstance(event, MalformedStream):
@@ -247,9 +247,9 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
                 self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
             self._drop_stream(event.stream_id)
             self._stream_refused(event.stream_id, Kind.MALFORMED, event.reason)
-        elif isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+        elif isinstance(event, jh2.events.WindowUpdated | jh2.events.RemoteSettingsChanged):
             self._window_open.set()
-        elif isinstance(event, h2.events.ConnectionTerminated):
+        elif isinstance(event, jh2.events.ConnectionTerminated):
             log.info("h2: %s (%s) sent GOAWAY (%s)", self._peer, self.caller, event.error_code)
             self.goaway()
 
@@ -274,7 +274,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
             if body and len(body) <= min(conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size):
                 conn.send_data(stream_id, body, end_stream=True)
                 body = b""
-        except h2.exceptions.H2Error as exc:   # the stream was reset or forgotten meanwhile
+        except jh2.exceptions.H2Error as exc:   # the stream was reset or forgotten meanwhile
             log.debug("h2: could not answer stream %d: %s", stream_id, exc)
             return None
         if body:
@@ -293,7 +293,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
                 return
             try:
                 window = min(self._conn.local_flow_control_window(stream_id), self._conn.max_outbound_frame_size)
-            except h2.exceptions.H2Error:
+            except jh2.exceptions.H2Error:
                 return   # reset meanwhile
             if window <= 0:
                 stalled_since = stalled_since or self._loop.time()
@@ -316,7 +316,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
             self._flush()
 
     def _reset(self, stream_id: int, code: ErrorCodes) -> None:
-        with contextlib.suppress(h2.exceptions.H2Error):
+        with contextlib.suppress(jh2.exceptions.H2Error):
             self._conn.reset_stream(stream_id, code)
         self._flush()
 
@@ -336,7 +336,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         if self._transport is None or self._transport.is_closing():
             return
         code = ErrorCodes.ENHANCE_YOUR_CALM if kind == "calm" else ErrorCodes.NO_ERROR
-        with contextlib.suppress(h2.exceptions.ProtocolError):   # already closed by the peer's GOAWAY
+        with contextlib.suppress(jh2.exceptions.ProtocolError):   # already closed by the peer's GOAWAY
             self._conn.close_connection(code, additional_data=self._calm_reason.encode() if kind == "calm" else None)
         self._flush()
         self._transport.close()

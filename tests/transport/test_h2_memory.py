@@ -4,18 +4,18 @@ and on our client's (h2's public MAX_CLOSED_STREAMS, set on our subclasses only)
 
 from __future__ import annotations
 
-import h2.config
-import h2.connection
-import h2.events
-import h2.stream
+import jh2.config
+import jh2.connection
+import jh2.events
+import jh2.stream
 
 from sdcp_fast.transport import H2_CLOSED_STREAMS_KEPT
 from sdcp_fast.transport.compat import H2Connection, H2StreamErrors
 
 
 def test_closed_streams_remembered_are_bounded_on_both_ends():
-    client = H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-    server = H2StreamErrors(h2.config.H2Configuration(client_side=False, header_encoding=None,
+    client = H2Connection(jh2.config.H2Configuration(client_side=True, header_encoding=None))
+    server = H2StreamErrors(jh2.config.H2Configuration(client_side=False, header_encoding=None,
                                                         validate_inbound_headers=False))
     client.local_settings.max_concurrent_streams = server.local_settings.max_concurrent_streams = 10
     client.initiate_connection()
@@ -30,13 +30,13 @@ def test_closed_streams_remembered_are_bounded_on_both_ends():
         sid = client.get_next_available_stream_id()
         client.send_headers(sid, request, end_stream=True)
         for event in server.receive_data(client.data_to_send()):
-            if isinstance(event, h2.events.RequestReceived):
+            if isinstance(event, jh2.events.RequestReceived):
                 if n % 2:
                     server.send_headers(event.stream_id, [(b":status", b"204")], end_stream=True)
                 else:                       # closed by a reset: what late frames are checked against
                     server.reset_stream(event.stream_id)
         for event in client.receive_data(server.data_to_send()):
-            answered += isinstance(event, h2.events.ResponseReceived | h2.events.StreamReset)
+            answered += isinstance(event, jh2.events.ResponseReceived | jh2.events.StreamReset)
         server.receive_data(client.data_to_send())
     assert answered == streams
     assert len(client.streams) <= 2 and len(server.streams) <= 2
@@ -45,7 +45,7 @@ def test_closed_streams_remembered_are_bounded_on_both_ends():
     # the last streams' ends are still known: a late frame on the latest reset stream is a
     # stream error (RST_STREAM), not a connection error
     last_reset = max(sid for sid, how in server._closed_streams.items()
-                     if how == h2.stream.StreamClosedBy.SEND_RST_STREAM)
+                     if how == jh2.stream.StreamClosedBy.SEND_RST_STREAM)
     assert server._stream_is_closed_by_reset(last_reset)
 
 
