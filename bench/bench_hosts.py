@@ -16,12 +16,15 @@ It measures, in order:
 2. at each RTT (0.1 ms: the relay with no added delay, its own cost being about that), with
    the drafters drafting ahead (`draft_ahead`, the drafter prepares the next proposal during
    verification on the all-accepted verdict and throws it away otherwise) and without:
-   `--sessions` streams at once and one stream alone; tokens/s (all streams' tokens over the
-   wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
+   `--sessions` streams at once and one stream alone (the median of `--repeats` runs: one
+   short stream is noisy); tokens/s (all streams' tokens over the wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
    median over streams), every output checked against the target's greedy decoding;
 3. faults during live generations, each ending with every output exact: the verifier host
-   cut off (link down) for 1.5 s and back (inside its TTL: the same verifier carries on); a
-   drafter host cut off for good (its sessions go to the other drafter);
+   cut off (link down) for 1.5 s and back (inside its TTL: the same verifier carries on); an
+   etcd member other than the leader killed (started again once the streams ended); the etcd
+   leader's host cut off from the other two for 3 s and back (each role talks to one member:
+   those on the leader's wait for it); a drafter host cut off for good (its sessions go to the
+   other drafter);
 4. the CPU seconds each process spent per committed token (router, verifier, drafters,
    etcd members; from /proc) and the etcd cluster's append rate, for bench/fleet_sim.py.
 
@@ -284,6 +287,7 @@ def main() -> int:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--rtts", default="0.1,2,10,30", help="round trips in ms (0.1: the relay without delay)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
+    parser.add_argument("--repeats", type=int, default=3, help="runs of the one-stream case per point")
     parser.add_argument("--no-faults", action="store_true")
     args = parser.parse_args()
     reason = unavailable()
@@ -327,13 +331,19 @@ def main() -> int:
                     for count in (args.sessions, 1):
                         since = time.time()
                         before = process_cpu(bed)
-                        streams, wall = run_streams(front, prompts[:count], args.max_new)
+                        # one stream alone is short and noisy: the median of --repeats runs
+                        repeats = [run_streams(front, prompts[:count], args.max_new)
+                                   for _ in range(1 if count > 1 else args.repeats)]
                         after = process_cpu(bed)
+                        streams = [s for rep, _ in repeats for s in rep]
                         tokens = sum(len(s.tokens) for s in streams)
+                        wall = sum(w for _, w in repeats)
+                        rates = [sum(len(s.tokens) for s in rep) / w for rep, w in repeats]
                         itls = [s.itl_ms for s in streams if s.itl_ms is not None]
                         rounds = rounds_since(bed, since)
                         run = {"rtt_ms": rtt, "delay_ms": delays[rtt], "ahead": ahead, "sessions": count,
-                               "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+                               "repeats": len(repeats), "tokens": tokens, "wall_s": wall,
+                               "tokens_per_s": statistics.median(rates),
                                "itl_ms": statistics.median(itls) if itls else None,
                                "exact": exact(streams, reference),
                                "cpu_s": {k: after[k] - before.get(k, 0.0) for k in after},
@@ -378,18 +388,45 @@ def faults(bed: Testbed, front: str, prompts: list[list[int]], reference: dict, 
 
     def drafter_cut(streams: list[Stream]) -> dict:
         wait_tokens(streams, 8)
-        uri = bed.cluster.instances["drafter-1"].uri
-        on_it = {g["id"] for g in httpx.get(f"{front}/v1/generations", timeout=10).json()["generations"]
-                 if g.get("drafter") == uri and g.get("finish") is None}
-        bed.net.cut("drafter-1")
+        live = [g for g in httpx.get(f"{front}/v1/generations", timeout=10).json()["generations"]
+                if g.get("finish") is None and g.get("drafter")]
+        victim = next(i for i in bed.cluster.instances.values() if i.uri == live[0]["drafter"])
+        on_it = {g["id"] for g in live if g["drafter"] == victim.uri}
+        bed.net.cut(victim.name)
         t0 = time.perf_counter()
         moved = [s for s in streams if s.gid in on_it]
         before = [len(s.tokens) for s in moved]
         while not all(len(s.tokens) > b or s.finish or s.error for s, b in zip(moved, before, strict=True)):
             time.sleep(0.005)
-        return {"recovery_s": time.perf_counter() - t0, "sessions_moved": len(moved)}
+        return {"recovery_s": time.perf_counter() - t0, "sessions_moved": len(moved), "cut": victim.name}
+
+    def etcd_member_killed(streams: list[Stream]) -> dict:
+        wait_tokens(streams, 8)
+        leader = bed.etcd.leader()
+        victim = next(h for h in reversed(bed.etcd.hosts) if h != leader)
+        bed.etcd.kill(victim)
+        t0 = time.perf_counter()
+        while not all(s.finish or s.error for s in streams):
+            time.sleep(0.01)
+        bed.etcd.start_member(victim)
+        return {"recovery_s": 0.0, "killed": victim, "until_done_s": time.perf_counter() - t0}
+
+    def etcd_leader_partitioned(streams: list[Stream]) -> dict:
+        wait_tokens(streams, 8)
+        leader = bed.etcd.leader()
+        bed.net.cut(leader)
+        t0 = time.perf_counter()
+        time.sleep(3.0)
+        bed.net.restore(leader)
+        before = sum(len(s.tokens) for s in streams)
+        while sum(len(s.tokens) for s in streams) == before and not all(s.finish or s.error for s in streams):
+            time.sleep(0.005)
+        return {"recovery_s": time.perf_counter() - t0, "partitioned": leader,
+                "new_leader": bed.etcd.leader()}
 
     for name, fault in (("verifier host cut off 1.5 s and back", verifier_cut),
+                        ("etcd member (not the leader) killed, restarted after", etcd_member_killed),
+                        ("etcd leader partitioned from the other two 3 s and back", etcd_leader_partitioned),
                         ("drafter host cut off for good", drafter_cut)):
         info: dict = {}
         streams, wall = run_streams(front, prompts, max_new, during=lambda s, f=fault, i=info: i.update(f(s)))
