@@ -17,14 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
 
-from sdcp_fast.aio import Bound
 from sdcp_fast.core.problems import Kind, Problem
 
 from .http import (
-    Handler,
     Request,
     Response,
-    dispatch,
     media_type,
     parse_query,
     precheck,
@@ -150,12 +147,9 @@ class IncomingRequest:
     def finish(self, caller: str | None) -> Request:
         return Request(self.method, self.path, self.query, self.content_type, bytes(self.body), caller)
 
-    def length_mismatch(self) -> str | None:
-        """A body that does not match the declared content-length (RFC 9113 8.1.1, RFC 9114
-        4.1.2: the request is malformed); checked once the body has ended."""
-        if self.content_length is None or self.head or self.content_length == len(self.body):
-            return None
-        return f"content-length {self.content_length} but a body of {len(self.body)} bytes"
+    def whole_body_problem(self, body: bytes) -> Problem | None:
+        """413 for a whole body over the limit (what add_body would say, without the copy)."""
+        return self._too_large() if len(body) > self.max_body else None
 
     def _too_large(self) -> Problem:
         return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes")
@@ -217,19 +211,6 @@ class RequestHeads:
             if sum(map(len, chain.from_iterable(key))) <= self.REMEMBER_SIZE:
                 self._known.add(key, head)
         return head
-
-
-async def respond_to(handler: Handler, request: Request, limit: Bound, timeout: float | None) -> Response:
-    """Run the handler within `limit` (the server's time limit, `timeout` seconds: the
-    connection's `aio.Deadlines`, not a timer per request); log one line per request. The
-    handler runs in the stream's own task (no second task per request)."""
-    try:
-        with limit:
-            response = await dispatch(handler, request)
-    except TimeoutError:
-        response = overdue_response(request, timeout)
-    log_answer(request, response)
-    return response
 
 
 def log_answer(request: Request, response: Response) -> None:

@@ -4,28 +4,55 @@ A connection's requests go through the same steps whatever the protocol: a heade
 checked (`RequestHeads`: malformed -> a stream error, 431/400/413/415 -> an answer from the
 transport), a body is awaited under `body_timeout` (408), the handler runs under
 `handler_timeout` (503), its answer is written, and misbehaviour is counted against the
-connection's two budgets (strikes.py: early resets, refused requests; past one the
-connection ends "calm down" and the caller is penalised). `RequestLifecycle` holds that
+connection's two budgets (`Strikes`, below), and past one the connection ends "calm down". `RequestLifecycle` holds that
 state and those decisions once; a protocol adapter (server_h2.py, server_h3.py) feeds it
 what its library reports and provides the five wire operations below, each of which must
 tolerate a stream or connection that ended meanwhile.
+
+The budgets: two things cost a hostile client almost nothing and the server a request each:
+streams reset (or refused) before their answer, the 2023 rapid-reset attack, and requests the
+server must refuse as malformed or over a limit (400, 413, 415, 431), for which it has still
+read and decoded a header block or a body. A well-behaved client does either rarely. Past its
+budget within the window the connection ends with ENHANCE_YOUR_CALM / H3_EXCESSIVE_LOAD and
+the client's identity is refused for `calm_penalty_s` (Serving.calm_down), so reconnecting
+does not buy a fresh budget at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable
+from dataclasses import dataclass
 
 from sdcp_fast.aio import Deadlines
 from sdcp_fast.core.problems import Problem
 
-from .exchange import IncomingRequest, Malformed, PendingBodies, respond_to
-from .http import Request, Response, body_timeout_response, problem_response
+from .exchange import IncomingRequest, Malformed, PendingBodies, log_answer, overdue_response
+from .http import Request, Response, body_timeout_response, failure_response, problem_response
 from .refusals import Kind, log
 from .serving import Serving
-from .strikes import REFUSED_STATUSES, ConnectionStrikes
 
+# answers that say the request itself was bad: a well-behaved client does not send them
+REFUSED_STATUSES = frozenset({400, 413, 415, 431})
 _REFUSAL_KINDS = {413: Kind.BODY_TOO_LARGE, 415: Kind.MEDIA_TYPE, 431: Kind.HEADERS_TOO_LARGE}
+
+
+@dataclass
+class Strikes:
+    """Strikes within a fixed window that starts at the first strike after the last one ended."""
+
+    limit: int
+    window_s: float
+    start: float = 0.0
+    count: int = 0
+
+    def add(self, now: float) -> bool:
+        """Count one strike at `now`; True when it is one over the limit (the connection ends)."""
+        if now - self.start > self.window_s:
+            self.start, self.count = now, 0
+        self.count += 1
+        return self.count == self.limit + 1
 
 
 class RequestLifecycle:
@@ -39,7 +66,8 @@ class RequestLifecycle:
         self.caller: str | None = None
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)
         self._tasks: dict[int, asyncio.Task[None]] = {}   # streams being answered
-        self._strikes = ConnectionStrikes(self._limits)
+        self._reset_budget = Strikes(self._limits.max_early_resets, self._limits.early_reset_window_s)
+        self._refusal_budget = Strikes(self._limits.max_refused_requests, self._limits.early_reset_window_s)
         self._closing = False
         self._loop = asyncio.get_running_loop()
         self._handler_limits = Deadlines(self._loop)   # the handler time limit of each request
@@ -86,17 +114,25 @@ class RequestLifecycle:
         if self._closing:
             self._reject_unprocessed(stream_id)
             return
-        incoming = self._serving.request_heads.incoming(headers)
+        heads = self._serving.request_heads
+        incoming = heads.incoming(headers) if body is None else heads.head(headers)
         if isinstance(incoming, Malformed):
             self._reset_malformed(stream_id)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended or body is not None)
+        elif body is not None:   # the body came whole with the headers: nothing to await
+            # (`incoming` is the remembered head, left as it is: the request gets its own query)
+            problem = incoming.whole_body_problem(body)
+            if problem is not None:
+                self._refuse(stream_id, problem, request_complete=True)
+            elif not self._mismatch(stream_id, incoming, len(body)):
+                request = Request(incoming.method, incoming.path, dict(incoming.query) if incoming.query else {},
+                                  incoming.content_type, body, self.caller)
+                self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head),
+                                                             self._loop)
         elif ended:
             self._start(stream_id, incoming)
-        elif body is not None:
-            self._pending.add(stream_id, incoming)
-            self._on_body(stream_id, body, True)
         else:
             self._pending.add(stream_id, incoming)
 
@@ -162,23 +198,39 @@ class RequestLifecycle:
         if rest is not None:
             self._serving.spawn(rest, self._loop)
 
+    def _mismatch(self, stream_id: int, incoming: IncomingRequest, size: int) -> bool:
+        """A body that breaks the declared content-length (RFC 9113 8.1.1, RFC 9114 4.1.2):
+        the request is malformed, a stream error."""
+        if incoming.content_length is None or incoming.head or incoming.content_length == size:
+            return False
+        self._reset_malformed(stream_id)
+        self._stream_refused(stream_id, Kind.MALFORMED,
+                             f"content-length {incoming.content_length} but a body of {size} bytes")
+        return True
+
     def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
-        """The request is whole: run the handler (a body that breaks its content-length is
-        a malformed request instead)."""
-        mismatch = incoming.length_mismatch()
-        if mismatch is not None:
-            self._reset_malformed(stream_id)
-            self._stream_refused(stream_id, Kind.MALFORMED, mismatch)
-            return
-        request = incoming.finish(self.caller)
-        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
+        """The request is whole: run the handler."""
+        if not self._mismatch(stream_id, incoming, len(incoming.body)):
+            self._tasks[stream_id] = self._serving.spawn(
+                self._answer(stream_id, incoming.finish(self.caller), incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
+        """The handler's answer within `handler_timeout` (the connection's `aio.Deadlines`,
+        not a timer per request), in the stream's own task: a ProblemError becomes its
+        document, any other exception a logged 500, the limit a 503."""
         task = asyncio.current_task(self._loop)
+        timeout = self._limits.handler_timeout
         try:
-            timeout = self._limits.handler_timeout
-            response = await respond_to(self._serving.handler, request,
-                                        self._handler_limits.timeout(task, timeout), timeout)
+            try:
+                with self._handler_limits.timeout(task, timeout):
+                    try:
+                        response = await self._serving.handle(request)
+                    except Exception as exc:
+                        response = failure_response(request, exc)
+            except TimeoutError:   # only the limit's: the handler's own are answered above
+                response = overdue_response(request, timeout)
+            if log.isEnabledFor(logging.DEBUG):
+                log_answer(request, response)
             if self._tasks.get(stream_id) is task:   # not reset meanwhile
                 rest = self._write_answer(stream_id, response, head)
                 if rest is not None:
@@ -196,19 +248,19 @@ class RequestLifecycle:
 
     # ---- budgets and closing -------------------------------------------------------------
     def _count_early_reset(self, stream_id: int, detail: str) -> None:
-        over = self._strikes.early_reset(self._loop.time(), stream_id, detail)
-        if over is not None:
-            self._calm_down(*over)
+        if self._reset_budget.add(self._loop.time()):
+            self._calm_down(Kind.RAPID_RESET, (
+                f"{self._reset_budget.count} streams reset or refused before their answer within "
+                f"{self._reset_budget.window_s:g}s (last: stream {stream_id}, {detail})"))
 
     def _count_refused(self, stream_id: int, status: int) -> None:
         """A request answered 400/413/415/431 (any other status counts nothing, and reads no
         clock). Called from the stream's own task too, which ending the connection cancels:
         so that runs as a callback."""
-        if status not in REFUSED_STATUSES:
-            return
-        over = self._strikes.refused(self._loop.time(), stream_id, status)
-        if over is not None:
-            self._loop.call_soon(self._calm_down, *over)
+        if status in REFUSED_STATUSES and self._refusal_budget.add(self._loop.time()):
+            self._loop.call_soon(self._calm_down, Kind.REFUSED_REQUESTS, (
+                f"{self._refusal_budget.count} requests refused as malformed or over a limit within "
+                f"{self._refusal_budget.window_s:g}s (last: stream {stream_id}, {status})"))
 
     def _calm_down(self, kind: str, detail: str) -> None:
         """End the connection (ENHANCE_YOUR_CALM / H3_EXCESSIVE_LOAD, the kind as its

@@ -271,9 +271,11 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         conn = self._conn
         try:
             conn.send_headers(stream_id, response_headers(response), end_stream=not body)
-            if body and len(body) <= min(conn.local_flow_control_window(stream_id), conn.max_outbound_frame_size):
+            if body:   # h2 checks the window and the frame size before it changes anything
                 conn.send_data(stream_id, body, end_stream=True)
                 body = b""
+        except (jh2.exceptions.FlowControlError, jh2.exceptions.FrameTooLargeError):
+            pass   # the rest as credit allows
         except jh2.exceptions.H2Error as exc:   # the stream was reset or forgotten meanwhile
             log.debug("h2: could not answer stream %d: %s", stream_id, exc)
             return None
