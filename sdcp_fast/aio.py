@@ -15,6 +15,8 @@
     await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
     Offload(compute=True)              # ... each call on the host's free cores (cores.py)
     await compute(fn, *args)           # a long compute call (a prefill) in a worker thread
+    gather = Gather(run_batch, hold=lock)   # calls arriving together served by one batch
+    await gather.submit(item)
 
     run(main())                        # asyncio.run, on uvloop when it is installed
 
@@ -174,6 +176,86 @@ class Offload:
             per_unit = (time.perf_counter() - started) / max(units, 1)
             self.per_unit = per_unit if self.per_unit is None else \
                 self.per_unit + self.alpha * (per_unit - self.per_unit)
+
+
+class Gather:
+    """Calls of one kind that arrive while the previous ones wait or run are served together:
+    one `run_batch(items)` for all of them, under `hold` (an asyncio.Lock the batch needs).
+    The prefills of sessions that open at once, say, become one packed pass instead of one
+    pass each, which also holds the model's lock once instead of once per session.
+
+        gather = Gather(run_batch, hold=lock, cost=len, max_cost=4096)
+        result = await gather.submit(item)
+
+    `run_batch` returns one result per item, in order; a result that is an exception is
+    raised to that item's caller alone. A batch takes the items waiting when it gets `hold`,
+    in arrival order, up to `max_cost` (the first item always); the rest wait for the next.
+    If `run_batch` raises, every caller of that batch gets the exception. A caller that is
+    cancelled stops waiting; an item already taken into a batch still runs."""
+
+    def __init__(self, run_batch: Callable[[list], Coroutine[Any, Any, list]], *,
+                 hold: asyncio.Lock, cost: Callable[[Any], int] = lambda item: 1,
+                 max_cost: int | None = None):
+        self.run_batch = run_batch
+        self.hold = hold
+        self.cost = cost
+        self.max_cost = max_cost
+        self._waiting: list[tuple[Any, asyncio.Future]] = []
+        self._task: asyncio.Task | None = None
+        self.batches = 0   # batches run (for tests and metrics)
+
+    async def submit(self, item: Any) -> Any:
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    def _take(self) -> list[tuple[Any, asyncio.Future]]:
+        self._waiting = [(item, f) for item, f in self._waiting if not f.done()]
+        taken, total = [], 0
+        for item, future in self._waiting:
+            total += self.cost(item)
+            if taken and self.max_cost is not None and total > self.max_cost:
+                break
+            taken.append((item, future))
+        del self._waiting[:len(taken)]
+        return taken
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                await asyncio.sleep(0)   # callers of this loop turn join the batch
+                async with self.hold:
+                    batch = self._take()
+                    if not batch:
+                        continue
+                    self.batches += 1
+                    try:
+                        results = await self.run_batch([item for item, _ in batch])
+                    except Exception as exc:
+                        for _, future in batch:
+                            _settle(future, exc)
+                        continue
+                    except BaseException:
+                        for _, future in batch:
+                            future.cancel()
+                        raise
+                for (_, future), result in zip(batch, results, strict=True):
+                    _settle(future, result)
+        finally:   # cancelled (the owner is closing): nobody is left waiting
+            for _, future in self._waiting:
+                future.cancel()
+            self._waiting.clear()
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 async def compute(fn, *args: Any) -> Any:

@@ -100,6 +100,7 @@ class Ev(enum.Enum):
     APPEND_FAILED = "append-failed"        # nothing landed; a drafter proposes next
     SELF_APPEND_FAILED = "self-append-failed"  # nothing landed; self-decoding goes on
     SELF_END = "self-end"
+    SELF_START = "self-start"              # a new session decoded by the verifier from its first token
     RESUMED_FINISHED = "resumed-finished"  # a resume whose committed tokens already end it
 
 
@@ -127,6 +128,7 @@ TRANSITIONS: dict[tuple[State, Ev], State] = {
     (S.COMMITTING, Ev.APPEND_FAILED): S.SERVING,
     (S.COMMITTING, Ev.SELF_APPEND_FAILED): S.SELF_DECODING,
     (S.SELF_DECODING, Ev.SELF_END): S.AWAITING_DRAFTER,
+    (S.OPEN, Ev.SELF_START): S.SELF_DECODING,
     (S.OPEN, Ev.RESUMED_FINISHED): S.FINISHED,
 }
 CLOSED = frozenset({S.FINISHED, S.FAILED, S.FENCED})
@@ -482,6 +484,18 @@ class VerifierSession:
         self._move(Ev.SELF_STEP)
         self.inflight = job
         return job
+
+    def start_self_decoding(self, load: int) -> bool:
+        """A session just opened starts self-decoding (the verifier's speculation plan says
+        a drafter would not pay for it now), where the contract permits self-decoding at
+        this load. The session-state of the open then says so (`state` self_decode), and
+        the router assigns a drafter only when the period ends (its event), as after a
+        self-decoding period the ladder started. True if it started."""
+        if self.state != S.OPEN or not self_decode_permitted(self.escalation, load):
+            return False
+        self._move(Ev.SELF_START)
+        self.self_tokens = 0
+        return True
 
     def end_self_decoding(self) -> None:
         """End the self-decoding period (also when the verifier cannot go on) and queue the

@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import kernels
-from ..aio import LoopTask, Offload
+from ..aio import Gather, LoopTask, Offload, compute
 from ..core.messages import RULE_GREEDY, Sampling, transform_of
+from ..models.base import open_many
 
 log = logging.getLogger("sdcp_fast.drafter.drafting")
 
@@ -68,6 +69,17 @@ class DraftBatcher:
         self.rows = 0                # tokens drafted over all steps (rows / steps = batching)
         self.widest = 0              # most sessions drafted in one pass
         self._stepping = Offload(compute=True)   # on the free cores; a step cheaper than a thread hop on the loop
+        # prefills of sessions that start together: one packed pass (the lock held once)
+        self.opening = Gather(self._open_batch, hold=self.model_lock,
+                              cost=lambda item: len(item[1]),
+                              max_cost=getattr(backend, "max_batch_tokens", None))
+
+    async def _open_batch(self, items: list[tuple[bytes, list[int]]]) -> list:
+        return await compute(open_many, self.backend, items)
+
+    async def open(self, session: bytes, prompt: list[int]) -> None:
+        """`backend.open` (a prefill), gathered with the prefills of sessions opening now."""
+        await self.opening.submit((session, prompt))
 
     @property
     def queue_depth(self) -> int:

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..aio import compute
 from ..cache import NotFound
 from ..core.control import AcceptanceEstimate, VerifyCost, choose_m, clamp_m_init
 from ..core.digest import chain, extend_digest, prefix_digest
@@ -174,8 +173,8 @@ class DraftSession:
         blob = None
         with contextlib.suppress(NotFound, Exception):
             blob = await self.service.store.get(draft_kv_ref(self.id, self.contract.scope))
-        async with lock:
-            if blob is not None:
+        if blob is not None:
+            async with lock:
                 try:
                     backend.import_kv(self.id, blob)
                     have = backend.committed(self.id)
@@ -189,7 +188,7 @@ class DraftSession:
                     log.info("session %s: published draft KV unusable (%s)", self.id.hex(), exc)
                     with contextlib.suppress(ModelError):
                         backend.release(self.id)
-            await compute(backend.open, self.id, want)
+        await self.service.batcher.open(self.id, want)
 
     # ------------------------------------------------------------------ the round loop
 

@@ -83,6 +83,23 @@ class Backend(Protocol):
         service reserves before admitting a session: memory budgets, verifier and drafter)."""
 
 
+def open_many(backend, items: Sequence[tuple[bytes, Sequence[int]]]) -> list[ModelError | None]:
+    """`backend.open` for each (session, prompt): one packed prefill where the backend has
+    `open_many` (prefix_cache.CachingBackend), else one by one. Per item: None, or the
+    ModelError that refused it."""
+    many = getattr(backend, "open_many", None)
+    if many is not None:
+        return many(items)
+    errors: list[ModelError | None] = []
+    for session, prompt in items:
+        try:
+            backend.open(session, prompt)
+            errors.append(None)
+        except ModelError as exc:
+            errors.append(exc)
+    return errors
+
+
 # A token in a Python list: an 8-byte slot plus, above 256, its own 28-byte int object.
 TOKEN_LIST_BYTES_PER_TOKEN = 36
 LIST_OVERHEAD = 56

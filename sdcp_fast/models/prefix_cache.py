@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import (
+    ModelError,
     UnknownSession,
     check_distinct_sessions,
     check_length,
@@ -165,6 +166,33 @@ class CachingBackend:
         except BaseException:
             self.release(session)
             raise
+
+    def open_many(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> list[ModelError | None]:
+        """`open` for several sessions, their prefills in one packed pass (chunked like any
+        pass by the backend). Per item: None, or the ModelError that refused it; one
+        session's refusal never fails the others (a refused pass is retried one by one)."""
+        errors: list[ModelError | None] = [None] * len(items)
+        opened = []
+        for n, (session, prompt) in enumerate(items):
+            try:
+                self._sessions[session] = self._new_session(check_new_session(self, session, prompt))
+                opened.append(n)
+            except ModelError as exc:
+                errors[n] = exc
+        try:
+            self.score([(items[n][0], []) for n in opened])
+        except ModelError:
+            for n in opened:   # who refused it: each alone
+                self.release(items[n][0])
+                try:
+                    self.open(*items[n])
+                except ModelError as exc:
+                    errors[n] = exc
+        except BaseException:
+            for n in opened:
+                self.release(items[n][0])
+            raise
+        return errors
 
     def release(self, session: bytes) -> None:
         if self._sessions.pop(session, None) is None:

@@ -111,5 +111,5 @@ class Failover:
                 from_round = max(s.policy_from_round, (records[-1].round if records else 0) + 1)
                 await self.peers.set_policy(s.verifier, Policy(s.id, from_round, s.sampling,
                                                                router_epoch=s.router_epoch or None))
-            if not await self.placement.assign(s):
+            if not s.self_decoding and not await self.placement.assign(s):
                 s.needs_drafter = True

@@ -20,7 +20,7 @@ import logging
 import time
 
 from ..core.digest import prefix_digest
-from ..core.messages import Assignment, Resume, SessionOpen
+from ..core.messages import Action, Assignment, Resume, SessionOpen
 from .committed import CommittedLog
 from .peers import Peers, Refused
 from .registry import Registry
@@ -59,6 +59,7 @@ class Placement:
             state = await self.peers.open_session(inst.uri, msg)
             if not isinstance(state, Refused):
                 s.verifier = inst.uri
+                s.self_decoding = state.state == int(Action.SELF_DECODE)
                 s.place("opened" if resume is None else "resumed", state_round=state.round)
                 s.notify()
                 await self.own.act(s)

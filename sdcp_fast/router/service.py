@@ -323,7 +323,8 @@ class RouterService(Routed):
             self.cancel(s)
             raise
         self._read_output(s)
-        self._start_op(s, self.assign(s, why="created"), always=True)
+        if not s.self_decoding:   # else the verifier's event at the end of the period asks
+            self._start_op(s, self.assign(s, why="created"), always=True)
         return s
 
     async def find(self, sid: bytes) -> RouterSession | None:

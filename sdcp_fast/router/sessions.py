@@ -44,6 +44,8 @@ class RouterSession:
                                               # log may hold a round more)
     replace_why: str | None = None            # why the next failover runs (metrics)
     needs_drafter: bool = False               # no drafter could be assigned yet: retry
+    self_decoding: bool = False               # its verifier decodes it alone since the open: a drafter
+                                              # is assigned when that ends (the verifier's event)
     verifier_lost: bool = False               # the verifier said sdcp-stale-epoch: resume
     resume_pending: bool = False              # log fenced at `epoch`, session not open anywhere yet
     history: list[dict] = field(default_factory=list)  # the last placements, for clients and tests

@@ -95,6 +95,9 @@ class VerifierService(Routed):
         self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions if not s.machine.closed),
                            load=lambda: self.engine.load, queue=lambda: self.engine.queue_depth)
         self.tasks = TaskSet()
+        self._opening = 0
+        self.target.observe_pass = lambda tokens, seconds: self.engine.policy.observe_pass(
+            tokens, seconds, self.sessions.in_play() + self._opening)
         self.client = client
         self.link: RouterLink | None = None     # to the router, once started with a router_uri
         routers = set(config.routers)
@@ -133,11 +136,14 @@ class VerifierService(Routed):
     # ------------------------------------------------------------------ resources
 
     async def open_session(self, call: Call, msg: SessionOpen) -> SessionState:
+        self._opening += 1   # opens under way: the speculation plan counts them as load
         try:
             async with self.sessions.open_locks.hold(msg.session):   # a retried open waits for the first
                 return await self._open(msg)
         except CacheError as exc:
             raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
+        finally:
+            self._opening -= 1
 
     async def _open(self, msg: SessionOpen) -> SessionState:
         existing = self.sessions.get(msg.session)
@@ -175,6 +181,13 @@ class VerifierService(Routed):
                  session.epoch, session.round, session.committed)
         if session.closed:
             self._send_events(served)
+        elif (self.engine.policy.self_decode_from_open(served.speculation, session.contract.m_max,
+                                                       self.sessions.in_play() + self._opening - 1)
+              and session.start_self_decoding(self.engine.load)):
+            # the first token straight from the prefill's row, no drafter's round to wait for
+            self.engine.policy.moved_to_self_decoding(served.speculation)
+            log.info("session %s self-decodes from its first token", msg.session.hex())
+            served.self_task = self.tasks.spawn(self._self_decode(served))
         return session.state_message()
 
     async def put_drafter(self, call: Call, msg: Assignment, sid: str) -> SessionState:

@@ -23,7 +23,12 @@ M still applies.
 
 Modes (`[verifier] speculation`): "auto" (the above), "on" (no plan: the drafters' own
 M-choice under section 6.5's load rule, as before) and "off" (every session self-decoded
-after its first round: the target alone behind the same door, for comparisons).
+from its first token: the target alone behind the same door, for comparisons).
+
+A session starts self-decoding at its open when the plan says so then (`self_decode_from_open`):
+its first token comes from the prefill's row, with no drafter's prefill and first round to
+wait for, which under a burst of opens is most of the time to first token. The prefill
+passes are cost points like any pass (a pass over the prompts' tokens).
 """
 
 from __future__ import annotations
@@ -119,8 +124,9 @@ class SpeculationPolicy:
 
     # ------------------------------------------------------------------ decisions
 
-    def _plan(self, state: SessionSpeculation, m_max: int, *, speculating: bool) -> int:
-        return plan_speculation(state.acceptance.alpha, m_max, self.active, self.costs.pass_cost,
+    def _plan(self, state: SessionSpeculation, m_max: int, *, speculating: bool,
+              active: int | None = None) -> int:
+        return plan_speculation(state.acceptance.alpha, m_max, active or self.active, self.costs.pass_cost,
                                 self.costs.turnaround, speculating=speculating, margin=self.margin)
 
     def plan(self, state: SessionSpeculation, m_max: int) -> int | None:
@@ -133,6 +139,18 @@ class SpeculationPolicy:
         m = self._plan(state, m_max, speculating=True)
         self.plans["self" if m == SELF_DECODE else "speculate"] += 1
         return m
+
+    def self_decode_from_open(self, state: SessionSpeculation, m_max: int, active: int) -> bool:
+        """Whether a session just opened should start self-decoding instead of waiting for
+        a drafter's first proposal: always with speculation off, never with it on, and in
+        auto when the plan says a drafter would not pay, with what is measured now (the
+        prefill passes included), the session's prior acceptance and `active` sessions in
+        play (those opening with it included: a burst is planned for as the load it is).
+        The caller marks the move (`moved_to_self_decoding`)."""
+        if self.mode == "on":
+            return False
+        return self.mode == "off" or \
+            self._plan(state, m_max, speculating=False, active=max(active, self.active)) == SELF_DECODE
 
     @staticmethod
     def moved_to_self_decoding(state: SessionSpeculation) -> None:

@@ -18,13 +18,13 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..aio import Offload, compute
+from ..aio import Gather, Offload, compute
 from ..core.problems import Kind, problem
-from ..models.base import KVCapacityError, ModelError
+from ..models.base import KVCapacityError, ModelError, open_many
 
 log = logging.getLogger("sdcp_fast.verifier")
 SHARED_MAX = 8                    # prompts whose prefill is kept for sessions still to open
@@ -75,6 +75,9 @@ class TargetModel:
         self.scoring = Offload(compute=True)   # on the free cores; a pass cheaper than a thread hop on the loop
         self.shared = SharedPrefills()
         self.prefills = 0          # prompts run through the model by `prefill` (shared ones not counted)
+        self.observe_pass: Callable[[int, float], None] | None = None   # (tokens, seconds) of a prefill pass
+        self.opening = Gather(self._open_batch, hold=self.lock, cost=lambda item: len(item[1]),
+                              max_cost=getattr(backend, "max_batch_tokens", None))
 
     @property
     def vocab_size(self) -> int:
@@ -118,39 +121,61 @@ class TargetModel:
         """Make the backend's session hold `tokens`: from `kv_blob` (target KV of a prefix,
         published by a verifier) when it covers one, else from the prefill of another
         session that opened with the same tokens and announced `share` > 1 sessions, else by
-        a prefill (exported for the share - 1 others when `share` > 1). 503 when the model
-        has no room, 400 when it refuses the tokens."""
+        a prefill (exported for the share - 1 others when `share` > 1). Prefills of sessions
+        that open at the same time run as one packed pass (`aio.Gather`: the time to first
+        token of a burst of sessions is one batched prefill, not one prefill after another);
+        a prefill that others will share runs alone under the lock, so that they find it.
+        503 when the model has no room, 400 when it refuses the tokens."""
         async with self.lock:
             if reopen:
                 with contextlib.suppress(ModelError):
                     self.backend.release(sid)
-            source = "cached KV"
-            if kv_blob is None and share > 1:
-                kv_blob, source = self.shared.take(tokens), "a shared prefill"
-            if kv_blob is not None:
-                try:
-                    self.backend.import_kv(sid, kv_blob)
-                    covered = self.backend.committed(sid)
-                    if covered == tokens[:len(covered)]:
-                        self.backend.commit(sid, tokens[len(covered):])
-                        log.info("session %s: %d of %d tokens from %s", sid.hex(), len(covered),
-                                 len(tokens), source)
-                        return
-                    self.backend.release(sid)
-                except ModelError as exc:
-                    log.info("session %s: target KV unusable (%s): prefilling", sid.hex(), exc)
-                    with contextlib.suppress(ModelError):
-                        self.backend.release(sid)
-            try:
-                await compute(self.backend.open, sid, tokens)
+            if await self._import(sid, tokens, kv_blob, share):
+                return
+            if share > 1:
+                with _refusals():
+                    await compute(self.backend.open, sid, tokens)
                 self.prefills += 1
-                if share > 1:
-                    with contextlib.suppress(ModelError):   # a backend without export: each prefills
-                        self.shared.offer(tokens, self.backend.export_kv(sid), share - 1)
-            except KVCapacityError as exc:
-                raise problem(Kind.CAPACITY, f"no room for the session in the model: {exc}") from None
-            except ModelError as exc:
-                raise problem(Kind.BAD_REQUEST, f"prompt refused by the model: {exc}") from None
+                with contextlib.suppress(ModelError):   # a backend without export: each prefills
+                    self.shared.offer(tokens, self.backend.export_kv(sid), share - 1)
+                return
+        with _refusals():
+            await self.opening.submit((sid, tokens))
+
+    async def _import(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, share: int) -> bool:
+        """The session built from `kv_blob` or a shared prefill, when one covers a prefix of
+        `tokens` (the rest committed on top); False when a prefill is needed."""
+        source = "cached KV"
+        if kv_blob is None and share > 1:
+            kv_blob, source = self.shared.take(tokens), "a shared prefill"
+        if kv_blob is None:
+            return False
+        try:
+            self.backend.import_kv(sid, kv_blob)
+            covered = self.backend.committed(sid)
+            if covered == tokens[:len(covered)]:
+                self.backend.commit(sid, tokens[len(covered):])
+                log.info("session %s: %d of %d tokens from %s", sid.hex(), len(covered),
+                         len(tokens), source)
+                return True
+            self.backend.release(sid)
+        except ModelError as exc:
+            log.info("session %s: target KV unusable (%s): prefilling", sid.hex(), exc)
+            with contextlib.suppress(ModelError):
+                self.backend.release(sid)
+        return False
+
+    async def _open_batch(self, items: list[tuple[bytes, list[int]]]) -> list[ModelError | None]:
+        """The prefills `opening` gathered (the lock held): one packed pass."""
+        started = time.perf_counter()
+        errors = await compute(open_many, self.backend, items)
+        if self.observe_pass is not None:
+            self.observe_pass(sum(len(tokens) for _, tokens in items), time.perf_counter() - started)
+        self.prefills += sum(error is None for error in errors)
+        if len(items) > 1:
+            log.info("%d sessions prefilled in one pass (%d tokens)", len(items),
+                     sum(len(tokens) for _, tokens in items))
+        return errors
 
     async def follow(self, sid: bytes, emitted: Sequence[int], sequence: Sequence[int]) -> None:
         """Bring the session up to a committed round (`follow_all` for one)."""
@@ -199,6 +224,17 @@ class TargetModel:
         async with self.lock:
             with contextlib.suppress(ModelError):
                 self.backend.release(sid)
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """The model's refusal of a prompt as the problem the client gets."""
+    try:
+        yield
+    except KVCapacityError as exc:
+        raise problem(Kind.CAPACITY, f"no room for the session in the model: {exc}") from None
+    except ModelError as exc:
+        raise problem(Kind.BAD_REQUEST, f"prompt refused by the model: {exc}") from None
 
 
 def _rows(items: list[tuple[bytes, tuple[int, ...]]]) -> int:

@@ -93,6 +93,7 @@ def resumed_at_the_end() -> VerifierSession:
 # How to bring a session into each state; (state, event) entries prepare what that event needs.
 REACH = {
     S.OPEN: lambda: open_session(assign=False),
+    (S.OPEN, Ev.SELF_START): lambda: open_session(make_contract(**CONTRACTS["self"]), assign=False),
     S.SERVING: served,
     S.VERIFYING: lambda: (lambda s: (drafter_job(s), s)[1])(served()),
     (S.VERIFYING, Ev.SELF_REFUSED): self_job_out,
@@ -138,6 +139,7 @@ FIRE = {
     Ev.APPEND_FAILED: lambda s: s.commit_failed(),
     Ev.SELF_APPEND_FAILED: lambda s: s.commit_failed(),
     Ev.SELF_END: lambda s: s.end_self_decoding(),
+    Ev.SELF_START: lambda s: s.start_self_decoding(load=0),
     # only an open fires it, on the session it creates (which starts in OPEN)
     Ev.RESUMED_FINISHED: lambda s: resumed_at_the_end() if s.state == S.OPEN else None,
 }

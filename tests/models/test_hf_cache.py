@@ -288,3 +288,16 @@ def test_the_backends_model_still_serves_ordinary_calls(llama_dir, reference):
     out = be.model.generate(ids, max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids))
     ref = reference.generate(ids, max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(ids))
     assert torch.equal(out, ref)
+
+
+def test_open_many_prefills_in_one_packed_pass_like_one_by_one(llama_dir, reference):
+    """Several prompts prefilled together (the verifier's burst of session opens) hold the
+    same K/V as each prefilled alone: the rows after them match a full recompute."""
+    be = HFBackend(llama_dir, max_batch_tokens=16)   # 16: the burst spans several passes
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 9, 14, 5)]
+    sids = [f"p{n}".encode() for n in range(len(prompts))]
+    assert be.open_many(list(zip(sids, prompts, strict=True))) == [None] * len(prompts)
+    rows = be.score([(sid, [3, 4]) for sid in sids])
+    expected = torch.cat([full_recompute(reference, p, [3, 4]) for p in prompts])
+    assert_rows_match(rows, expected)

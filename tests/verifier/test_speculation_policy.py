@@ -144,3 +144,41 @@ async def test_tokens_self_decoded_after_the_move_follow_the_target(h):
     q0 = torch.softmax(draft_table().double(), -1)[0]
     wrong = torch.stack([q0[a] * p[a][b] * p[b] for a in range(V) for b in range(V)]).reshape(-1)
     assert chi_square_p(counts, wrong) < 1e-4
+
+
+async def self_decoded_from_open(h: Harness, contract, prompt, max_new):
+    """Open a session whose plan says self-decode: the open's session-state says so, and
+    the verifier decodes it to the end with no drafter and no proposal."""
+    sid, r = await h.open(contract, prompt=prompt)
+    assert r.status == 200, r.body
+    state = SessionState.from_cbor(r.body)
+    assert state.state == int(Action.SELF_DECODE) and state.round == 0
+    machine = h.service.sessions[sid].machine
+    await until(lambda: machine.closed, timeout=30)
+    assert machine.state.value == "finished"
+    expected = greedy(h, prompt, max_new)
+    assert list(machine.output_tokens) == expected
+    records = await read_records(h.log, machine.commit_log)
+    assert [rec.round for rec in records] == list(range(1, max_new + 1))   # one token a round
+    assert [t for rec in records for t in rec.emitted] == expected
+    return sid
+
+
+@harness_test(timeout=60, engine_config=AUTO)
+async def test_a_session_opened_where_drafting_loses_self_decodes_from_its_first_token(h):
+    contract = contract_for(h.backend, max_new=12, self_load=100)
+    h.service.engine.policy.costs = Costs(lambda: False)
+    await self_decoded_from_open(h, contract, [1, 2, 3], 12)
+    h.service.engine.policy.costs = Costs(lambda: True)   # where drafting pays: a drafter's turn
+    sid, r = await h.open(contract, prompt=[2, 3])
+    assert SessionState.from_cbor(r.body).state is None
+    assert h.service.sessions[sid].machine.state.value == "open"
+    # a contract that does not permit self-decoding: the plan's wish does not apply
+    h.service.engine.policy.costs = Costs(lambda: False)
+    sid, r = await h.open(contract_for(h.backend, max_new=12), prompt=[3, 1])
+    assert SessionState.from_cbor(r.body).state is None
+
+
+@harness_test(timeout=60, engine_config=EngineConfig(speculation="off", max_wait_ms=1.0))
+async def test_with_speculation_off_every_session_self_decodes_from_its_first_token(h):
+    await self_decoded_from_open(h, contract_for(h.backend, max_new=9, self_load=100), [4, 1], 9)
