@@ -360,7 +360,7 @@ def main() -> int:
                 set_delay(bed, delays[rtts[min(1, len(rtts) - 1)]])
                 record["faults"] = faults(bed, front, prompts[:4], reference, args.max_new)
         record["hosts"] = n_hosts
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    Path(args.out).write_text(json.dumps(record, separators=(",", ":")))
 
     def series(ahead: bool) -> str:
         return "/".join(f"{r['tokens_per_s']:.0f}" for rtt in rtts for r in record["runs"]
@@ -409,7 +409,7 @@ def faults(bed: Testbed, front: str, prompts: list[list[int]], reference: dict, 
         while not all(s.finish or s.error for s in streams):
             time.sleep(0.01)
         bed.etcd.start_member(victim)
-        return {"recovery_s": 0.0, "killed": victim, "until_done_s": time.perf_counter() - t0}
+        return {"recovery_s": None, "killed": victim, "until_done_s": time.perf_counter() - t0}
 
     def etcd_leader_partitioned(streams: list[Stream]) -> dict:
         wait_tokens(streams, 8)
@@ -433,8 +433,9 @@ def faults(bed: Testbed, front: str, prompts: list[list[int]], reference: dict, 
         result = {"fault": name, "exact": exact(streams, reference), "wall_s": wall, **info,
                   "errors": [s.error for s in streams if s.error]}
         out.append(result)
-        print(f"fault: {name}: exact {result['exact']}, the streams it held up moving again after "
-              f"{result.get('recovery_s', float('nan')):.2f} s"
+        held = ("nothing held up" if result.get("recovery_s") is None else
+                f"the streams it held up moving again after {result['recovery_s']:.2f} s")
+        print(f"fault: {name}: exact {result['exact']}, {held}"
               + (f" ({result['sessions_moved']} sessions moved)" if "sessions_moved" in result else ""), flush=True)
     return out
 

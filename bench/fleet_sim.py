@@ -10,7 +10,7 @@ The model, one verifier at a time:
   travels back the same way; tokens 1..M are accepted position by position with the measured
   acceptance per position, and the verdict emits accepted + 1 tokens;
 - the verifier batches every proposal waiting when a pass starts (after its 1 ms batching
-  wait): a pass of b proposals costs v0 + v1 * b;
+  wait): a pass over n new tokens (M + 1 for each proposal) costs v0 + v1 * n;
 - a drafter drafts its sessions' tokens in batched steps (one token for every session that
   wants one): a step for b sessions costs d0 + d1 * b;
 - drafting ahead: while a proposal is out, the drafter drafts the next one on the
@@ -18,7 +18,10 @@ The model, one verifier at a time:
   the drafter does); a verdict that accepts all M uses it, any other throws it away (its
   steps were spent anyway);
 - co-located: drafting and verifying take turns on one device (one resource); split: the
-  verifier's device verifies only, drafters have their own.
+  verifier's device verifies only, drafters have their own;
+- a session starts when the router has placed it, one session at a time: the verifier opens
+  it (open_cost of its device: prefill, first commit) and the assignment crosses to the
+  drafter (one RTT), then `start` until its first round.
 
 Calibration (printed): M's distribution and the acceptance per position from the drafters'
 rounds logs; d0, d1 from the measured draft times at 1 and 16 sessions; v0, v1 and the message
@@ -59,6 +62,7 @@ except ImportError:                 # pragma: no cover - an install without the 
 
 BATCH_WAIT_S = 0.001                # the verifier's max_wait_ms in the deployment (demo plan)
 LOOKAHEAD_MIN_P = 0.5               # sdcp_fast/drafter/session.py's threshold
+STEADY = 8                          # capacity runs: generations this many times the measured ones
 
 
 @dataclass
@@ -68,7 +72,7 @@ class Params:
     alpha_mean: float               # one per-token acceptance, as the drafter's EWMA sees it
     d0: float                       # drafting step: d0 + d1 * sessions in the step (s)
     d1: float
-    v0: float                       # verifier pass: v0 + v1 * proposals in the pass (s)
+    v0: float                       # verifier pass: v0 + v1 * tokens in the pass (M + 1 a proposal) (s)
     v1: float
     msg: float                      # one message's cost besides the wire (s), each way
     start: float                    # a session's opening until its first round (s)
@@ -101,6 +105,7 @@ class Model:
         self.env = simpy.Environment()
         self.rng = random.Random(seed)
         self.device = simpy.Resource(self.env, 1)              # the verifier's
+        self.placing = simpy.Resource(self.env, 1)             # the router places one session at a time
         self.draft_devices = [self.device if p.colocated else simpy.Resource(self.env, 1)
                               for _ in range(max(1, p.drafters))]
         self.pending: list[tuple[int, simpy.Event]] = []
@@ -166,7 +171,7 @@ class Model:
             batch, self.pending = self.pending, []
             with self.device.request() as turn:
                 yield turn
-                yield self.env.timeout(p.v0 + p.v1 * len(batch))
+                yield self.env.timeout(p.v0 + p.v1 * sum(m + 1 for m, _ in batch))
             for m, answered in batch:
                 answered.succeed(self.accepted(m))
 
@@ -180,15 +185,18 @@ class Model:
         p, env = self.p, self.env
         j = s % len(self.draft_devices)
         yield env.timeout(self.rng.uniform(0, 0.002))
-        with self.device.request() as turn:           # the verifier opens it: prefill, first commit
-            yield turn
-            yield env.timeout(p.open_cost)
+        with self.placing.request() as placing:       # the router places it: the verifier opens it
+            yield placing                              # (prefill, first commit), then the drafter's
+            with self.device.request() as turn:        # assignment crosses the wire
+                yield turn
+                yield env.timeout(p.open_cost)
+            yield env.timeout(p.rtt)
         yield env.timeout(p.start)
         ready_ahead = None
         first = first_tokens = last = None
         m_limit = max(p.m_values)
         t_draft = p.d0 + p.d1                          # per token, then as measured (EWMA 0.2)
-        t_verify = p.rtt + 2 * p.msg + p.v0 + p.v1     # the turnaround, likewise
+        t_verify = p.rtt + 2 * p.msg + p.v0 + 2 * p.v1  # the turnaround, likewise
         while self.emitted[s] < self.max_new:
             # M as the drafter chooses it (core.control.choose_m, section 6.2)
             m = min(choose_m(p.alpha_mean, t_draft, t_verify, m_limit), self.max_new - self.emitted[s])
@@ -285,7 +293,7 @@ def calibrate(record: dict) -> tuple[Params, dict]:
 
     best = (math.inf, p)
     for v0 in (0.0005, 0.002, 0.006, 0.016):
-        for v1 in (0.0002, 0.0008, 0.002, 0.005):
+        for v1 in (0.0001, 0.0004, 0.001, 0.0025):
             for msg in (0.0002, 0.0008, 0.002, 0.005):
                 for open_cost in (0.003, 0.01, 0.03, 0.08):
                     q = replace(p, v0=v0, v1=v1, msg=msg, open_cost=open_cost, start=max(0.0, start - open_cost))
@@ -318,7 +326,9 @@ def validate(p: Params, record: dict) -> list[dict]:
 
 
 def capacity(p: Params, itl_target_ms: float, max_new: int, limit: int = 512) -> int:
-    """The most sessions whose median inter-token latency stays within the target."""
+    """The most sessions whose median inter-token latency stays within the target, in steady
+    state: generations of STEADY x max_new tokens, so that the staggered starts weigh little."""
+    max_new *= STEADY
     lo, hi = 0, 1
     while hi <= limit and simulate(p, hi, max_new, seeds=1).itl_ms <= itl_target_ms:
         lo, hi = hi, hi * 2
@@ -346,7 +356,7 @@ def main() -> int:
           f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position "
           f"{' '.join(f'{a:.2f}' for a in p.alpha)}")
     print(f"  drafting step {1e3 * p.d0:.3f} + {1e3 * p.d1:.3f} x sessions ms; verifier pass {1e3 * p.v0:.3f} + "
-          f"{1e3 * p.v1:.3f} x proposals ms; message cost {1e3 * p.msg:.3f} ms each way; session open "
+          f"{1e3 * p.v1:.3f} x tokens ms; message cost {1e3 * p.msg:.3f} ms each way; session open "
           f"{1e3 * p.open_cost:.1f} ms of the verifier, then {1e3 * p.start:.0f} ms to its first round "
           f"(fitted to the {fit['base_runs']} runs at the lowest RTT); the drafter's acceptance {p.alpha_mean:.2f}, M its "
           "choice (core.control.choose_m) from the turnaround and drafting cost the session sees")
@@ -371,13 +381,14 @@ def main() -> int:
     split = capacity(replace(p, rtt=low, drafters=8), target, max_new)
     colocated = capacity(replace(p, rtt=0.0, msg=0.0, colocated=True, drafters=1), target, max_new)
     gamma = p.mean_m
-    t_d, t_v = p.d0 + p.d1, p.v0 + p.v1        # one session alone: a token drafted, a pass
+    t_d, t_v = p.d0 + p.d1, p.v0 + p.v1 * (gamma + 1)   # one session alone: a token drafted, a pass
     bound = 1 + gamma * t_d / t_v
-    marginal = 1 + gamma * p.d1 / p.v1         # one more session in a batch: its share of each
+    marginal = 1 + gamma * p.d1 / (p.v1 * (gamma + 1))  # one more session in a batch: its share of each
     print(f"\none verifier at ITL <= {target:g} ms: {split} sessions split (8 drafters, RTT {1e3 * low:g} ms) vs "
           f"{colocated} co-located: {split / max(colocated, 1):.2f}x; bound 1 + gamma * t_d / t_v = 1 + "
           f"{gamma:.2f} x {1e3 * t_d:.3f} / {1e3 * t_v:.3f} = {bound:.2f} (one session alone), "
-          f"1 + {gamma:.2f} x {1e3 * p.d1:.3f} / {1e3 * p.v1:.3f} = {marginal:.2f} (a session's share of batched work)")
+          f"1 + {gamma:.2f} x {1e3 * p.d1:.3f} / {1e3 * p.v1 * (gamma + 1):.3f} = {marginal:.2f} (a session's share "
+          "of batched work)")
     needed = None
     for d in range(1, 9):
         if capacity(replace(p, rtt=low, drafters=d), target, max_new) >= 0.95 * split:
@@ -405,7 +416,7 @@ def fleet(record: dict, p: Params, per_verifier: int, max_new: int, target: floa
     round) and relayed tokens, against one etcd cluster's measured appends/s and one router
     core's measured CPU per token."""
     sim = simulate(replace(p, rtt=min(r["rtt_ms"] for r in record["runs"]) / 1000, drafters=8),
-                   max(1, per_verifier), max_new)
+                   max(1, per_verifier), max_new * STEADY)
     tokens_per_verifier = sim.tokens_per_s
     rounds_per_token = 1 / statistics.fmean(x["emitted"] for r in record["runs"] for x in r["rounds"])
     appends_per_verifier = tokens_per_verifier * rounds_per_token
