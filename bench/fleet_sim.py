@@ -397,7 +397,7 @@ def main() -> int:
     print(f"drafters per verifier for 95% of that capacity: {needed}")
 
     print("\ncapacity against RTT (sessions at the ITL target, split, 8 drafters):")
-    rtts = [0.1, 2, 10, 30, 50]
+    rtts = [0.1, 2, 10, 30, 50, 100, 200]
     by_rtt = {}
     for ahead in (True, False):
         by_rtt[ahead] = [capacity(replace(p, rtt=r / 1000, drafters=8, ahead=ahead), target, max_new) for r in rtts]
@@ -406,12 +406,12 @@ def main() -> int:
     for ahead in (True, False):
         print(f"| {'ahead' if ahead else 'not ahead'} | " + " | ".join(map(str, by_rtt[ahead])) + " |")
 
-    fleet(record, p, split, max_new, target, args.plot, rtts, by_rtt)
+    fleet(record, p, split, max_new, target, args.plot, rtts, by_rtt, colocated)
     return 0
 
 
 def fleet(record: dict, p: Params, per_verifier: int, max_new: int, target: float, plot: str | None,
-          rtts: list[float], by_rtt: dict) -> None:
+          rtts: list[float], by_rtt: dict, colocated: int) -> None:
     """Fleets of 1..10,000 verifiers at their capacity: commit-log appends (one per session
     round) and relayed tokens, against one etcd cluster's measured appends/s and one router
     core's measured CPU per token."""
@@ -448,6 +448,8 @@ def fleet(record: dict, p: Params, per_verifier: int, max_new: int, target: floa
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         for ahead in (True, False):
             a.plot(rtts, by_rtt[ahead], marker="o", label="drafting ahead" if ahead else "not ahead")
+        a.axhline(colocated, linestyle="--", color="grey", label="co-located (no RTT)")
+        a.set_ylim(0, max(max(by_rtt[True]), max(by_rtt[False]), colocated) + 4)
         a.set_xlabel("RTT drafter-verifier (ms)")
         a.set_ylabel(f"sessions per verifier at ITL <= {target:g} ms")
         a.set_title("one verifier (model)")
