@@ -235,11 +235,16 @@ class Cluster:
                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
         instance.popen = subprocess.Popen(
-            [sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
-             str(instance.config_path)],
+            [*self.command_prefix(instance), sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role,
+             "--config", str(instance.config_path)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.workdir,
             start_new_session=True, preexec_fn=die_with_parent())
         log.close()
+
+    def command_prefix(self, instance: Instance) -> list[str]:
+        """What the instance's command runs under (nothing here; hosts.HostCluster: its host's
+        `ip netns exec`)."""
+        return []
 
     def wait_ready(self, instances: list[Instance], timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -17,15 +17,12 @@ Routers' names must be hosts too: `routers` takes their host names in order.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..config import InstanceConfig
-from ..procs import Cluster, Instance, die_with_parent
+from ..procs import Cluster, Instance
 from .netns import Network
 
 PORT = 8443
@@ -80,19 +77,7 @@ class HostCluster(Cluster):
         placed = HostInstance(**fields, address=self.net.address(instance.name), wrap=self.net.wrap(instance.name))
         return super()._add(placed)
 
-    def launch(self, instance: Instance) -> None:
-        """As Cluster.launch, inside the instance's host."""
+    def command_prefix(self, instance: Instance) -> list[str]:
+        """Cluster.launch runs each instance inside its host's namespace."""
         assert isinstance(instance, HostInstance)
-        from .. import config as schema
-
-        instance.config_path.write_text(schema.dumps(instance.config))
-        instance.ready_path.unlink(missing_ok=True)
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
-        log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
-        instance.popen = subprocess.Popen(
-            [*instance.wrap, sys.executable, "-m", "sdcp_fast.cli", "serve", instance.role, "--config",
-             str(instance.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=self.workdir,
-            start_new_session=True, preexec_fn=die_with_parent())
-        log.close()
+        return list(instance.wrap)

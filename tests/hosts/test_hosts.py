@@ -30,13 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cryptography import x509
 from roles_support import FrontDoorClient, greedy, make_tables, wait_until
+from test_faults import committed_tokens
 
-from sdcp_fast.cache import effective_commits, open_log
-from sdcp_fast.core.messages import CommitRecord
 from sdcp_fast.hosts.netns import Network, list_namespaces
 from sdcp_fast.hosts.testbed import Testbed
 from sdcp_fast.models import load_backend
-from sdcp_fast.refs import commit_log_name
 from sdcp_fast.transport.certs import instance_file_name
 
 MAX_NEW = 120
@@ -165,15 +163,6 @@ def seed():
     return value
 
 
-async def _committed(spec: str, gid: str) -> list[int]:
-    log = await open_log(spec)
-    try:
-        entries = await log.read(commit_log_name(bytes.fromhex(gid)))
-    finally:
-        await log.close()
-    return [t for e in effective_commits(entries) for t in CommitRecord.from_cbor(e.record).emitted]
-
-
 def test_verifier_host_cut_off_and_back_outputs_exact(hosts_available, tmp_path, seed):
     rng = random.Random(seed)
     target, draft = make_tables(tmp_path)
@@ -222,7 +211,7 @@ def test_verifier_host_cut_off_and_back_outputs_exact(hosts_available, tmp_path,
                 where = f"rule {field.get('rule', 1)}, cut at {point} tokens (SDCP_FAULT_SEED={seed})"
                 assert result["end"]["finish"] == "finish", f"{where}: {result['end']}"
                 assert len(result["tokens"]) == MAX_NEW, where
-                logged = asyncio.run(_committed(bed.commit_log, result["id"]))
+                logged = asyncio.run(committed_tokens(bed.commit_log, result["id"]))
                 assert result["tokens"] == logged, f"{where}: the stream is not what the log committed"
                 if "rule" not in field:
                     assert result["tokens"] == greedy(target, prompt, MAX_NEW), where
