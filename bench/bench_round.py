@@ -28,6 +28,12 @@ rest of the exchange is transport, parsing, validation and handler code.
 
     .venv/bin/python bench/bench_round.py [--sessions 1,8,32,128] [--protocols h2,h3]
                                           [--seconds 3] [--drafters 2] [--variants before,after]
+                                          [--baseline REV [--pairs N]]
+
+`--baseline REV` runs every row on REV's sdcp_fast as well (`git archive`, with this tree's
+build of the CBOR fast path where its source is the same, as bench_verifier_cpu does), in a
+child process before this tree's, N pairs of them alternating; the table gets a `tree`
+column and the last line the medians side by side with their ratios.
 
 The last line reads `round p50 h2 X.XX ms, h3 X.XX ms (1 session); X proposals/s at 32
 sessions (h2), X (h3)` for the last variant.
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import multiprocessing as mp
 import os
@@ -48,7 +55,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# SDCP_BENCH_TREE: the sdcp_fast to measure (a --baseline run's extracted revision), ahead of this tree
+sys.path.insert(0, os.environ.get("SDCP_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -316,6 +324,46 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
             | {"jobs_per_batch": verifier_stages.get("batch_size", 0) / max(counts.get("batch_size", 0), 1)}}
 
 
+def _baseline_row(tree: Path, workdir: Path, args, protocol: str, sessions: int, variant: str) -> dict:
+    """One row measured on the sdcp_fast in `tree`, by this script in a child process whose
+    imports (and its verifier's and drafters') come from there."""
+    out = workdir / "baseline-row.json"
+    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--sessions", str(sessions), "--protocols",
+                    protocol, "--variants", variant, "--seconds", str(args.seconds), "--drafters",
+                    str(args.drafters), "--json-out", str(out)],
+                   env={**os.environ, "PYTHONPATH": str(tree), "SDCP_BENCH_TREE": str(tree)}, check=True)
+    (row,) = json.loads(out.read_text())
+    row["tree"] = args.baseline
+    return row
+
+
+def _print_pairs(rows: list[dict], baseline: str) -> int:
+    """The rows with their tree, then per row the medians of both trees and their ratio."""
+    print(f"load average {os.getloadavg()[0]:.1f} (at the end); {os.cpu_count()} cores; table model V={V}, "
+          f"M={M}, every token accepted\n")
+    print("| tree | variant | protocol | sessions | proposals/s | p50 ms | p99 ms | verifier CPU ms per proposal "
+          "| drafter CPU ms per proposal |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['tree']} | {r['variant']} | {r['protocol']} | {r['sessions']} | {r['per_s']:.0f} | "
+              f"{r['p50'] * 1e3:.2f} | {r['p99'] * 1e3:.2f} | {1e3 * r['verifier_cpu'] / max(r['per_s'], 1e-9):.2f} | "
+              f"{r['drafter']['cpu'] * 1e3:.2f} |")
+    keys = sorted({(r["variant"], r["protocol"], r["sessions"]) for r in rows}, key=lambda k: (k[1], k[2], k[0]))
+    summary = []
+    def median(key3, tree, key):
+        return statistics.median(r[key] for r in rows if (r["variant"], r["protocol"], r["sessions"]) == key3
+                                 and r["tree"] == tree)
+    for key3 in keys:
+        _, protocol, sessions = key3
+        p50, base_p50 = median(key3, "this tree", "p50"), median(key3, baseline, "p50")
+        per_s, base_per_s = median(key3, "this tree", "per_s"), median(key3, baseline, "per_s")
+        summary.append(f"{protocol} {sessions}: p50 {p50 * 1e3:.2f} ms vs {base_p50 * 1e3:.2f} "
+                       f"({p50 / base_p50:.2f}x), {per_s:.0f} vs {base_per_s:.0f} proposals/s "
+                       f"({base_per_s / per_s:.2f}x)")
+    print(f"\nthis tree vs {baseline} (medians; x: how many times slower): " + "; ".join(summary))
+    return 0
+
+
 def _pct(values: list[float], q: int) -> float:
     if not values:
         return math.nan
@@ -335,6 +383,9 @@ def main() -> int:
     parser.add_argument("--drafters", type=int, default=2, help="drafter processes")
     parser.add_argument("--variants", default="before,after")
     parser.add_argument("--py-spy", type=Path, help="record the verifier with py-spy into this directory")
+    parser.add_argument("--baseline", default="", help="git revision to run every row on as well")
+    parser.add_argument("--pairs", type=int, default=1, help="with --baseline: alternating pairs per row")
+    parser.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)   # a baseline child's rows
     args = parser.parse_args()
     sessions = [int(s) for s in args.sessions.split(",")]
     protocols = args.protocols.split(",")
@@ -345,13 +396,30 @@ def main() -> int:
         workdir = Path(tmp)
         table, spec = table_target(workdir)
         torch.save(table, workdir / "target.pt")
+        baseline = None
+        if args.baseline:
+            from bench_verifier_cpu import _extract
+
+            baseline = _extract(args.baseline, workdir / "baseline")
         for protocol in protocols:
             for n in sessions:
                 for variant in variants:   # alternating: both see the same machine state
-                    row = measure(workdir, spec, protocol, n, args.seconds, args.drafters, variant, args.py_spy)
-                    rows.append(row)
-                    print(f"{variant} {protocol} {n}: {row['per_s']:.0f}/s p50 {row['p50'] * 1e3:.2f} ms",
-                          file=sys.stderr)
+                    for _ in range(args.pairs if baseline else 1):
+                        if baseline is not None:
+                            row = _baseline_row(baseline, workdir, args, protocol, n, variant)
+                            rows.append(row)
+                            print(f"{args.baseline} {variant} {protocol} {n}: {row['per_s']:.0f}/s "
+                                  f"p50 {row['p50'] * 1e3:.2f} ms", file=sys.stderr)
+                        row = measure(workdir, spec, protocol, n, args.seconds, args.drafters, variant, args.py_spy)
+                        row["tree"] = "this tree"
+                        rows.append(row)
+                        print(f"{variant} {protocol} {n}: {row['per_s']:.0f}/s p50 {row['p50'] * 1e3:.2f} ms",
+                              file=sys.stderr)
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(rows))
+        return 0
+    if baseline is not None:
+        return _print_pairs(rows, args.baseline)
     print(f"load average {os.getloadavg()[0]:.1f} (at the end); {os.cpu_count()} cores; table model V={V}, "
           f"M={M}, every token accepted; {args.drafters} drafter processes\n")
     print("| variant | protocol | sessions | proposals/s | p50 ms | p99 ms | verifier CPU | verifier CPU ms "

@@ -330,6 +330,9 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         else:
             self._close(ErrorCode.H3_NO_ERROR, "server stopping")
 
+    def answer_pending(self) -> bool:
+        return bool(self._tasks)
+
     def transmit(self) -> None:
         super().transmit()
         if self._written:
