@@ -1,6 +1,7 @@
 """Calls to etcd's v3 JSON gateway, as the commit log (etcd_log.py) and the record table
 (records_etcd.py) make them: timeouts and transport errors as the cache's errors, keys and
-values in base64, and a range read page by page."""
+values in base64, and a range read page by page; `client` for one member or for the members
+of a cluster (`Members`)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,48 @@ async def read_range(http: httpx.AsyncClient, key: bytes, range_end: bytes, *, p
         if not reply.get("more") or not kvs:
             return out, revision
         key = out[-1][0] + b"\x00"
+
+
+def client(endpoints: str, timeout_s: float) -> httpx.AsyncClient | Members:
+    """The HTTP client of a gateway URL, or `Members` for several (comma-separated)."""
+    urls = endpoints.split(",")
+    if len(urls) == 1:
+        return httpx.AsyncClient(base_url=urls[0], timeout=timeout_s)
+    return Members(urls, timeout_s)
+
+
+class Members:
+    """The members of one etcd cluster (issue 36: `etcd://HOST:PORT,HOST:PORT,...`). Calls go to
+    one member at a time. A call whose connection could not be made (nothing was sent) is made
+    at the next member at once; a call that timed out or broke after sending, or that the
+    member answered with a 5xx (no quorum on its side), returns or raises as with one member
+    (a request that may have been applied is never sent twice), and the next call goes to the
+    next member."""
+
+    def __init__(self, urls: list[str], timeout_s: float):
+        self.clients = [httpx.AsyncClient(base_url=url, timeout=timeout_s) for url in urls]
+        self.current = 0
+
+    def _next(self) -> None:
+        self.current = (self.current + 1) % len(self.clients)
+
+    async def post(self, path: str, *, json: dict) -> httpx.Response:
+        for attempt in range(len(self.clients)):
+            try:
+                response = await self.clients[self.current].post(path, json=json)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
+                self._next()
+                if attempt == len(self.clients) - 1:
+                    raise
+                continue
+            except httpx.HTTPError:
+                self._next()
+                raise
+            if response.status_code >= 500:
+                self._next()
+            return response
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()

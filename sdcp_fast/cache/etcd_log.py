@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import hashlib
 
-import httpx
-
 from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S, LogEntry, check_epoch, check_position
 from .entries import pack_entry, unpack_entry
@@ -53,7 +51,7 @@ class EtcdCommitLog:
     def __init__(self, endpoint: str, *, prefix: str = DEFAULT_PREFIX,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_cached_logs: int = DEFAULT_MAX_LOGS):
         self.endpoint, self.prefix = endpoint, prefix.encode()
-        self._http = httpx.AsyncClient(base_url=endpoint, timeout=timeout_s)
+        self._http = etcd_http.client(endpoint, timeout_s)   # one member, or a cluster's
         # log -> (length, fence) last seen
         self._known: LruCache[str, tuple[int, int]] = LruCache(max_cached_logs)
 

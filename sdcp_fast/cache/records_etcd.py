@@ -26,8 +26,6 @@ import math
 import time
 from collections.abc import Collection
 
-import httpx
-
 from . import etcd_http
 from .api import DEFAULT_TIMEOUT_S
 from .errors import CacheError
@@ -51,7 +49,7 @@ _PAGE = 512
 class EtcdRecordTable:
     def __init__(self, endpoint: str, *, prefix: str = DEFAULT_PREFIX, timeout_s: float = DEFAULT_TIMEOUT_S):
         self.endpoint, self.prefix = endpoint, prefix.encode()
-        self._http = httpx.AsyncClient(base_url=endpoint, timeout=timeout_s)
+        self._http = etcd_http.client(endpoint, timeout_s)   # one member, or a cluster's
 
     def _k(self, kind: bytes, name: str) -> bytes:
         return self.prefix + kind + b"/" + name.encode()

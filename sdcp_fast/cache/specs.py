@@ -5,7 +5,8 @@
     open_store("redis://127.0.0.1:6379/0?cache_ttl_ms=600000")
     open_log("file:/var/lib/sdcp/log")      local directory (default ~/.local/state/sdcp-fast/log)
     open_log("redis://127.0.0.1:6379/0")    Lua-enforced; "...?fencing=check": read-after-append
-    open_log("etcd://127.0.0.1:2379")       etcd v3 JSON gateway (etcds:// for https)
+    open_log("etcd://127.0.0.1:2379")       etcd v3 JSON gateway (etcds:// for https; a cluster's
+                                            members: etcd://HOST:PORT,HOST:PORT,...)
     open_table("file:/var/lib/sdcp/table")  owned records (records.py) in a local directory
     open_table("redis://127.0.0.1:6379/0?prefix=sdcp:table")   Lua-checked, leases are TTL keys
     open_table("etcd://127.0.0.1:2379?prefix=/sdcp/table/")    transactions, etcd leases
@@ -64,11 +65,19 @@ def _file_path(body: str) -> str:
 
 
 def _etcd_endpoint(spec: str, scheme: str) -> str:
-    """The JSON gateway's base URL of an `etcd://` (http) or `etcds://` (https) spec."""
-    parts = urlsplit(spec)
-    if not parts.hostname or not parts.port:
-        raise BadSpec(f"{spec}: etcd needs host and port")
-    return f"{'https' if scheme == 'etcds' else 'http'}://{parts.hostname}:{parts.port}"
+    """The JSON gateway's base URL of an `etcd://` (http) or `etcds://` (https) spec; for the
+    members of a cluster (`etcd://HOST:PORT,HOST:PORT,...`) their URLs, comma-separated."""
+    urls = []
+    for member in urlsplit(spec).netloc.split(","):
+        parts = urlsplit(f"//{member}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or not port:
+            raise BadSpec(f"{spec}: etcd needs host and port")
+        urls.append(f"{'https' if scheme == 'etcds' else 'http'}://{parts.hostname}:{port}")
+    return ",".join(urls)
 
 
 async def open_store(spec: str = "embedded:") -> ObjectStore:

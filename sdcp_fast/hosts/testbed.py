@@ -7,8 +7,9 @@ role instances, built and torn down together.
         cluster = bed.cluster             # a HostCluster: add instances, then bed.start()
         ...
 
-Roles talk to etcd on a member chosen per host (`etcd_of`): spread over the members, so the
-log's traffic does not all go through one. The commit log's and session table's keys live
+Roles know every etcd member and talk to one, chosen per host (`etcd_of`): spread over the
+members, so the log's traffic does not all go through one, and a member that cannot be
+reached sends a role to the next. The commit log's and session table's keys live
 under a fresh prefix. Teardown: instances (SIGTERM, then SIGKILL), relay, etcd members, then
 the namespaces; the reaper does the same if this process dies first. SIGTERM and SIGHUP to a
 process that opened a Testbed raise SystemExit, so a benchmark stopped that way unwinds
@@ -24,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .deployment import HostCluster
-from .etcd_cluster import EtcdCluster
+from .etcd_cluster import CLIENT_PORT, EtcdCluster
 from .netns import Network
 
 ETCD_HOSTS = ("etcd-1", "etcd-2", "etcd-3")
@@ -58,14 +59,18 @@ class Testbed:
         self._old_handlers: dict[int, object] = {}
 
     def etcd_of(self, host: str) -> str:
-        """The commit log spec a role on `host` uses: one member, by the host's position."""
+        """The commit log spec a role on `host` uses: every member, the first by the host's
+        position (so the roles' calls spread over the members; a member that cannot be
+        reached sends them to the next: cache/etcd_http.Members)."""
         index = self.role_hosts.index(host) if host in self.role_hosts else 0
-        return f"{self.etcd.url(ETCD_HOSTS[index % len(ETCD_HOSTS)])}?prefix={self.prefix}log/"
+        order = [ETCD_HOSTS[(index + k) % len(ETCD_HOSTS)] for k in range(len(ETCD_HOSTS))]
+        members = ",".join(f"{self.net.address(h)}:{CLIENT_PORT}" for h in order)
+        return f"etcd://{members}?prefix={self.prefix}log/"
 
     @property
     def commit_log(self) -> str:
-        """A spec this process reads the log through (over the client link)."""
-        return f"{self.etcd.url(ETCD_HOSTS[0])}?prefix={self.prefix}log/"
+        """A spec this process reads the log through (over the client link): every member."""
+        return self.etcd_of("")
 
     def open(self) -> Testbed:
         for signum in (signal.SIGTERM, signal.SIGHUP):
