@@ -30,10 +30,11 @@ rest of the exchange is transport, parsing, validation and handler code.
                                           [--seconds 3] [--drafters 2] [--variants before,after]
                                           [--baseline REV [--pairs N]]
 
-`--baseline REV` runs every row on REV's sdcp_fast as well (`git archive`, with this tree's
-build of the CBOR fast path where its source is the same, as bench_verifier_cpu does), in a
-child process before this tree's, N pairs of them alternating; the table gets a `tree`
-column and the last line the medians side by side with their ratios.
+`--baseline REV` runs every row with REV's own bench_round.py on REV's sdcp_fast as well
+(`git archive`, with this tree's build of the CBOR fast path where its source is the same,
+as bench_verifier_cpu does), in a child process before this tree's, N pairs of them
+alternating; the table gets a `tree` column and the last line the medians side by side
+with their ratios.
 
 The last line reads `round p50 h2 X.XX ms, h3 X.XX ms (1 session); X proposals/s at 32
 sessions (h2), X (h3)` for the last variant.
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import multiprocessing as mp
 import os
@@ -55,8 +55,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-# SDCP_BENCH_TREE: the sdcp_fast to measure (a --baseline run's extracted revision), ahead of this tree
-sys.path.insert(0, os.environ.get("SDCP_BENCH_TREE") or str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
@@ -325,16 +324,20 @@ def measure(workdir: Path, spec: str, protocol: str, sessions: int, seconds: flo
 
 
 def _baseline_row(tree: Path, workdir: Path, args, protocol: str, sessions: int, variant: str) -> dict:
-    """One row measured on the sdcp_fast in `tree`, by this script in a child process whose
-    imports (and its verifier's and drafters') come from there."""
-    out = workdir / "baseline-row.json"
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "--sessions", str(sessions), "--protocols",
-                    protocol, "--variants", variant, "--seconds", str(args.seconds), "--drafters",
-                    str(args.drafters), "--json-out", str(out)],
-                   env={**os.environ, "PYTHONPATH": str(tree), "SDCP_BENCH_TREE": str(tree)}, check=True)
-    (row,) = json.loads(out.read_text())
-    row["tree"] = args.baseline
-    return row
+    """One row measured by REV's own bench_round.py on REV's sdcp_fast (in `tree`), in a child
+    process whose imports (and its verifier's and drafters') come from there; read from
+    the first table it prints."""
+    out = subprocess.run([sys.executable, str(tree / "bench" / "bench_round.py"), "--sessions", str(sessions),
+                          "--protocols", protocol, "--variants", variant, "--seconds", str(args.seconds),
+                          "--drafters", str(args.drafters)],
+                         env={**os.environ, "PYTHONPATH": str(tree)}, check=True, capture_output=True, text=True)
+    for line in out.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[:3] == [variant, protocol, str(sessions)] and len(cells) >= 9:
+            return {"tree": args.baseline, "variant": variant, "protocol": protocol, "sessions": sessions,
+                    "per_s": float(cells[3]), "p50": float(cells[4]) / 1e3, "p99": float(cells[5]) / 1e3,
+                    "verifier_cpu": float(cells[6].rstrip("%")) / 100, "drafter": {"cpu": float(cells[8]) / 1e3}}
+    raise RuntimeError(f"no row for {variant} {protocol} {sessions} in:\n{out.stdout}\n{out.stderr}")
 
 
 def _print_pairs(rows: list[dict], baseline: str) -> int:
@@ -385,7 +388,6 @@ def main() -> int:
     parser.add_argument("--py-spy", type=Path, help="record the verifier with py-spy into this directory")
     parser.add_argument("--baseline", default="", help="git revision to run every row on as well")
     parser.add_argument("--pairs", type=int, default=1, help="with --baseline: alternating pairs per row")
-    parser.add_argument("--json-out", type=Path, help=argparse.SUPPRESS)   # a baseline child's rows
     args = parser.parse_args()
     sessions = [int(s) for s in args.sessions.split(",")]
     protocols = args.protocols.split(",")
@@ -401,6 +403,9 @@ def main() -> int:
             from bench_verifier_cpu import _extract
 
             baseline = _extract(args.baseline, workdir / "baseline")
+            archive = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", args.baseline,
+                                      "bench"], check=True, stdout=subprocess.PIPE).stdout
+            subprocess.run(["tar", "-x", "-C", str(baseline)], input=archive, check=True)
         for protocol in protocols:
             for n in sessions:
                 for variant in variants:   # alternating: both see the same machine state
@@ -415,9 +420,6 @@ def main() -> int:
                         rows.append(row)
                         print(f"{variant} {protocol} {n}: {row['per_s']:.0f}/s p50 {row['p50'] * 1e3:.2f} ms",
                               file=sys.stderr)
-    if args.json_out is not None:
-        args.json_out.write_text(json.dumps(rows))
-        return 0
     if baseline is not None:
         return _print_pairs(rows, args.baseline)
     print(f"load average {os.getloadavg()[0]:.1f} (at the end); {os.cpu_count()} cores; table model V={V}, "

@@ -50,11 +50,6 @@ class Malformed:
     reason: str
 
 
-def header_list_size(headers: HeaderList) -> int:
-    """RFC 9113 6.5.2: the sum of name and value lengths plus 32 per field."""
-    return sum(len(name) + len(value) + 32 for name, value in headers)
-
-
 def malformed(headers: HeaderList) -> str | None:
     """Why a request header block is malformed (RFC 9113 8.2.1, 8.2.2, 8.3.1), or None."""
     seen_pseudo: set[bytes] = set()
@@ -112,7 +107,7 @@ class IncomingRequest:
         reason = malformed(headers)
         if reason is not None:
             return Malformed(reason)
-        # header_list_size without a call per field
+        # RFC 9113 6.5.2: name and value lengths plus 32 per field, without a call per field
         size = sum(map(len, chain.from_iterable(headers))) + 32 * len(headers)
         if size > max_header_list:
             return Problem(Kind.HEADERS_TOO_LARGE, f"header list of {size} bytes exceeds the limit of {max_header_list}")
