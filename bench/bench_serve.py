@@ -30,8 +30,9 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    the first request sent to the last stream finished), TTFT p50/p99 (request sent -> first
    text), ITL p50/p99 (per request: (last token's chunk - first text) / (tokens - 1)); for the
    deployment also the verifier's /metrics deltas: draft tokens, accepted, tokens the
-   verifier decoded itself (their share of the output), forward passes, mean batch, forward
-   and queue seconds (the per-phase view of a level).
+   verifier decoded itself (their share of the output), forward passes, mean batch, forward,
+   verify-kernel, commit-log-append and queue seconds beside the level's wall time (the
+   per-phase view of a level).
 
 Outputs: a table per temperature, --json with everything, --plot (tokens/s and ITL p50
 against concurrency, one line per way). Last line (greedy; a T=0.7 line before it):
@@ -87,7 +88,8 @@ MODES = {"sdcp": "auto", "off": "off", "on": "on"}   # mode -> the verifier's `s
 DRIVER = "the official openai client (AsyncOpenAI, one asyncio process)"
 VERIFIER_SERIES = ("sdcp_spec_decode_num_draft_tokens_total", "sdcp_spec_decode_num_accepted_tokens_total",
                    "sdcp_self_decoded_tokens_total", "sdcp_forward_seconds_sum", "sdcp_forward_seconds_count",
-                   "sdcp_batch_size_sum", "sdcp_queue_wait_seconds_sum", "process_cpu_seconds_total")
+                   "sdcp_batch_size_sum", "sdcp_queue_wait_seconds_sum", "sdcp_kernel_seconds_sum",
+                   "sdcp_commit_log_append_seconds_sum", "process_cpu_seconds_total")
 
 
 @dataclass
@@ -311,7 +313,7 @@ def table(results: dict, temperature: float, levels: list[int], ways: list[str])
         print(line + "  " + ", ".join(shares))
     for way in ways[1:]:
         print(f"verifier per level ({way}): c, draft tokens, accepted, self-decoded, forward passes, "
-              "mean batch, forward s, queue wait s (summed over jobs)")
+              "mean batch, forward s, verify s, log append s, wall s, queue wait s (summed over jobs)")
         for c in levels:
             v = results[(way, temperature, c)].verifier
             passes = v.get("sdcp_forward_seconds_count", 0.0)
@@ -319,7 +321,9 @@ def table(results: dict, temperature: float, levels: list[int], ways: list[str])
             print(f"  {c:>3} {v.get('sdcp_spec_decode_num_draft_tokens_total', 0):>7.0f} "
                   f"{v.get('sdcp_spec_decode_num_accepted_tokens_total', 0):>7.0f} "
                   f"{v.get('sdcp_self_decoded_tokens_total', 0):>7.0f} {passes:>6.0f} {mean_batch:>6.1f} "
-                  f"{v.get('sdcp_forward_seconds_sum', 0):>8.2f} {v.get('sdcp_queue_wait_seconds_sum', 0):>8.2f}")
+                  f"{v.get('sdcp_forward_seconds_sum', 0):>8.2f} {v.get('sdcp_kernel_seconds_sum', 0):>8.2f} "
+                  f"{v.get('sdcp_commit_log_append_seconds_sum', 0):>8.2f} "
+                  f"{results[(way, temperature, c)].wall:>8.2f} {v.get('sdcp_queue_wait_seconds_sum', 0):>8.2f}")
 
 
 def plot(path: str, results: dict, levels: list[int], ways: list[str], temperatures: list[float]) -> None:

@@ -76,7 +76,7 @@ class VerifierSection:
     group_commit: bool = True               # a batch's commit records in one durable write (false: one each)
     speculation: str = "auto"               # auto: speculate while it commits more than self-decoding
                                             # (measured); on: always (the drafters' M under the load
-                                            # rule); off: self-decode every session after its first round
+                                            # rule); off: self-decode every session from its first token
     batch_log: str | None = None            # JSON line per verify batch (timelines, benchmarks)
     metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
     max_sessions: int = 4096

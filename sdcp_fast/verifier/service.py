@@ -185,7 +185,7 @@ class VerifierService(Routed):
                                                        self.sessions.in_play() + self._opening - 1)
               and session.start_self_decoding(self.engine.load)):
             # the first token straight from the prefill's row, no drafter's round to wait for
-            self.engine.policy.moved_to_self_decoding(served.speculation)
+            self.engine.policy.started_self_decoding(served.speculation)
             log.info("session %s self-decodes from its first token", msg.session.hex())
             served.self_task = self.tasks.spawn(self._self_decode(served))
         return session.state_message()

@@ -73,6 +73,10 @@ class MeasuredCosts:
     def observe_turnaround(self, draft_tokens: int, seconds: float) -> None:
         self.turnarounds.observe(max(1, draft_tokens), seconds)
 
+    @property
+    def turnaround_measured(self) -> bool:
+        return bool(self.turnarounds.seen)
+
     def pass_cost(self, tokens: int) -> float:
         base, slope = self._lines[0]
         return max(1e-6, base + slope * tokens)
@@ -94,7 +98,7 @@ class SpeculationPolicy:
         self.margin = margin
         self.min_self_tokens = min_self_tokens
         self.active = 1                 # sessions open at the last pass
-        self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0}   # decisions taken
+        self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0, "open-self": 0}   # decisions taken
         self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
@@ -146,15 +150,24 @@ class SpeculationPolicy:
         auto when the plan says a drafter would not pay, with what is measured now (the
         prefill passes included), the session's prior acceptance and `active` sessions in
         play (those opening with it included: a burst is planned for as the load it is).
-        The caller marks the move (`moved_to_self_decoding`)."""
-        if self.mode == "on":
+        A verifier that has not timed a drafter's turnaround yet lets the session draft (the
+        protocol's usual start) rather than weigh drafting by a guess. The caller marks the
+        move (`started_self_decoding`)."""
+        if self.mode != "auto":
+            return self.mode == "off"
+        if not self.costs.turnaround_measured:   # no drafter timed yet: nothing to weigh it by
             return False
-        return self.mode == "off" or \
-            self._plan(state, m_max, speculating=False, active=max(active, self.active)) == SELF_DECODE
+        return self._plan(state, m_max, speculating=False, active=max(active, self.active)) == SELF_DECODE
 
     @staticmethod
     def moved_to_self_decoding(state: SessionSpeculation) -> None:
         state.self_decoding = True
+
+    def started_self_decoding(self, state: SessionSpeculation) -> None:
+        """A session opened self-decoding (`self_decode_from_open` said so and the contract
+        permitted it): counted with the plan's other moves."""
+        state.self_decoding = True
+        self.plans["open-self"] += 1
 
     def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int) -> bool:
         """Whether a session the plan moved to self-decoding should go back to a drafter."""

@@ -43,6 +43,8 @@ class Costs:
     def turnaround(self, x):
         return 0.001 if self.speculate() else 1.0
 
+    turnaround_measured = True
+
 
 def greedy(h: Harness, prompt: list[int], n: int) -> list[int]:
     seq = list(prompt)
@@ -95,7 +97,7 @@ async def test_a_session_moves_to_self_decoding_and_back_without_losing_a_token(
     assert [rec.round for rec in records] == list(range(1, len(records) + 1))
     assert [t for rec in records for t in rec.emitted] == expected
     plans = h.service.engine.policy.plans
-    assert plans["self"] >= 1 and plans["resume"] == 1
+    assert plans["self"] >= 1 and plans["resume"] == 1 and plans["open-self"] == 0
 
 
 V = 6
@@ -169,6 +171,7 @@ async def test_a_session_opened_where_drafting_loses_self_decodes_from_its_first
     contract = contract_for(h.backend, max_new=12, self_load=100)
     h.service.engine.policy.costs = Costs(lambda: False)
     await self_decoded_from_open(h, contract, [1, 2, 3], 12)
+    assert h.service.engine.policy.plans["open-self"] == 1
     h.service.engine.policy.costs = Costs(lambda: True)   # where drafting pays: a drafter's turn
     sid, r = await h.open(contract, prompt=[2, 3])
     assert SessionState.from_cbor(r.body).state is None
