@@ -5,6 +5,12 @@ The server runs in its own process (as a verifier would); the client is the tran
 Prints requests/s and p50/p99 latency per protocol, measured side by side in one run.
 
     .venv/bin/python bench/bench_transport.py [--requests 2000] [--concurrency 32]
+    .venv/bin/python bench/bench_transport.py --libraries [--rounds 5000]
+
+`--libraries`: the HTTP/2 libraries alone, each installed one of h2 and jh2 as a sans-IO pair
+in this process (no sockets, no TLS), configured as the transport configures jh2: µs per
+round (a proposal-shaped request and its answer, both ends), the client validating the
+answer's fields and not.
 """
 
 from __future__ import annotations
@@ -85,11 +91,72 @@ async def _run(port: int, cert_dir: str, requests: int, concurrency: int) -> lis
     return rows
 
 
+def _pair_round_us(library: str, rounds: int, validate_answers: bool) -> float:
+    """µs per request-and-answer between two connections of `library` (h2 or jh2)."""
+    import importlib
+
+    config, connection = (importlib.import_module(f"{library}.{m}") for m in ("config", "connection"))
+    events = importlib.import_module(f"{library}.events")
+    quiet = dict(header_encoding=None, validate_outbound_headers=False, normalize_outbound_headers=False)
+    client = connection.H2Connection(config.H2Configuration(
+        client_side=True, validate_inbound_headers=validate_answers, normalize_inbound_headers=validate_answers,
+        **quiet))
+    server = connection.H2Connection(config.H2Configuration(
+        client_side=False, validate_inbound_headers=False, normalize_inbound_headers=False, **quiet))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    request = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1:4433"),
+               (b":path", b"/v1/sessions/0123456789abcdef/proposals"), (b"content-type", b"application/sdcp+cbor")]
+    answer = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor")]
+
+    def one_round() -> None:
+        stream_id = client.get_next_available_stream_id()
+        client.send_headers(stream_id, request)
+        client.send_data(stream_id, PROPOSAL, end_stream=True)
+        for event in server.receive_data(client.data_to_send()):
+            if isinstance(event, events.DataReceived):
+                server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        server.send_headers(stream_id, answer)
+        server.send_data(stream_id, VERDICT, end_stream=True)
+        for event in client.receive_data(server.data_to_send()):
+            if isinstance(event, events.DataReceived):
+                client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+        server.receive_data(client.data_to_send())
+
+    for _ in range(500):
+        one_round()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
+def _libraries(rounds: int) -> None:
+    import importlib.metadata
+
+    print(f"{'library':24} {'answers validated':>18} {'us per round':>13}")
+    for library in ("h2", "jh2"):
+        try:
+            version = importlib.metadata.version(library)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for validate in (True, False):
+            print(f"{library + ' ' + version:24} {str(validate):>18} {_pair_round_us(library, rounds, validate):13.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--libraries", action="store_true", help="the HTTP/2 libraries alone (sans-IO)")
+    parser.add_argument("--rounds", type=int, default=5000)
     args = parser.parse_args()
+    if args.libraries:
+        _libraries(args.rounds)
+        return
     cert_dir = tempfile.mkdtemp(prefix="sdcp-bench-certs-")
     make_certs(cert_dir, [SERVER_URI, DRAFTER_URI])
     context = mp.get_context("spawn")

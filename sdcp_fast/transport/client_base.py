@@ -30,6 +30,18 @@ def split_https_url(url: str) -> tuple[tuple[str, int], str, str]:
     return (parts.hostname, parts.port or 443), parts.netloc.rpartition("@")[2], path
 
 
+def read_answer_head(headers, into: dict[str, str]) -> int:
+    """An answer's header fields into `into` (names lowercased, the last value of a repeated
+    one) and its status, 0 when it has none that is three digits (a malformed answer)."""
+    status = 0
+    for name, value in headers:
+        if name == b":status":
+            status = int(value) if len(value) == 3 and value.isdigit() else 0
+        elif name[:1] != b":":
+            into[name.decode("latin-1").lower()] = value.decode("latin-1")
+    return status
+
+
 class TransportError(Exception):
     """No HTTP response. `sent` is False when the server certainly did not process the request."""
 

@@ -43,6 +43,7 @@ from .client_base import (
     ClientResponse,
     RequestTimeout,
     TransportError,
+    read_answer_head,
     split_https_url,
 )
 from .compat import H2Connection
@@ -147,11 +148,7 @@ class H2ClientConnection(asyncio.Protocol):
         elif isinstance(event, jh2.events.ResponseReceived):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:
-                for name, value in event.headers:
-                    if name == b":status":
-                        exchange.status = int(value) if len(value) == 3 and value.isdigit() else 0
-                    elif name[:1] != b":":
-                        exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+                exchange.status = read_answer_head(event.headers, exchange.headers)
         elif isinstance(event, jh2.events.StreamEnded):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:

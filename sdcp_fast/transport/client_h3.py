@@ -24,6 +24,7 @@ from .client_base import (
     ClientResponse,
     RequestTimeout,
     TransportError,
+    read_answer_head,
     split_https_url,
 )
 from .compat import peer_certificates
@@ -47,15 +48,6 @@ class _Exchange:
         self.status = 0
         self.headers: dict[str, str] = {}
         self.body = bytearray()
-
-
-def _read_head(exchange: _Exchange, headers) -> None:
-    """The answer's status and fields (names lowercased) into `exchange`."""
-    for name, value in headers:
-        if name == b":status":
-            exchange.status = int(value)
-        elif not name.startswith(b":"):
-            exchange.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
 
 class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
@@ -180,7 +172,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             return
         for h3_event in events:
             if h3_event.__class__ is Headers:
-                _read_head(exchange, h3_event.headers)
+                exchange.status = read_answer_head(h3_event.headers, exchange.headers)
             elif h3_event.__class__ is Data:
                 exchange.body += h3_event.data
                 if len(exchange.body) > exchange.max_response:
@@ -191,7 +183,10 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             else:
                 continue
             if h3_event.ended:
-                exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
+                if not exchange.status:
+                    exchange.future.set_exception(TransportError("answer without a valid :status", sent=True))
+                else:
+                    exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
                 return
 
     def close(self) -> None:

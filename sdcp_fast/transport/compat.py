@@ -3,18 +3,20 @@ that works, naming the upstream issue it waits for. This is the only module of t
 allowed to touch a library's private names (tests/transport/test_public_apis.py); each shim
 goes when its issue is resolved in a release inside our pinned range.
 
-- `H2StreamErrors` (h2): RFC 9113 8.1.1 makes a malformed request (a content-length that is
-  not a number, that conflicts with another, or that the body does not match) a *stream*
-  error; h2 raises it as a connection error and sends GOAWAY, which would let one bad request
-  end every other stream on the connection (a long-poll, a batch of proposals). Upstream:
-  python-hyper/h2 issue 114 (content-length policing, closed with the connection error);
-  the stream-error variant is not filed yet (bench/RESULTS.md, "Issue 37", has the
-  proposal: a ProtocolError subclass h2 itself turns into RST_STREAM).
-- `request_client_certificate` (aioquic): a QUIC server cannot ask for a client certificate
-  through aioquic's public API; its TLS context has the flag, "for test purposes only"
-  (aioquic issue 541). Read back: the certificate the client presented.
+- `H2StreamErrors` (jh2, h2's fork; h2 itself the same): RFC 9113 8.1.1 makes a malformed
+  request (a content-length that is not a number, that conflicts with another, or that the
+  body does not match) a *stream* error; h2 raises it as a connection error and sends
+  GOAWAY, which would let one bad request end every other stream on the connection (a
+  long-poll, a batch of proposals). Upstream: python-hyper/h2 issue 114 (content-length
+  policing, closed with the connection error); the stream-error variant is not filed yet
+  (bench/RESULTS.md, "Issue 37", has the proposal).
+- `client_certificate_quic`, `peer_certificates` (aioquic): a QUIC server cannot ask for a
+  client certificate through aioquic's public API (its TLS context has the flag, "for test
+  purposes only": aioquic issue 541), and neither end can read the peer's certificate.
 - `set_max_streams_bidi` (aioquic): the initial MAX_STREAMS a server announces is fixed at
-  128 (no QuicConfiguration member; aioquic issue 541's sibling, not filed yet).
+  128, with no QuicConfiguration member (not filed upstream yet).
+- `unsent` (aioquic): whether a stream's data still waits for flow-control credit; aioquic
+  has no public look-up of a stream's send state (not filed upstream yet).
 """
 
 from __future__ import annotations

@@ -280,7 +280,8 @@ class RequestLifecycle:
 
     def goaway(self) -> None:
         """Graceful close: refuse new requests (safe to retry), answer the ones in flight, then
-        end the connection."""
+        end the connection (HTTP/2: no GOAWAY before that: httpx/httpcore fails every stream
+        still open on a connection once it has seen one, instead of waiting for answers)."""
         self._closing = True
         if not self._tasks:
             self._end_connection("done")

@@ -403,12 +403,6 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         self._serving.refusals.refuse(Kind.IDLE, self._client, f"h2: idle for {self._limits.idle_timeout}s: closing")
         self.goaway()
 
-    def goaway(self) -> None:
-        """Graceful close: refuse new streams (REFUSED_STREAM: safe to retry), answer the ones
-        in flight, then GOAWAY and close. No early GOAWAY: httpx/httpcore fails every stream
-        still open on a connection once it has seen one, instead of waiting for answers."""
-        super().goaway()
-
     def _close_transport(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
