@@ -17,7 +17,7 @@ It measures, in order:
    the drafters drafting ahead (`draft_ahead`, the drafter prepares the next proposal during
    verification on the all-accepted verdict and throws it away otherwise) and without:
    `--sessions` streams at once and one stream alone (the median of `--repeats` runs: one
-   short stream is noisy); tokens/s (all streams' tokens over the wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
+   short run is noisy); tokens/s (all streams' tokens over the wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
    median over streams), every output checked against the target's greedy decoding;
 3. faults during live generations, each ending with every output exact: the verifier host
    cut off (link down) for 1.5 s and back (inside its TTL: the same verifier carries on); an
@@ -287,7 +287,7 @@ def main() -> int:
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--rtts", default="0.1,2,10,30", help="round trips in ms (0.1: the relay without delay)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
-    parser.add_argument("--repeats", type=int, default=3, help="runs of the one-stream case per point")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per point (the median is reported)")
     parser.add_argument("--no-faults", action="store_true")
     args = parser.parse_args()
     reason = unavailable()
@@ -331,9 +331,9 @@ def main() -> int:
                     for count in (args.sessions, 1):
                         since = time.time()
                         before = process_cpu(bed)
-                        # one stream alone is short and noisy: the median of --repeats runs
+                        # one run is short and noisy: the median of --repeats runs
                         repeats = [run_streams(front, prompts[:count], args.max_new)
-                                   for _ in range(1 if count > 1 else args.repeats)]
+                                   for _ in range(args.repeats)]
                         after = process_cpu(bed)
                         streams = [s for rep, _ in repeats for s in rep]
                         tokens = sum(len(s.tokens) for s in streams)
