@@ -150,7 +150,8 @@ def _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft_di
     cluster = Cluster(root, protocol=protocol)
     try:
         deployment.plan(cluster, target_spec, draft_spec, draft_digest, max_new, (eos,), slow=True,
-                        drafters=drafters)
+                        drafters=drafters, metrics=True)
+        metrics_url = f"http://{cluster.instances['verifier'].config.verifier.metrics}/metrics"
         http = {"h2": "HTTP/2", "h3": "HTTP/3"}[protocol]
         with progress(f"starting router, verifier and {drafters} drafter(s) as processes ({http} + mutual "
                       f"TLS 1.3 on loopback; each loads its model)"):
@@ -160,7 +161,9 @@ def _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft_di
         print(f"work directory {cluster.workdir}; front door {front}\n"
               f"{len(generations)} chat prompts at once, greedy (rule 1), at most {max_new} new tokens, "
               f"stop at <|im_end|>:", flush=True)
+        cpu_before = verifier_cpu_seconds(metrics_url)
         wall = generate_all(front, generations, max_new)
+        verifier_cpu = verifier_cpu_seconds(metrics_url) - cpu_before
         records = deployment.rounds(cluster)
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the processes", file=sys.stderr)
@@ -173,13 +176,20 @@ def _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft_di
     with progress("the same prompts by transformers generate(), greedy, one prompt at a time"):
         reference = generate_each(model, prompts, max_new, eos)
     with progress(f"by generate(), the {len(prompts)} prompts batched"):
+        cpu_before = time.process_time()
         batched = generate_batched(model, prompts, max_new, eos)
+        batched_cpu = time.process_time() - cpu_before
     with progress(f"by assisted generate(prompt_lookup_num_tokens={LOOKUP_TOKENS}), one prompt at a time"):
         assisted = generate_each(model, prompts, max_new, eos, prompt_lookup_num_tokens=LOOKUP_TOKENS)
 
     for n, g in enumerate(generations):
         print(f"\n--- [{n + 1}] {g.prompt} ({g.finish or g.error}) ---\n{target.decode(g.tokens)}")
     identical = print_comparison(generations, records, wall, reference, batched, assisted)
+    tokens = sum(len(g.tokens) for g in generations)
+    if verifier_cpu > 0 and batched_cpu > 0 and batched.tokens:
+        print(f"split-drafting view, not the whole machine: {(tokens / verifier_cpu) / (batched.tokens / batched_cpu):.2f}x "
+              "the tokens per CPU second of generate() batched, counting only the verifier's process "
+              "(a verifier host whose drafters run on other hosts)")
     for n, g in enumerate(generations):
         if g.tokens != reference.outputs[n]:
             print(first_difference(target, n, g.prompt_tokens, reference.outputs[n], g.tokens))
@@ -189,6 +199,21 @@ def _serve_and_compare(root, protocol, target, target_spec, draft_spec, draft_di
               + "; ".join(f"{g.gid or '?'}: {g.error or g.finish}" for g in failed), file=sys.stderr)
         return 1
     return 0 if identical == len(generations) else 1
+
+
+def verifier_cpu_seconds(url: str) -> float:
+    """The verifier process's CPU seconds so far (its /metrics), 0.0 if it does not answer."""
+    import httpx
+
+    try:
+        text = httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "process_cpu_seconds_total":
+            return float(value)
+    return 0.0
 
 
 def print_comparison(generations, records, wall: float, reference: Decoded, batched: Decoded,
@@ -235,8 +260,9 @@ def print_comparison(generations, records, wall: float, reference: Decoded, batc
     def ratio(decoded: Decoded) -> float:
         return sdcp_rate / decoded.rate if decoded.rate else 0.0
 
-    print(f"\nspeedup of SDCP: {ratio(batched):.2f}x over generate() batched, {ratio(reference):.2f}x over "
-          f"generate() one at a time, {ratio(assisted):.2f}x over assisted generation")
+    print(f"\nspeedup of SDCP on the whole machine: {ratio(batched):.2f}x over generate() batched (the target "
+          f"alone, torch's default threads), {ratio(reference):.2f}x over generate() one at a time, "
+          f"{ratio(assisted):.2f}x over assisted generation")
     print(f"outputs identical to the target's greedy generate(): {identical}/{n} (rule 1: they must all be)")
     return identical
 

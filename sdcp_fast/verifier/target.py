@@ -130,7 +130,7 @@ class TargetModel:
             if reopen:
                 with contextlib.suppress(ModelError):
                     self.backend.release(sid)
-            if await self._import(sid, tokens, kv_blob, share):
+            if self._import(sid, tokens, kv_blob, share):
                 return
             if share > 1:
                 with _refusals():
@@ -142,7 +142,7 @@ class TargetModel:
         with _refusals():
             await self.opening.submit((sid, tokens))
 
-    async def _import(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, share: int) -> bool:
+    def _import(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, share: int) -> bool:
         """The session built from `kv_blob` or a shared prefill, when one covers a prefix of
         `tokens` (the rest committed on top); False when a prefill is needed."""
         source = "cached KV"

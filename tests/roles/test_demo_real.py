@@ -38,7 +38,8 @@ def test_real_pair_through_the_processes_gives_generates_output(tmp_path):
     assert "outputs identical to the target's greedy generate(): 4/4" in out, \
         (differences or out[-3000:]) + done.stderr[-2000:]
     assert done.returncode == 0, out[-3000:] + done.stderr[-3000:]
-    assert re.search(r"speedup of SDCP: \d+\.\d\dx over generate\(\) batched", out)
+    assert re.search(r"speedup of SDCP on the whole machine: \d+\.\d\dx over generate\(\) batched", out)
+    assert re.search(r"split-drafting view, not the whole machine: \d+\.\d\dx", out)
     # readable English: the answers are words, not bytes
     answers = out.split("--- [1]", 1)[1]
     assert len(re.findall(r"\b(the|a|and|of|to|is)\b", answers)) >= 10, answers[:1000]
