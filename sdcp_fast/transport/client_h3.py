@@ -202,6 +202,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):   # not wait_for: see connect_h3
                 await self.wait_closed()
+        self.stop_timer()   # nothing may be sent once the socket is closed
         if self._datagram_transport is not None:
             self._datagram_transport.close()
 

@@ -141,11 +141,12 @@ async def _peek_client_hello(sock: socket.socket) -> tuple[clienthello.Hello, in
     loop = asyncio.get_running_loop()
     while True:
         readable = loop.create_future()
-        loop.add_reader(sock.fileno(), _set_once, readable)
+        fd = sock.fileno()   # the number stays ours to unregister if the socket is closed meanwhile
+        loop.add_reader(fd, _set_once, readable)
         try:
             await readable
         finally:
-            loop.remove_reader(sock.fileno())
+            loop.remove_reader(fd)
         try:
             data = sock.recv(clienthello.MAX_HELLO, socket.MSG_PEEK)
         except BlockingIOError:

@@ -85,6 +85,8 @@ class QuicDriver:
             event = self.quic.next_event()
 
     def stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = self._timer_at = None
+        """The connection is over: no timer, no queued transmit."""
+        for handle in (self._timer, self._soon):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._timer_at = self._soon = None
