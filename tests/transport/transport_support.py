@@ -275,7 +275,7 @@ async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
         protocol._h3.send_headers(stream_id, [
             (b":method", b"POST"), (b":scheme", b"https"), (b":authority", f"127.0.0.1:{port}".encode()),
             (b":path", path.encode()), *headers])
-        protocol.transmit()   # the headers leave now: no ACK timer may be due to carry them (quic_lean)
+        protocol.transmit()   # the headers leave now, before the body
         for index, chunk in enumerate(chunks):
             try:
                 protocol._h3.send_data(stream_id, chunk, end_stream=index == len(chunks) - 1)
