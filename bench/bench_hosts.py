@@ -64,6 +64,7 @@ from sdcp_fast.hosts.testbed import Testbed  # noqa: E402
 from sdcp_fast.models import load_backend  # noqa: E402
 
 TARGET, DRAFT = "tiny:demo-target", "tiny:demo-draft"
+ROUND_FIELDS = ("m", "accepted", "emitted", "draft_ms", "verify_ms", "ahead")
 HOSTS = ["router", "verifier", "drafter-1", "drafter-2"]
 FAR = ["drafter-1", "drafter-2"]
 
@@ -301,7 +302,7 @@ def main() -> int:
     prompts = [target.encode(PROMPTS[n % len(PROMPTS)] + " " * (n // len(PROMPTS))) for n in range(args.sessions)]
     outputs, alone_s = decode_alone(target, prompts, [args.max_new] * len(prompts))
     reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-    record: dict = {"machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+    record: dict = {"round_fields": ROUND_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
                     "sessions": args.sessions, "max_new": args.max_new, "target_alone_tokens_per_s":
                     sum(map(len, outputs)) / alone_s, "runs": [], "faults": []}
     print(f"target alone (one process, {args.sessions} prompts batched): "
@@ -347,8 +348,9 @@ def main() -> int:
                                "itl_ms": statistics.median(itls) if itls else None,
                                "exact": exact(streams, reference),
                                "cpu_s": {k: after[k] - before.get(k, 0.0) for k in after},
-                               "rounds": [{k: r[k] for k in ("m", "accepted", "emitted", "draft_ms", "verify_ms",
-                                                             "ahead", "action")} for r in rounds]}
+                               # one row a round: ROUND_FIELDS (bench/fleet_sim.py reads them)
+                               "rounds": [[r["m"], r["accepted"], r["emitted"], r["draft_ms"],
+                                           r["verify_ms"], int(bool(r["ahead"]))] for r in rounds]}
                         record["runs"].append(run)
                         print(f"RTT {rtt:>4g} ms, {'ahead' if ahead else 'not ahead':>9}, {count:2d} sessions: "
                               f"{run['tokens_per_s']:7.1f} tokens/s, ITL {run['itl_ms'] or 0:6.1f} ms, "

@@ -349,6 +349,10 @@ def main() -> int:
     parser.add_argument("--plot", default=None, help="write capacity against RTT and fleet size (PNG)")
     args = parser.parse_args()
     record = json.loads(Path(args.runs).read_text())
+    fields = record.get("round_fields")
+    if fields:                       # rounds stored as rows
+        for run in record["runs"]:
+            run["rounds"] = [dict(zip(fields, row, strict=True)) for row in run["rounds"]]
     max_new = record["max_new"]
 
     p, fit = calibrate(record)
