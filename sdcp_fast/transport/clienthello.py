@@ -4,7 +4,7 @@ An SDCP server over TCP speaks HTTP/2 only, and a client that does not offer "h2
 refused with the no_application_protocol alert (RFC 7301 3.2). OpenSSL as Python's ssl
 drives it answers such a client without ALPN instead (CPython's ALPN callback returns
 "no acknowledgement", never a fatal alert), so the HTTP/2 server reads the ClientHello
-first (server_h2.py peeks at the socket, leaving the bytes for OpenSSL) and refuses it
+first (listener_h2.py peeks at the socket, leaving the bytes for OpenSSL) and refuses it
 itself. Parsing is bounded (`MAX_HELLO`) and total: anything odd is `Unparsed`, and then
 OpenSSL decides as usual.
 """
