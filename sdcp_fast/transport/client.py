@@ -1,15 +1,13 @@
-"""The one HTTP client every role uses: HTTP/2 (h2 on asyncio) or HTTP/3 (aioquic), with mutual TLS 1.3.
+"""The one HTTP client every role uses: HTTP/2 (jh2) or HTTP/3 (aioquic), with mutual TLS 1.3.
 
-The one place that picks the client adapter (client_h2.py or client_h3.py; both answer with
-client_base.py's types). Connections are kept per origin and reused; requests on one
+Connections are kept per origin and reused (client_h2.py, client_h3.py); requests on one
 connection run as concurrent streams. Every attempt, connection set-up and whole response
-included, ends within `timeout` seconds (a bound around it, as asyncio.timeout's: one
-`aio.Deadlines` per client and loop, not a loop timer per request), so a server trickling
-a byte at a time cannot hold a request. A failed attempt is retried (up to `retries` times, short exponential backoff)
-only when that is safe: always when the request certainly never reached the server
-(connect failure, stream refused by a closing server), and otherwise only when the caller
-says the request is idempotent (`idempotent=True`: proposals are idempotent per round,
-section 6.9; GETs are safe).
+included, ends within `timeout` seconds (one `aio.Deadlines` per client and loop), so a
+server trickling a byte at a time cannot hold a request. A failed attempt is retried (up to
+`retries` times, short exponential backoff) only when that is safe: when the request
+certainly never reached the server (connect failure, stream refused by a closing server),
+or when the caller says it is idempotent (`idempotent=True`: proposals are idempotent per
+round, section 6.9; GETs are safe).
 """
 
 from __future__ import annotations
@@ -92,9 +90,8 @@ class Client:
 
     async def _attempt(self, method: str, url: str, body: bytes | None,
                        content_type: str | None, limit: float) -> ClientResponse:
-        """One try, all of it within `limit` seconds."""
-        # a request may have reached the server once its connection exists (`open` connects;
-        # `send` says sent=False itself where the server certainly did not process it)
+        """One try, all of it within `limit` seconds. The request may have reached the server
+        once its connection exists (`send` says sent=False itself where it certainly did not)."""
         sent = False
         task = asyncio.current_task()
         assert task is not None, "Client requests run in a task"
@@ -112,12 +109,9 @@ class Client:
 
 
 def _drop_causes_tracebacks(exc: BaseException) -> None:
-    """Bounded memory (issue 21's soak): httpcore keeps the exception that broke an HTTP/2
-    connection and raises that same object for every request still queued on it, and each
-    raise adds that request's frames (with their locals) to the object's traceback: one
-    broken connection grew a 1,474-entry traceback over 1,191 frames in the router. The
-    tracebacks of what caused a transport error are dropped here, once it has been caught
-    (its message stays, and roles log transport errors by message)."""
+    """Bounded memory: the tracebacks of what caused a transport error are dropped once it
+    has been caught (an exception object raised again for each request on a broken
+    connection would otherwise grow a traceback per raise); its message stays."""
     seen: set[int] = set()
     cause = exc.__cause__ or exc.__context__
     while cause is not None and id(cause) not in seen:

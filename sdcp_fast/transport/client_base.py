@@ -1,8 +1,10 @@
-"""What every HTTP client adapter answers with, below both adapters: the response, and the
-errors that say no response came (and whether the server may have processed the request)."""
+"""What both HTTP client adapters share: the response, the errors that say no response came
+(and whether the server may have processed the request), a request's header block, one
+exchange's answer as it arrives, and the origin pool's entry points."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -14,15 +16,14 @@ from .http import media_type
 DEFAULT_MAX_RESPONSE = 16 << 20
 # A request body at least this long announces its length (content-length), so that a server
 # can refuse one over its limit before the upload; a shorter one (every SDCP round) does not:
-# HTTP/2 and HTTP/3 frame the content, and the field costs HPACK/QPACK work at both ends
+# HTTP/2 and HTTP/3 frame the content, and the field costs header compression at both ends
 ANNOUNCE_LENGTH_FROM = 16 << 10
 
 
 @functools.lru_cache(maxsize=1024)
 def split_https_url(url: str) -> tuple[tuple[str, int], str, str]:
     """((host, port) of the origin, :authority, :path) of an https URL; ValueError otherwise.
-    Cached: a drafter posts to the same few URLs every round, and urlsplit is ~20 Python
-    calls (a refused URL raises, and lru_cache keeps no exceptions)."""
+    Cached: a drafter posts to the same few URLs every round."""
     parts = urlsplit(url)
     if parts.scheme != "https" or not parts.hostname:
         raise ValueError(f"not an https URL: {url!r}")
@@ -30,16 +31,18 @@ def split_https_url(url: str) -> tuple[tuple[str, int], str, str]:
     return (parts.hostname, parts.port or 443), parts.netloc.rpartition("@")[2], path
 
 
-def read_answer_head(headers, into: dict[str, str]) -> int:
-    """An answer's header fields into `into` (names lowercased, the last value of a repeated
-    one) and its status, 0 when it has none that is three digits (a malformed answer)."""
-    status = 0
-    for name, value in headers:
-        if name == b":status":
-            status = int(value) if len(value) == 3 and value.isdigit() else 0
-        elif name[:1] != b":":
-            into[name.decode("latin-1").lower()] = value.decode("latin-1")
-    return status
+def request_headers(method: str, authority: str, path: str, body: bytes | None,
+                    content_type: str | None) -> list[tuple[bytes, bytes]]:
+    """A request's header block, the same fields in the same order for every request to one
+    URL (the header compression of either protocol can then index them)."""
+    headers = [(b":method", method.encode()), (b":scheme", b"https"),
+               (b":authority", authority.encode()), (b":path", path.encode())]
+    if body is not None:
+        if content_type:
+            headers.append((b"content-type", content_type.encode()))
+        if len(body) >= ANNOUNCE_LENGTH_FROM:
+            headers.append((b"content-length", str(len(body)).encode()))
+    return headers
 
 
 class TransportError(Exception):
@@ -72,3 +75,79 @@ class ClientResponse:
             return Problem.from_json(self.body)
         except ValueError:
             return None
+
+
+class Exchange:
+    """One request's stream: its answer as it arrives, settled once into `future`."""
+
+    __slots__ = ("future", "max_response", "status", "headers", "body", "sent_all", "ended")
+
+    def __init__(self, future: asyncio.Future[ClientResponse], max_response: int):
+        self.future = future
+        self.max_response = max_response
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = bytearray()
+        self.sent_all = False   # our end of the stream went out
+        self.ended = False      # the server's end of the stream (or its reset) came
+
+    def head(self, headers) -> None:
+        """The answer's header fields (names lowercased, the last value of a repeated one);
+        a :status that is not three digits leaves `status` 0 (a malformed answer)."""
+        for name, value in headers:
+            if name == b":status":
+                self.status = int(value) if len(value) == 3 and value.isdigit() else 0
+            elif name[:1] != b":":
+                self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def add(self, data: bytes) -> bool:
+        """More of the answer's content; False (the exchange failed) once it passes `max_response`."""
+        self.body += data
+        if len(self.body) <= self.max_response:
+            return True
+        self.fail(TransportError(f"response over {self.max_response} bytes", sent=True))
+        return False
+
+    def finish(self) -> None:
+        """The answer is whole."""
+        self.ended = True
+        if self.future.done():
+            return
+        if not self.status:
+            self.future.set_exception(TransportError("answer without a valid :status", sent=True))
+        else:
+            self.future.set_result(ClientResponse(self.status, self.headers, bytes(self.body)))
+
+    def fail(self, error: TransportError) -> None:
+        """No answer will come (one error object per request: a shared one would gather every
+        raiser's frames in its traceback)."""
+        self.ended = True
+        if not self.future.done():
+            self.future.set_exception(TransportError(str(error), sent=error.sent))
+
+
+class Origins:
+    """The connections of one client by origin; a subclass finds or opens one in `_connection`."""
+
+    async def open(self, url: str):
+        """(a connection to the URL's origin with room for a stream, :authority, :path)."""
+        origin, authority, path = split_https_url(url)
+        return await self._connection(origin), authority, path
+
+    async def send(self, target, method: str, body: bytes | None, content_type: str | None,
+                   limit: float) -> ClientResponse:
+        """One exchange on `open`'s target (the caller bounds it by `limit`)."""
+        connection, authority, path = target
+        return await connection.request(method, authority, path, body, content_type)
+
+    async def _connection(self, origin: tuple[str, int]):
+        raise NotImplementedError
+
+
+def connect_error(exc: BaseException, host: str, port: int, timeout: float) -> TransportError:
+    """What a failed connect raises: nothing was sent (sent=False)."""
+    if isinstance(exc, TransportError):
+        return exc
+    if isinstance(exc, TimeoutError):
+        return RequestTimeout(f"connect to {host}:{port} not done within {timeout}s", sent=False)
+    return TransportError(f"cannot connect to {host}:{port}: {exc}", sent=False)

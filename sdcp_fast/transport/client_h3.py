@@ -20,12 +20,13 @@ from aioquic.quic.events import (
 )
 
 from .client_base import (
-    ANNOUNCE_LENGTH_FROM,
+    DEFAULT_MAX_RESPONSE,
     ClientResponse,
-    RequestTimeout,
+    Exchange,
+    Origins,
     TransportError,
-    read_answer_head,
-    split_https_url,
+    connect_error,
+    request_headers,
 )
 from .compat import peer_certificates
 from .h3 import Data, H3Error, H3Streams, Headers
@@ -37,27 +38,15 @@ CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9
 MAX_ANSWER_FIELDS = 1 << 16   # the field-section size our client advertises for answers
 
 
-class _Exchange:
-    """One request's stream: its answer as it arrives (slots: one is made per request)."""
-
-    __slots__ = ("future", "max_response", "status", "headers", "body")
-
-    def __init__(self, future: asyncio.Future[ClientResponse], max_response: int):
-        self.future = future
-        self.max_response = max_response
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.body = bytearray()
-
-
 class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
     """One QUIC connection to a server (its socket connected to it once `connected_to` is
     set), requests as streams, answers to their futures."""
 
-    def __init__(self, quic: QuicConnection):
+    def __init__(self, quic: QuicConnection, max_response: int = DEFAULT_MAX_RESPONSE):
         QuicDriver.__init__(self, quic, self._sendto)
+        self._max_response = max_response
         self._h3: H3Streams | None = None
-        self._exchanges: dict[int, _Exchange] = {}
+        self._exchanges: dict[int, Exchange] = {}
         self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
         self.connected_to = None
@@ -88,34 +77,20 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
         await asyncio.shield(self._connected)
 
     async def request(self, method: str, authority: str, target: str, body: bytes | None,
-                      content_type: str | None, timeout: float | None, max_response: int) -> ClientResponse:
-        """One exchange within `timeout` seconds; None: the caller bounds it (Client's attempt
-        does, under one asyncio.timeout for connecting and the exchange)."""
+                      content_type: str | None) -> ClientResponse:
+        """One exchange; the caller bounds it (Client's attempt does, connecting included)."""
         if self._terminated is not None:
             raise TransportError(str(self._terminated), sent=False)
         stream_id = self.quic.get_next_available_stream_id()
-        headers = [(b":method", method.encode()), (b":scheme", b"https"),
-                   (b":authority", authority.encode()), (b":path", target.encode())]
-        if body is not None:
-            if content_type:
-                headers.append((b"content-type", content_type.encode()))
-            if len(body) >= ANNOUNCE_LENGTH_FROM:
-                headers.append((b"content-length", str(len(body)).encode()))
-        exchange = _Exchange(self._loop.create_future(), max_response)
+        exchange = Exchange(self._loop.create_future(), self._max_response)
         self._exchanges[stream_id] = exchange
-        self._h3.send(stream_id, headers, body or b"")
+        self._h3.send(stream_id, request_headers(method, authority, target, body, content_type), body or b"")
         if len(self._exchanges) == 1:
             self.transmit()
         else:   # with the other requests of this turn
             self.transmit_soon()
         try:
-            if timeout is None:
-                return await exchange.future
-            async with asyncio.timeout(timeout):
-                return await exchange.future
-        except TimeoutError:
-            self._cancel(stream_id)
-            raise RequestTimeout(f"no answer to {method} {target} within {timeout}s", sent=True) from None
+            return await exchange.future
         except asyncio.CancelledError:   # the caller's deadline or shutdown: tell the server
             self._cancel(stream_id)
             raise
@@ -136,10 +111,9 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
                 self._on_stream_data(event.stream_id, event.data, event.end_stream)
         elif isinstance(event, StreamReset):
             exchange = self._exchanges.get(event.stream_id)
-            if exchange is not None and not exchange.future.done():
+            if exchange is not None:
                 sent = event.error_code != ErrorCode.H3_REQUEST_REJECTED  # rejected: unprocessed
-                exchange.future.set_exception(
-                    TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent))
+                exchange.fail(TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent))
         elif isinstance(event, HandshakeCompleted):
             self._h3 = H3Streams(self.quic, is_client=True, max_field_section_size=MAX_ANSWER_FIELDS)
             if not self._connected.done():
@@ -152,8 +126,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             self._terminated = TransportError(
                 f"HTTP/3 connection closed ({event.error_code:#x}: {event.reason_phrase})", sent=not refused)
             for exchange in self._exchanges.values():
-                if not exchange.future.done():
-                    exchange.future.set_exception(TransportError(str(self._terminated), sent=not refused))
+                exchange.fail(self._terminated)
             if not self._connected.done():
                 self._connected.set_exception(ConnectionError(str(self._terminated)))
                 self._connected.exception()   # retrieved: nobody may be waiting
@@ -172,21 +145,15 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             return
         for h3_event in events:
             if h3_event.__class__ is Headers:
-                exchange.status = read_answer_head(h3_event.headers, exchange.headers)
+                exchange.head(h3_event.headers)
             elif h3_event.__class__ is Data:
-                exchange.body += h3_event.data
-                if len(exchange.body) > exchange.max_response:
+                if not exchange.add(h3_event.data):
                     self._cancel(stream_id)
-                    exchange.future.set_exception(
-                        TransportError(f"response over {exchange.max_response} bytes", sent=True))
                     return
             else:
                 continue
             if h3_event.ended:
-                if not exchange.status:
-                    exchange.future.set_exception(TransportError("answer without a valid :status", sent=True))
-                else:
-                    exchange.future.set_result(ClientResponse(exchange.status, exchange.headers, bytes(exchange.body)))
+                exchange.finish()
                 return
 
     def close(self) -> None:
@@ -208,7 +175,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
 
 
 async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
-                     timeout: float, *, ca_file: str | Path) -> H3ClientConnection:
+                     timeout: float, *, ca_file: str | Path, max_response: int) -> H3ClientConnection:
     """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
     loop = asyncio.get_running_loop()
     # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
@@ -224,22 +191,18 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     # a socket connected to the server: each datagram is sent without an address (no route
     # lookup per send), and the kernel delivers only the server's datagrams to it
     transport, protocol = await loop.create_datagram_endpoint(
-        lambda: H3ClientConnection(connection), family=family, remote_addr=addr,
-    )
-    assert isinstance(protocol, H3ClientConnection)
+        lambda: H3ClientConnection(connection, max_response), family=family, remote_addr=addr)
     protocol.connected_to = addr
     protocol.connect(addr)
     try:
         async with asyncio.timeout(timeout):
             await protocol.wait_connected()
-    except (ConnectionError, TimeoutError) as exc:
-        protocol.close()
+    except (ConnectionError, TimeoutError, asyncio.CancelledError) as exc:
+        protocol.close()   # the caller's deadline too: do not leak the socket
         transport.close()
-        raise TransportError(f"QUIC handshake with {host}:{port} failed: {exc or 'timeout'}", sent=False) from exc
-    except asyncio.CancelledError:  # the caller's overall deadline: do not leak the socket
-        protocol.close()
-        transport.close()
-        raise
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise connect_error(exc, host, port, timeout) from exc
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:
@@ -251,7 +214,7 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     return protocol
 
 
-class H3Origins:
+class H3Origins(Origins):
     """The HTTP/3 connections of one client, one per origin."""
 
     def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
@@ -261,17 +224,6 @@ class H3Origins:
         self._max_response = max_response
         self._connections: dict[tuple[str, int], H3ClientConnection] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
-
-    async def open(self, url: str) -> tuple[H3ClientConnection, str, str]:
-        """(connection to the URL's origin, :authority, :path)."""
-        origin, authority, path = split_https_url(url)
-        return await self._connection(origin), authority, path
-
-    async def send(self, target: tuple[H3ClientConnection, str, str], method: str, body: bytes | None,
-                   content_type: str | None, limit: float) -> ClientResponse:
-        connection, authority, path = target
-        # `limit` bounds the whole attempt already (Client._attempt): no second timer here
-        return await connection.request(method, authority, path, body, content_type, None, self._max_response)
 
     async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
         connection = self._connections.get(origin)
@@ -287,7 +239,7 @@ class H3Origins:
                     await connection.aclose()
             configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
             connection = await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
-                                          ca_file=self._tls.ca)
+                                          ca_file=self._tls.ca, max_response=self._max_response)
             self._connections[origin] = connection
             return connection
 

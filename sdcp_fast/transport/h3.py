@@ -102,7 +102,6 @@ class H3Streams:
         self.quic = quic
         self.is_client = is_client
         self.max_field_section_size = max_field_section_size
-        self.received_settings: dict[int, int] | None = None
         self._encoder = pylsqpack.Encoder()
         self._encoder.apply_settings(max_table_capacity=0, blocked_streams=0)
         self._decoder = pylsqpack.Decoder(0, 0)
@@ -124,9 +123,6 @@ class H3Streams:
         if body:
             data += frame(DATA, body)
         self.quic.send_stream_data(stream_id, data, end_stream)
-
-    def send_headers(self, stream_id: int, headers: list[tuple[bytes, bytes]], end_stream: bool = False) -> None:
-        self.send(stream_id, headers, b"", end_stream)
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         """More of a body; FrameUnexpected once the stream can no longer send (the peer
@@ -205,11 +201,6 @@ class H3Streams:
         if self._streams.pop(stream_id, None) is not None or not self.is_client:
             self._refused.add(stream_id)
 
-    def buffered(self, stream_id: int) -> bool:
-        """Whether part of a frame of `stream_id` is held, waiting for the rest."""
-        stream = self._streams.get(stream_id)
-        return stream is not None and bool(stream.buffer)
-
     def _receive_uni(self, stream_id: int, data: bytes) -> list:
         kind = self._uni_types.get(stream_id)
         buffer = data
@@ -236,13 +227,7 @@ class H3Streams:
             if start + length > len(buffer):
                 break
             payload, at = buffer[start:start + length], start + length
-            if frame_type == SETTINGS:
-                settings, index = {}, 0
-                while index < len(payload):
-                    key, index = varint(payload, index)
-                    settings[key], index = varint(payload, index)
-                self.received_settings = settings
-            elif frame_type == GOAWAY:
+            if frame_type == GOAWAY:
                 events.append(GoAway(varint(payload, 0)[0]))
         self._control = buffer[at:]
         return events

@@ -1,21 +1,19 @@
 """One request lifecycle for the HTTP/2 and HTTP/3 servers.
 
-A connection's requests go through the same steps whatever the protocol: a header block is
-checked (`RequestHeads`: malformed -> a stream error, 431/400/413/415 -> an answer from the
+A connection's requests go through the same steps whatever the protocol: the client's
+certificate names the caller and the connection caps admit it; a header block is checked
+(`RequestHeads`: malformed -> a stream error, 431/400/413/415 -> an answer from the
 transport), a body is awaited under `body_timeout` (408), the handler runs under
 `handler_timeout` (503), its answer is written, and misbehaviour is counted against the
-connection's two budgets (`Strikes`, below), and past one the connection ends "calm down". `RequestLifecycle` holds that
-state and those decisions once; a protocol adapter (server_h2.py, server_h3.py) feeds it
-what its library reports and provides the five wire operations below, each of which must
-tolerate a stream or connection that ended meanwhile.
+connection's two budgets (`Strikes`). A protocol adapter (server_h2.py, server_h3.py) feeds
+`RequestLifecycle` what its library reports and provides the wire operations below, each of
+which must tolerate a stream or connection that ended meanwhile.
 
-The budgets: two things cost a hostile client almost nothing and the server a request each:
-streams reset (or refused) before their answer, the 2023 rapid-reset attack, and requests the
-server must refuse as malformed or over a limit (400, 413, 415, 431), for which it has still
-read and decoded a header block or a body. A well-behaved client does either rarely. Past its
-budget within the window the connection ends with ENHANCE_YOUR_CALM / H3_EXCESSIVE_LOAD and
-the client's identity is refused for `calm_penalty_s` (Serving.calm_down), so reconnecting
-does not buy a fresh budget at once.
+The budgets: streams reset (or refused) before their answer (the rapid-reset attack), and
+requests refused as malformed or over a limit (400, 413, 415, 431), cost a hostile client
+almost nothing and the server a request each. Past either budget within the window the
+connection ends with ENHANCE_YOUR_CALM / H3_EXCESSIVE_LOAD and the client's identity is
+refused for `calm_penalty_s` (Serving.calm_down), so reconnecting buys no fresh budget.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ from sdcp_fast.core.problems import Problem
 
 from .exchange import IncomingRequest, Malformed, PendingBodies, log_answer, overdue_response
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
+from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
 
@@ -59,11 +58,15 @@ class RequestLifecycle:
     """The requests of one admitted connection, from header block to answer."""
 
     PROTOCOL = "?"   # "h2" | "h3": the prefix of every log line
+    MALFORMED: int    # the stream error code of a malformed request (PROTOCOL_ERROR / H3_MESSAGE_ERROR)
+    UNPROCESSED: int  # refusing a request while closing, safe to retry (REFUSED_STREAM / H3_REQUEST_REJECTED)
 
     def __init__(self, serving: Serving):
         self._serving = serving
         self._limits = serving.limits
         self.caller: str | None = None
+        self._peer: object = None
+        self._admitted = False
         self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)
         self._tasks: dict[int, asyncio.Task[None]] = {}   # streams being answered
         self._reset_budget = Strikes(self._limits.max_early_resets, self._limits.early_reset_window_s)
@@ -72,18 +75,11 @@ class RequestLifecycle:
         self._loop = asyncio.get_running_loop()
         self._handler_limits = Deadlines(self._loop)   # the handler time limit of each request
 
-    # ---- the wire operations an adapter provides -----------------------------------------
+    # ---- the wire operations an adapter provides (and `_reset(stream_id, code)`, which ends
+    # a stream with MALFORMED, UNPROCESSED or a code of the protocol's own) ----------------
     def _write_answer(self, stream_id: int, response: Response, head: bool) -> Awaitable[None] | None:
         """Send `response` (no content for HEAD) and end our side of the stream; what must
         still be awaited for it (content waiting for flow-control credit), if anything."""
-        raise NotImplementedError
-
-    def _reset_malformed(self, stream_id: int) -> None:
-        """A stream error for a malformed request (PROTOCOL_ERROR / H3_MESSAGE_ERROR)."""
-        raise NotImplementedError
-
-    def _reject_unprocessed(self, stream_id: int) -> None:
-        """Refuse a request that arrived while closing, as safe to retry elsewhere."""
         raise NotImplementedError
 
     def _stop_upload(self, stream_id: int, overdue: bool) -> None:
@@ -94,6 +90,52 @@ class RequestLifecycle:
     def _end_connection(self, kind: str) -> None:
         """End the connection at once: "calm" (the client misbehaved) or "done"."""
         raise NotImplementedError
+
+    def _send_answers(self) -> None:
+        """(`transmit()` sends what is queued now, `transmit_soon()` at the end of this loop
+        turn: the adapter's.) An answer was queued: sent at once when it is the connection's only stream in
+        flight, else at the end of this loop turn with the other answers of the batch (their
+        tasks run in the same turn), in one write the client reads in one wake-up."""
+        if len(self._tasks) <= 1:
+            self.transmit()
+        else:
+            self.transmit_soon()
+
+    # ---- admission -----------------------------------------------------------------------
+    def _admit(self, certificate, check) -> str | None:
+        """Name the caller from the client's certificate (`check(certificate)`, the policy of
+        certpolicy.py) and count the connection in; None when admitted, else the refusal's
+        kind (counted and logged here) with `self._refusal` its detail and, for a refused
+        certificate, `self._rejected` the CertificateRejected."""
+        try:
+            if not certificate:
+                raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
+            self.caller = check(certificate)
+        except CertificateRejected as exc:
+            self._rejected = exc
+            self._serving.refusals.refuse(Kind.CERTIFICATE, self._peer,
+                                          f"{self.PROTOCOL}: refused client {self._peer}: {exc}")
+            return Kind.CERTIFICATE
+        refusal = self._serving.admit(self, self.caller)
+        if refusal is not None:
+            kind, self._refusal = refusal
+            self._serving.refusals.refuse(kind, self.caller, f"{self.PROTOCOL}: {self._refusal}")
+            return kind
+        self._admitted = True
+        log.debug("%s: connection from %s as %s", self.PROTOCOL, self._peer, self.caller)
+        return None
+
+    _rejected: CertificateRejected | None = None
+    _refusal = ""
+
+    def _connection_over(self) -> None:
+        """The connection is gone: it no longer counts, and nothing is owed any more."""
+        if self._admitted:
+            self._serving.release(self, self.caller)
+        for task in self._tasks.values():
+            task.cancel()
+        self._pending.clear()
+        self._handler_limits.close()
 
     # ---- the steps -----------------------------------------------------------------------
     @property
@@ -112,12 +154,12 @@ class RequestLifecycle:
         """A request's header block; `ended`: no body follows; `body`: its whole body, known
         with the headers (None: it may still arrive)."""
         if self._closing:
-            self._reject_unprocessed(stream_id)
+            self._reset(stream_id, self.UNPROCESSED)
             return
         heads = self._serving.request_heads
         incoming = heads.incoming(headers) if body is None else heads.head(headers)
         if isinstance(incoming, Malformed):
-            self._reset_malformed(stream_id)
+            self._reset(stream_id, self.MALFORMED)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended or body is not None)
@@ -203,7 +245,7 @@ class RequestLifecycle:
         the request is malformed, a stream error."""
         if incoming.content_length is None or incoming.head or incoming.content_length == size:
             return False
-        self._reset_malformed(stream_id)
+        self._reset(stream_id, self.MALFORMED)
         self._stream_refused(stream_id, Kind.MALFORMED,
                              f"content-length {incoming.content_length} but a body of {size} bytes")
         return True
@@ -286,9 +328,4 @@ class RequestLifecycle:
         if not self._tasks:
             self._end_connection("done")
 
-    def _forget_requests(self) -> None:
-        """The connection is gone: nothing is owed any more."""
-        for task in self._tasks.values():
-            task.cancel()
-        self._pending.clear()
-        self._handler_limits.close()
+

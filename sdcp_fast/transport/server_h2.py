@@ -1,21 +1,16 @@
-"""HTTP/2 (RFC 9113) on h2's public API, held to the limits against hostile clients.
+"""HTTP/2 (RFC 9113) on jh2's public API, held to the limits against hostile clients.
 
-`H2ServerProtocol` takes a connection from listener_h2.py once its TLS handshake is done:
-the certificate policy (certpolicy.py, the same as HTTP/3) names the caller, and the
-connection caps (total, per identity, and a penalty for clients told to calm down) admit it
-or refuse it with a GOAWAY. Then, per RFC 9113 under abuse:
+`H2ServerProtocol` takes a connection from listener_h2.py once its TLS handshake is done and
+runs it through the request lifecycle (lifecycle.py), admission included. Per RFC 9113 under
+abuse:
   - a malformed request resets its own stream (PROTOCOL_ERROR), never the connection
     (compat.H2StreamErrors for the content-length cases h2 itself checks);
-  - a header list over the advertised SETTINGS_MAX_HEADER_LIST_SIZE is answered 431;
   - a stream over SETTINGS_MAX_CONCURRENT_STREAMS is refused alone (REFUSED_STREAM, RFC 9113
-    5.1.2). h2 would make it a connection error, so h2 is given no stream limit and the
+    5.1.2): h2 would make it a connection error, so h2 is given no stream limit and the
     limit is advertised in a SETTINGS frame of our own and enforced here;
-  - the request lifecycle (lifecycle.py) answers, refuses and counts strikes;
   - the client preface and any frame begun must arrive whole within `header_timeout`
-    (`FrameEdges` follows the frame boundaries); a response stalled by flow control longer
-    than `send_timeout` is reset (CANCEL); a connection with no stream for `idle_timeout` is
-    closed.
-Answers ready in one turn of the event loop leave in one write.
+    (`FrameEdges`); a response stalled by flow control longer than `send_timeout` is reset
+    (CANCEL); a connection with no stream for `idle_timeout` is closed.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ import contextlib
 from collections.abc import Awaitable
 
 import jh2.config
-import jh2.errors
 import jh2.events
 import jh2.exceptions
 import jh2.hyperframe.frame
@@ -33,14 +27,13 @@ import jh2.settings
 
 from .compat import H2StreamErrors, MalformedStream
 from .exchange import response_headers
+from .h2base import ErrorCodes, H2Endpoint
 from .http import Response
-from .identity import CertificateRejected
 from .lifecycle import RequestLifecycle
 from .refusals import Kind, log
 from .serving import Serving
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
-ErrorCodes = jh2.errors.ErrorCodes
 _PREFACE_SIZE = 24   # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _BLOCK_STARTS, _CONTINUATION, _END_HEADERS = frozenset({0x1, 0x5}), 0x9, 0x4
 
@@ -78,31 +71,28 @@ class FrameEdges:
                 self._in_block = not head[4] & _END_HEADERS
 
 
-class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
+class H2ServerProtocol(RequestLifecycle, H2Endpoint):
     """One authenticated HTTP/2 connection."""
 
     PROTOCOL = "h2"
+    MALFORMED = ErrorCodes.PROTOCOL_ERROR
+    UNPROCESSED = ErrorCodes.REFUSED_STREAM   # RFC 9113 8.7: safe to retry
 
     def __init__(self, serving: Serving, peer: object):
-        super().__init__(serving)
-        self._peer = peer
-        self._transport: asyncio.Transport | None = None
-        self._admitted = False
+        RequestLifecycle.__init__(self, serving)
         # inbound fields are validated by exchange.malformed, outbound ones built by
         # exchange.response_headers (lowercase names, our own values): h2 need not do it again
-        self._conn = H2StreamErrors(jh2.config.H2Configuration(
+        H2Endpoint.__init__(self, H2StreamErrors(jh2.config.H2Configuration(
             client_side=False, header_encoding=None, validate_inbound_headers=False,
-            normalize_inbound_headers=False, validate_outbound_headers=False, normalize_outbound_headers=False))
+            normalize_inbound_headers=False, validate_outbound_headers=False, normalize_outbound_headers=False)))
+        self._peer = peer
         self._edges = FrameEdges()
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
-        self._window_open = asyncio.Event()  # flow-control credit arrived
-        self._writable = asyncio.Event()  # transport buffer below its high-water mark
-        self._writable.set()
         self._idle_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
         self._preface_seen = False
-        self._flush_queued = False   # a flush of answers waits for the loop's next turn
+        self._flush_queued = False   # a transmit waits for the end of this loop turn
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -117,13 +107,8 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
             serving.refusals.refuse(Kind.ALPN, self._peer, "TLS done without ALPN h2")
             transport.abort()
             return
-        try:
-            der = ssl_object.getpeercert(binary_form=True)
-            if not der:
-                raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
-            self.caller = serving.certificates.check_der(der)
-        except CertificateRejected as exc:
-            serving.refusals.refuse(Kind.CERTIFICATE, self._peer, f"h2: refused client {self._peer}: {exc}")
+        refusal = self._admit(ssl_object.getpeercert(binary_form=True), serving.certificates.check_der)
+        if refusal == Kind.CERTIFICATE:
             transport.abort()
             return
         codes = jh2.settings.SettingCodes
@@ -133,17 +118,12 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         # itself stops decoding far above it (a connection error: ENHANCE_YOUR_CALM).
         self._conn.decoder.max_header_list_size = max(4 * limits.max_header_list, 1 << 16)
         self._conn.initiate_connection()
-        refusal = serving.admit(self, self.caller)
         if refusal is not None:
-            kind, detail = refusal
-            serving.refusals.refuse(kind, self.caller, detail)
-            code = ErrorCodes.NO_ERROR if kind == Kind.CONNECTIONS else ErrorCodes.ENHANCE_YOUR_CALM
-            self._conn.close_connection(code, additional_data=detail.encode())
-            self._flush()
+            code = ErrorCodes.NO_ERROR if refusal == Kind.CONNECTIONS else ErrorCodes.ENHANCE_YOUR_CALM
+            self._conn.close_connection(code, additional_data=self._refusal.encode())
+            self.transmit()
             transport.close()
             return
-        self._admitted = True
-        log.debug("h2: connection from %s as %s (%s)", self._peer, self.caller, ssl_object.version())
         limit = jh2.hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
         transport.write(self._conn.data_to_send() + limit.serialize())
         self._arm_idle_timer()
@@ -172,7 +152,7 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
                 # a header block far over the advertised size: HPACK decoded a full budget
                 # of it before giving up, which a client must not get again at once
                 self._serving.calm_down(self.caller)
-            self._flush()  # h2 has queued a GOAWAY
+            self.transmit()  # h2 has queued a GOAWAY
             self._close_transport()
             return
         index, count = 0, len(events)
@@ -189,27 +169,20 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
                     self._on_request(event, None)
             else:
                 self._on_event(event)
-        self._flush()
+        self.transmit()
         if self._header_timer is not None or self._edges.partial:
             self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._admitted:
             return
-        self._serving.release(self, self.caller)
-        self._forget_requests()
+        self._connection_over()
         self._window_open.set()
         self._writable.set()
         for timer in (self._idle_timer, self._header_timer):
             if timer is not None:
                 timer.cancel()
         log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
 
     # ---- h2 events -----------------------------------------------------------------------
     def _on_request(self, event: jh2.events.RequestReceived, data: jh2.events.DataReceived | None) -> None:
@@ -267,66 +240,23 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
 
     # ---- the wire operations of the lifecycle --------------------------------------------
     def _write_answer(self, stream_id: int, response: Response, head: bool) -> Awaitable[None] | None:
-        body = b"" if head else response.body
-        conn = self._conn
         try:
-            conn.send_headers(stream_id, response_headers(response), end_stream=not body)
-            if body:   # h2 checks the window and the frame size before it changes anything
-                conn.send_data(stream_id, body, end_stream=True)
-                body = b""
-        except (jh2.exceptions.FlowControlError, jh2.exceptions.FrameTooLargeError):
-            pass   # the rest as credit allows
+            rest = self._send_message(stream_id, response_headers(response), b"" if head else response.body)
         except jh2.exceptions.H2Error as exc:   # the stream was reset or forgotten meanwhile
             log.debug("h2: could not answer stream %d: %s", stream_id, exc)
             return None
-        if body:
-            return self._send_rest(stream_id, body)
-        self._flush_answers()
+        if rest:
+            return self._send_rest_of_answer(stream_id, rest)
+        self._send_answers()
         return None
 
-    async def _send_rest(self, stream_id: int, body: bytes) -> None:
+    async def _send_rest_of_answer(self, stream_id: int, rest: bytes) -> None:
         """The content as flow control allows; one that gets no credit for `send_timeout` is
         cut off (RST_STREAM CANCEL)."""
-        view = memoryview(body)
-        stalled_since: float | None = None
-        while view:
-            await self._writable.wait()
-            if self._transport is None or self._transport.is_closing():
-                return
-            try:
-                window = min(self._conn.local_flow_control_window(stream_id), self._conn.max_outbound_frame_size)
-            except jh2.exceptions.H2Error:
-                return   # reset meanwhile
-            if window <= 0:
-                stalled_since = stalled_since or self._loop.time()
-                left = stalled_since + self._limits.send_timeout - self._loop.time()
-                if left <= 0:
-                    self._serving.refusals.refuse(
-                        Kind.FLOW_STALLED, self._client,
-                        f"h2: stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
-                    self._reset(stream_id, ErrorCodes.CANCEL)
-                    return
-                self._window_open.clear()
-                self._flush()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await self._window_open.wait()
-                continue
-            stalled_since = None
-            chunk, view = view[:window], view[window:]
-            self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-            self._flush()
-
-    def _reset(self, stream_id: int, code: ErrorCodes) -> None:
-        with contextlib.suppress(jh2.exceptions.H2Error):
-            self._conn.reset_stream(stream_id, code)
-        self._flush()
-
-    def _reset_malformed(self, stream_id: int) -> None:
-        self._reset(stream_id, ErrorCodes.PROTOCOL_ERROR)
-
-    def _reject_unprocessed(self, stream_id: int) -> None:
-        self._reset(stream_id, ErrorCodes.REFUSED_STREAM)   # RFC 9113 8.7: safe to retry
+        if await self._send_rest(stream_id, rest, self._limits.send_timeout) == "stalled":
+            self._serving.refusals.refuse(Kind.FLOW_STALLED, self._client,
+                                          f"h2: stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
+            self._reset(stream_id, ErrorCodes.CANCEL)
 
     def _stop_upload(self, stream_id: int, overdue: bool) -> None:
         if overdue:   # the answer is complete: end the stream (RFC 9113 8.1)
@@ -340,31 +270,18 @@ class H2ServerProtocol(RequestLifecycle, asyncio.Protocol):
         code = ErrorCodes.ENHANCE_YOUR_CALM if kind == "calm" else ErrorCodes.NO_ERROR
         with contextlib.suppress(jh2.exceptions.ProtocolError):   # already closed by the peer's GOAWAY
             self._conn.close_connection(code, additional_data=self._calm_reason.encode() if kind == "calm" else None)
-        self._flush()
+        self.transmit()
         self._transport.close()
 
     # ---- housekeeping --------------------------------------------------------------------
-    def _flush(self) -> None:
-        data = self._conn.data_to_send()
-        if data and self._transport is not None and not self._transport.is_closing():
-            self._transport.write(data)
-
-    def _flush_answers(self) -> None:
-        """Send what an answer queued: at once when it is the connection's only stream in
-        flight; with other streams in flight, in one write at the start of the loop's next
-        turn. The answers of one batch are set together and their tasks run in the same turn
-        one after another, so they leave as one TLS record and one send (and the client reads
-        them in one wake-up). The flush is queued behind those tasks and ahead of whatever
-        they wake, the engine's next batch included, so no answer waits for a forward pass."""
-        if len(self._tasks) <= 1:
-            self._flush()
-        elif not self._flush_queued:
+    def transmit_soon(self) -> None:
+        if not self._flush_queued:
             self._flush_queued = True
-            self._loop.call_soon(self._flush_queued_answers)
+            self._loop.call_soon(self._transmit_queued)
 
-    def _flush_queued_answers(self) -> None:
+    def _transmit_queued(self) -> None:
         self._flush_queued = False
-        self._flush()
+        self.transmit()
 
     def _arm_header_timer(self) -> None:
         """The client preface, and any frame once begun, must arrive whole within

@@ -4,16 +4,12 @@ same limits as HTTP/2 (limits.py) through the same request lifecycle (lifecycle.
 `H3Listener` owns the UDP socket and hands each datagram to its connection by destination
 connection ID (a new one for an Initial packet). Each `H3ServerProtocol` asks for a client
 certificate (compat.client_certificate_quic) and announces MAX_STREAMS
-`max_concurrent_streams` (a stream beyond it is QUIC's STREAM_LIMIT_ERROR, RFC 9000 4.6), QUIC
-flow control `quic_max_data` / `quic_max_stream_data` and the idle timeout `idle_timeout`.
-The handshake must finish within `handshake_timeout`; then the certificate policy
-(certpolicy.py) names the caller from the certificate (none, or one it refuses: the
-connection is closed with the TLS alert as a CRYPTO_ERROR), and the connection caps admit it.
-Per stream: the header block must be whole within `header_timeout` of the stream's first
-byte (else H3_REQUEST_INCOMPLETE); a malformed request is a stream error (H3_MESSAGE_ERROR,
-RFC 9114 4.1.2); a HEADERS frame longer than `max_header_list` (the advertised
-SETTINGS_MAX_FIELD_SECTION_SIZE) is answered 431 as soon as its length is known; a response
-still not sent `send_timeout` after it was written (no flow-control credit) is reset.
+`max_concurrent_streams` (a stream beyond it is QUIC's STREAM_LIMIT_ERROR, RFC 9000 4.6). The
+handshake must finish within `handshake_timeout`; a certificate the policy refuses closes
+the connection with the TLS alert as a CRYPTO_ERROR. Per stream: the header block must be
+whole within `header_timeout` of the stream's first byte (else H3_REQUEST_INCOMPLETE); a
+HEADERS frame longer than `max_header_list` is answered 431 as soon as its length is known;
+a response still not sent `send_timeout` after it was written is reset.
 """
 
 from __future__ import annotations
@@ -56,6 +52,7 @@ from .serving import Serving
 CRYPTO_ERROR = 0x100   # + a TLS alert (RFC 9001 4.8)
 _ALERTS = {CertificateRejected.MISSING: AlertDescription.certificate_required,
            CertificateRejected.EXPIRED: AlertDescription.certificate_expired}
+_RESET_ONLY = frozenset({ErrorCode.H3_REQUEST_CANCELLED, ErrorCode.H3_REQUEST_REJECTED})
 
 
 class H3Listener(asyncio.DatagramProtocol):
@@ -126,18 +123,17 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
     """One HTTP/3 connection."""
 
     PROTOCOL = "h3"
+    MALFORMED = ErrorCode.H3_MESSAGE_ERROR
+    UNPROCESSED = ErrorCode.H3_REQUEST_REJECTED   # RFC 9114 4.1.1: safe to retry
 
     def __init__(self, quic, serving: Serving, listener: H3Listener):
         QuicDriver.__init__(self, quic, listener.sendto)
         RequestLifecycle.__init__(self, serving)
         compat.set_max_streams_bidi(quic, serving.limits.max_concurrent_streams)
         self._listener = listener
-        self._peer: object = None
         self._h3: H3Streams | None = None
         self._awaiting_headers: dict[int, asyncio.TimerHandle] = {}   # request streams begun, headers not whole
         self._highest_stream = -1
-        self._admitted = False
-        self._rejected = False
         self._ended = False
         self._written: list[int] = []   # answers written since the last transmit: watched once sent
         serving.handshake_started(self, self._drop, None)
@@ -165,7 +161,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             self._headers_arrived(event.stream_id)
             if self._on_reset(event.stream_id):
                 # our side too, so that QUIC frees the stream (and gives the client its credit)
-                self._reset(event.stream_id, ErrorCode.H3_REQUEST_CANCELLED, stop=False)
+                self._reset(event.stream_id, ErrorCode.H3_REQUEST_CANCELLED)
         elif isinstance(event, HandshakeCompleted):
             self._handshake_done()
         elif isinstance(event, ConnectionIdIssued):
@@ -180,26 +176,15 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         self._handshake_timer.cancel()
         self._serving.handshake_ended(self)
         leaf, _ = compat.peer_certificates(self.quic)
-        try:
-            if leaf is None:
-                raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
-            self.caller = self._serving.certificates.check(leaf)
-        except CertificateRejected as exc:
-            self._rejected = True
-            self._serving.refusals.refuse(Kind.CERTIFICATE, self._peer, f"h3: refused client {self._peer}: {exc}")
-            alert = _ALERTS.get(exc.reason, AlertDescription.bad_certificate)
-            self.quic.close(error_code=CRYPTO_ERROR + alert, frame_type=0, reason_phrase=str(exc))
+        refusal = self._admit(leaf, self._serving.certificates.check)
+        if refusal == Kind.CERTIFICATE:
+            alert = _ALERTS.get(self._rejected.reason, AlertDescription.bad_certificate)
+            self.quic.close(error_code=CRYPTO_ERROR + alert, frame_type=0, reason_phrase=str(self._rejected))
             self.transmit()
-            return
-        refusal = self._serving.admit(self, self.caller)
-        if refusal is not None:
-            kind, detail = refusal
-            self._serving.refusals.refuse(kind, self.caller, f"h3: {detail}")
-            self._close(ErrorCode.H3_EXCESSIVE_LOAD, detail)
-            return
-        self._admitted = True
-        self._h3 = H3Streams(self.quic, is_client=False, max_field_section_size=self._limits.max_header_list)
-        log.debug("h3: connection from %s as %s", self._peer, self.caller)
+        elif refusal is not None:
+            self._close(ErrorCode.H3_EXCESSIVE_LOAD, self._refusal)
+        else:
+            self._h3 = H3Streams(self.quic, is_client=False, max_field_section_size=self._limits.max_header_list)
 
     def _handshake_overdue(self) -> None:
         self._serving.refusals.refuse(Kind.HANDSHAKE_TIMEOUT, self._peer,
@@ -217,13 +202,11 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         self._serving.handshake_ended(self)
         self._listener.forget(self)
         self.stop_timer()
-        if self._admitted:
-            self._serving.release(self, self.caller)
-        self._forget_requests()
+        self._connection_over()
         for timer in self._awaiting_headers.values():
             timer.cancel()
         self._awaiting_headers.clear()
-        if self.caller is None and not self._rejected:
+        if self.caller is None and self._rejected is None:
             reason = event.reason_phrase or f"error {event.error_code:#x}"
             kind = Kind.TLS
             if event.error_code == CRYPTO_ERROR + AlertDescription.decrypt_error:
@@ -283,7 +266,6 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             return
         self._serving.refusals.refuse(Kind.HEADER_TIMEOUT, self._client,
                                       f"h3: stream {stream_id}: headers not complete within {self._limits.header_timeout}s")
-        self._h3.forget(stream_id)
         self._reset(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
 
     # ---- the wire operations of the lifecycle --------------------------------------------
@@ -298,26 +280,20 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             log.debug("h3: could not answer stream %d: %s", stream_id, exc)
             return
         self._written.append(stream_id)
-        if len(self._tasks) <= 1:
-            self.transmit()
-        else:   # with the other answers of this turn
-            self.transmit_soon()
+        self._send_answers()
 
-    def _reset(self, stream_id: int, code: int, *, stop: bool = True) -> None:
+    def _reset(self, stream_id: int, code: int) -> None:
+        """Reset our side; STOP_SENDING too, unless the request is complete or the client
+        ended it (a cancelled or rejected stream). What still arrives on it is dropped."""
+        if self._h3 is not None:
+            self._h3.forget(stream_id)
         try:
             self.quic.reset_stream(stream_id, code)
-            if stop:
+            if code not in _RESET_ONLY:
                 self.quic.stop_stream(stream_id, code)
         except Exception as exc:  # already reset or ended
             log.debug("h3: could not reset stream %d: %s", stream_id, exc)
         self.transmit_soon()
-
-    def _reset_malformed(self, stream_id: int) -> None:
-        self._h3.forget(stream_id)
-        self._reset(stream_id, ErrorCode.H3_MESSAGE_ERROR)
-
-    def _reject_unprocessed(self, stream_id: int) -> None:
-        self._reset(stream_id, ErrorCode.H3_REQUEST_REJECTED, stop=False)   # RFC 9114 4.1.1: safe to retry
 
     def _stop_upload(self, stream_id: int, overdue: bool) -> None:
         with contextlib.suppress(Exception):   # RFC 9114 4.1.1: the answer is complete
@@ -348,7 +324,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             return
         self._serving.refusals.refuse(Kind.FLOW_STALLED, self._client,
                                       f"h3: stream {stream_id}: not delivered within {self._limits.send_timeout}s")
-        self._reset(stream_id, ErrorCode.H3_REQUEST_CANCELLED, stop=False)
+        self._reset(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
 
     # ---- closing -------------------------------------------------------------------------
     def abort(self) -> None:

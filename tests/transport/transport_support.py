@@ -205,8 +205,8 @@ async def h3_post(port: int, configuration: QuicConfiguration, body: bytes = PRO
     try:
         protocol.connect(("127.0.0.1", port))
         await asyncio.wait_for(protocol.wait_connected(), 5.0)
-        return await protocol.request("POST", f"127.0.0.1:{port}", "/proposals", body,
-                                      SDCP_MEDIA_TYPE, 5.0, 1 << 20)
+        return await asyncio.wait_for(protocol.request("POST", f"127.0.0.1:{port}", "/proposals", body,
+                                                       SDCP_MEDIA_TYPE), 5.0)
     finally:
         await protocol.aclose()
 
@@ -259,7 +259,7 @@ class RecordingRouter:
 async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
                       headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> ClientResponse:
     """POST with exactly these headers (e.g. no content-length) and the body in several DATA frames."""
-    from sdcp_fast.transport.client_h3 import _Exchange
+    from sdcp_fast.transport.client_base import Exchange
 
     loop = asyncio.get_running_loop()
     connection = QuicConnection(configuration=configuration)
@@ -270,11 +270,11 @@ async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
         protocol.connect(("127.0.0.1", port))
         await asyncio.wait_for(protocol.wait_connected(), 5.0)
         stream_id = connection.get_next_available_stream_id()
-        exchange = _Exchange(loop.create_future(), 1 << 20)
+        exchange = Exchange(loop.create_future(), 1 << 20)
         protocol._exchanges[stream_id] = exchange
-        protocol._h3.send_headers(stream_id, [
+        protocol._h3.send(stream_id, [
             (b":method", b"POST"), (b":scheme", b"https"), (b":authority", f"127.0.0.1:{port}".encode()),
-            (b":path", path.encode()), *headers])
+            (b":path", path.encode()), *headers], end_stream=False)
         protocol.transmit()   # the headers leave now, before the body
         for index, chunk in enumerate(chunks):
             try:
