@@ -19,6 +19,7 @@ Picking a token (section 6.2 and 6.4):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class DraftBatcher:
         self.steps = 0               # forward passes run
         self.rows = 0                # tokens drafted over all steps (rows / steps = batching)
         self.widest = 0              # most sessions drafted in one pass
+        self._in_step: set[int] = set()   # id() of the requests in the step under way
         self._stepping = Offload(compute=True)   # on the free cores; a step cheaper than a thread hop on the loop
         # prefills of sessions that start together: one packed pass (the lock held once)
         self.opening = Gather(self._open_batch, hold=self.model_lock,
@@ -102,6 +104,24 @@ class DraftBatcher:
         except asyncio.CancelledError:
             request.cancelled = True
             raise
+
+    async def settle(self, request: DraftRequest) -> DraftRequest:
+        """Stop drafting `request` and resolve it with the tokens it has: after the step under
+        way when that step includes it (its token is as good as drafted), else at once. For a
+        look-ahead whose verdict has arrived: the next proposal should not wait for tokens
+        beyond the ones already drafted when `build` can draft the rest in a fresher batch."""
+        future = request.future
+        if future is None or future.done():
+            return request
+        if id(request) in self._in_step:
+            request.want = len(request.tokens) + 1
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(future)
+            return request
+        request.want = len(request.tokens)
+        request.cancelled = True          # the loop drops it from waiting and active
+        future.set_result(request)
+        return request
 
     async def _run(self) -> None:
         active: list[DraftRequest] = []
@@ -145,8 +165,12 @@ class DraftBatcher:
     async def _step(self, batch: list[DraftRequest]) -> None:
         items = [(r.session, r.base + r.tokens) for r in batch]
         started = time.perf_counter()
-        async with self.model_lock:
-            last = await self._stepping.run(self._last_rows, items, units=len(items))
+        self._in_step = {id(r) for r in batch}
+        try:
+            async with self.model_lock:
+                last = await self._stepping.run(self._last_rows, items, units=len(items))
+        finally:
+            self._in_step = set()
         elapsed = time.perf_counter() - started
         self.busy_seconds += elapsed
         self.steps += 1

@@ -50,7 +50,7 @@ from .drafting import DraftRequest
 log = logging.getLogger("sdcp_fast.drafter")
 
 STOP_ACTIONS = frozenset({Action.SWITCH, Action.SELF_DECODE, Action.FINISH, Action.FAIL})
-LOOKAHEAD_MIN_P = 0.5       # draft ahead only when all M are accepted at least this often
+LOOKAHEAD_MIN_P = 0.5       # draft ahead only when it is used at least as often as thrown away
 Q_RETRY_LEASE_MS = 30_000   # lease of q rows published again after sdcp-q-unavailable
 
 
@@ -79,6 +79,30 @@ class Timing:
 
 
 @dataclass
+class LookaheadOdds:
+    """How often a look-ahead would be used, measured on this session's own rounds: an EWMA
+    of rounds that accepted all M (over every round, look-ahead or not), and one of the
+    verifier's additional token equal to our guess (over the fully accepted rounds that had a
+    guess). Measured rather than derived from alpha: acceptance comes in runs (easy stretches
+    accept everything), so alpha^M, which treats positions as independent, falls well short
+    of the rate at which rounds really are fully accepted."""
+
+    full: float = 0.5
+    guess: float = 1.0        # until a guess was checked: the full-acceptance rate alone decides
+    weight: float = 0.2
+
+    def observe(self, accepted: int, m: int, guess_right: bool | None) -> None:
+        self.full += self.weight * (float(accepted == m) - self.full)
+        if guess_right is not None:
+            self.guess += self.weight * (float(guess_right) - self.guess)
+
+    @property
+    def hit(self) -> float:
+        """The chance that a look-ahead drafted now is used by the next proposal."""
+        return self.full * self.guess
+
+
+@dataclass
 class Built:
     """A proposal ready to send (or re-send: deterministic CBOR, the same bytes every retry)."""
 
@@ -91,6 +115,9 @@ class Built:
     built_at: float = 0.0           # wall clock (time.time()) when building began,
     sent_at: float = 0.0            # ... when first sent,
     answered_at: float = 0.0        # ... when its verdict arrived (the rounds log's timeline)
+    drafted_ahead: int = 0          # tokens drafted ahead while it was out (used or not)
+    settle_seconds: float = 0.0     # waiting, at its verdict, for the look-ahead's step under way
+    guess_right: bool | None = None # the verifier's additional token was the look-ahead's first
 
 
 class Backoff:
@@ -120,6 +147,7 @@ class DraftSession:
         self.id = assignment.session
         self.apply(assignment, prompt, output)
         self.alpha = AcceptanceEstimate()
+        self.odds = LookaheadOdds()
         self.timing = Timing()
         self.generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "big"))
         self.seq = 0                      # proposals built, for unique cache names
@@ -350,10 +378,11 @@ class DraftSession:
             log.info("session %s round %d: verdict of another proposal adopted", self.id.hex(), p.round)
             self.cancel_lookahead()
         # the look-ahead drafts on top of the old committed sequence: settle it first
-        ahead = await self.take_lookahead(verdict, p.m)
+        ahead = await self.take_lookahead(built, verdict)
         self.timing.observe_draft(built.draft_seconds, p.m)
         if ours:
             self.alpha = self.alpha.update(verdict.accepted, p.m)
+            self.odds.observe(verdict.accepted, p.m, built.guess_right)
         self.output.extend(emitted)
         self.committed, self.digest, self.round = verdict.committed, verdict.digest, verdict.round
         self.m_cap = max(1, verdict.m_cap)
@@ -370,11 +399,12 @@ class DraftSession:
     def start_lookahead(self, built: Built) -> None:
         """Draft the next proposal while this one is out, assuming all M are accepted: the
         first token drafted ahead is our guess for the verifier's additional token. Only
-        when full acceptance is likely (alpha^M >= LOOKAHEAD_MIN_P): otherwise the work
-        is wasted and, on shared cores, slows the verifier down."""
+        when it is likely to be used (`LookaheadOdds.hit` >= LOOKAHEAD_MIN_P, measured on
+        this session's rounds): otherwise the work is mostly thrown away and, on cores the
+        drafter shares, slows the others down."""
         self.cancel_lookahead()
         m = built.proposal.m
-        if not self.service.config.draft_ahead or self.alpha.alpha ** m < LOOKAHEAD_MIN_P:
+        if not self.service.config.draft_ahead or self.odds.hit < LOOKAHEAD_MIN_P:
             return
         room = self.contract.max_new - self.committed - m - 1
         want = min(self.contract.m_max, self.m_cap + 1, self.choose() + 1, room) + 1
@@ -385,18 +415,29 @@ class DraftSession:
         self.lookahead = request
         self.lookahead_task = asyncio.get_running_loop().create_task(self.service.batcher.draft(request))
 
-    async def take_lookahead(self, verdict: Verdict, m: int) -> DraftRequest | None:
+    async def take_lookahead(self, built: Built, verdict: Verdict) -> DraftRequest | None:
+        """The tokens drafted ahead that the verdict leaves valid (all M accepted and the
+        verifier's additional token the one we guessed), without their first (the guess).
+        The look-ahead stops at the verdict: tokens it has not drafted yet are drafted by
+        `build`, in the batch of the step that comes next, rather than waited for here."""
         request, self.lookahead = self.lookahead, None
         if request is None:
             return None
         task, self.lookahead_task = self.lookahead_task, None
-        if verdict.accepted != m or not verdict.emitted:
+        if verdict.accepted != built.proposal.m or not verdict.emitted:
+            built.drafted_ahead = len(request.tokens)
             request.cancel()
             task.cancel()
             return None
+        waited = time.perf_counter()
         with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.service.batcher.settle(request)
             await task
-        if len(request.tokens) < 2 or request.tokens[0] != verdict.emitted[-1]:
+        built.settle_seconds = time.perf_counter() - waited
+        built.drafted_ahead = len(request.tokens)
+        if request.tokens:
+            built.guess_right = request.tokens[0] == verdict.emitted[-1]
+        if len(request.tokens) < 2 or not built.guess_right:
             return None
         self.service.lookahead_hits += 1
         return DraftRequest(self.id, [], 0, self.rule, self.sampling, self.generator,
@@ -455,6 +496,7 @@ def round_record(session: DraftSession, built: Built, verdict: Verdict, retries:
         "draft_ms": round(1000 * built.draft_seconds, 3),
         "verify_ms": round(1000 * session.timing.verify, 3),
         "alpha": round(session.alpha.alpha, 4), "retries": retries, "verdict": fingerprint,
-        "ahead": built.ahead, "built_at": round(built.built_at, 4), "sent_at": round(built.sent_at, 4),
+        "ahead": built.ahead, "drafted_ahead": built.drafted_ahead,
+        "settle_ms": round(1000 * built.settle_seconds, 3), "built_at": round(built.built_at, 4), "sent_at": round(built.sent_at, 4),
         "answered_at": round(built.answered_at, 4),
     }, separators=(",", ":"))
