@@ -1,36 +1,77 @@
-"""The one client-certificate policy, applied identically on HTTP/2 and HTTP/3.
+"""Who is calling: the one client-certificate policy, applied identically on HTTP/2 and
+HTTP/3, and the caller's identity, the single URI SAN of its certificate (a certificate with
+none or several names nobody unambiguously and is refused).
 
-HTTP/2 runs OpenSSL's verification during the handshake (chain to the CA, validity, the
-client's CertificateVerify) and then this policy on the leaf before the connection is used;
-HTTP/3 has aioquic check the client's CertificateVerify in the handshake and runs this policy
-as the handshake completes, before any request is read (server_h3.py). So what decides whether a certificate is valid is this module on both transports,
-and OpenSSL on HTTP/2 can only refuse more, never admit more (tests/transport/test_certpolicy.py
-runs every case on both and asserts the same answer).
+HTTP/2 runs OpenSSL's verification in the handshake and then this policy on the leaf;
+HTTP/3 has aioquic check the client's CertificateVerify and runs this policy as the handshake
+completes, before any request is read. So this module decides on both transports, and OpenSSL
+on HTTP/2 can only refuse more (tests/transport/test_certpolicy.py runs every case on both).
 
 A client certificate is accepted when all of these hold, checked in this order:
   1. it is within its validity period (else EXPIRED: the alert says certificate_expired);
   2. it is not a CA (basicConstraints CA:TRUE): a CA certificate can mint identities;
-  3. it has an Authority Key Identifier (RFC 5280 4.2.1.1: a CA MUST put one in every
-     certificate it issues; our `sdcp-fast certs` always does). Refused on both
-     transports, because cryptography's RFC 5280 verifier refuses it anyway, and a missing
-     AKI means a certificate made outside any conforming CA tooling;
-  4. cryptography's RFC 5280 client verifier accepts it against the CA file: issuer
-     signature, key usage, the clientAuth extended key usage, names. Only the CA file's
-     certificates are trust anchors and intermediates: a chain the client sends is not
-     used, on either transport (Python's ssl cannot hand that chain over on HTTP/2), so a
-     deployment with an intermediate CA puts it in the CA file;
+  3. it has an Authority Key Identifier (RFC 5280 4.2.1.1; cryptography's verifier refuses
+     a certificate without one anyway);
+  4. cryptography's RFC 5280 client verifier accepts it against the CA file (issuer
+     signature, key usage, clientAuth, names), the CA file's certificates the only anchors
+     and intermediates: a chain the client sends is not used on either transport;
   5. it names exactly one URI SAN: the caller's identity (../shared/spec/NOTES.md).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
-from .identity import CertificateRejected, uri_identity
+
+class CertificateRejected(Exception):
+    """A client certificate that must not be accepted; `reason` is one of the class constants."""
+
+    EXPIRED = "expired"  # outside its validity period
+    UNTRUSTED = "untrusted"  # no chain to the configured CA, or a policy violation
+    NO_IDENTITY = "no-identity"  # zero or several URI SANs
+    MISSING = "missing"  # the client sent no certificate
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def uri_identity(cert: x509.Certificate) -> str:
+    """The one URI SAN of `cert`; CertificateRejected(NO_IDENTITY) otherwise."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise CertificateRejected(CertificateRejected.NO_IDENTITY, "certificate has no SAN") from None
+    except ValueError as exc:  # malformed extensions are parsed lazily
+        raise CertificateRejected(CertificateRejected.UNTRUSTED, f"bad extensions: {exc}") from exc
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    if len(uris) != 1:
+        raise CertificateRejected(
+            CertificateRejected.NO_IDENTITY, f"certificate has {len(uris)} URI SANs; exactly one is required"
+        )
+    return uris[0]
+
+
+def verify_server(ca_file: str | Path, leaf: x509.Certificate, intermediates: list[x509.Certificate],
+                  host: str) -> None:
+    """Chain to the CA and a DNS/IP SAN matching `host` (the client's check where OpenSSL is
+    not in the loop: HTTP/3)."""
+    try:
+        subject: x509.DNSName | x509.IPAddress = x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        subject = x509.DNSName(host)
+    store = Store(x509.load_pem_x509_certificates(Path(ca_file).read_bytes()))
+    verifier = PolicyBuilder().store(store).build_server_verifier(subject)
+    try:
+        verifier.verify(leaf, intermediates)
+    except VerificationError as exc:
+        raise CertificateRejected(CertificateRejected.UNTRUSTED, f"server {host}: {exc}") from exc
 
 
 class CertificatePolicy:

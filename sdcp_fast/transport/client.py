@@ -8,22 +8,29 @@ server trickling a byte at a time cannot hold a request. A failed attempt is ret
 certainly never reached the server (connect failure, stream refused by a closing server),
 or when the caller says it is idempotent (`idempotent=True`: proposals are idempotent per
 round, section 6.9; GETs are safe).
+
+`call(client, method, url, message, AnswerType)` is the typed form for role code: a message
+in, the answer's message (or its problem document) out as a `Reply`, so that roles never
+encode or parse CBOR; the message is encoded deterministically, so a retried call sends the
+same bytes. `client` is anything with `Client.request`'s signature.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
+from dataclasses import dataclass
+from typing import Generic, Literal, TypeVar
 
 from sdcp_fast.aio import Deadlines
+from sdcp_fast.core.problems import Problem, ProblemError
 
 from .client_base import DEFAULT_MAX_RESPONSE, ClientResponse, RequestTimeout, TransportError
 from .client_h2 import H2Origins
-from .http import SDCP_MEDIA_TYPE
+from .http import SDCP_MEDIA_TYPE, Message
 from .tlsconfig import TLSConfig
 
-__all__ = ["Client", "ClientResponse", "RequestTimeout", "TransportError"]
+__all__ = ["Client", "ClientResponse", "Reply", "RequestTimeout", "TransportError", "call"]
 log = logging.getLogger("sdcp_fast.transport")
 
 
@@ -118,3 +125,40 @@ def _drop_causes_tracebacks(exc: BaseException) -> None:
         seen.add(id(cause))
         cause.__traceback__ = None
         cause = cause.__cause__ or cause.__context__
+
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True)
+class Reply(Generic[M]):
+    status: int
+    ok: bool = False                  # the expected answer: 200 with a message, or 204
+    message: M | None = None          # the decoded answer (ok with an answer type)
+    problem: Problem | None = None    # the RFC 9457 document of an error answer
+    detail: str = ""                  # why it is not ok, for logs
+
+    @property
+    def kind(self):
+        """The problem kind of an error answer, or None."""
+        return self.problem.kind if self.problem is not None else None
+
+
+async def call(client, method: str, url: str, message: Message | None = None,
+               answer: type[M] | None = None, *, idempotent: bool = True,
+               timeout: float | None = None) -> Reply[M]:
+    """One exchange: 200 + `answer` decoded when an answer type is given, else 204."""
+    body = message.to_cbor() if message is not None else None
+    response = await client.request(method, url, body, idempotent=idempotent, timeout=timeout)
+    expected = 200 if answer is not None else 204
+    if response.status != expected:
+        problem = response.problem()
+        detail = f"HTTP {response.status}" if problem is None else \
+            (f"{problem.kind.suffix}: {problem.detail}" if problem.detail else problem.kind.suffix)
+        return Reply(response.status, problem=problem, detail=detail)
+    if answer is None:
+        return Reply(response.status, ok=True)
+    try:
+        return Reply(response.status, ok=True, message=answer.from_cbor(response.body))  # type: ignore[attr-defined]
+    except ProblemError as exc:   # a peer that answers garbage is as good as none
+        return Reply(response.status, detail=f"bad {answer.__name__}: {exc}")

@@ -19,6 +19,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
+from .certpolicy import CertificateRejected, verify_server
 from .client_base import (
     DEFAULT_MAX_RESPONSE,
     ClientResponse,
@@ -30,7 +31,6 @@ from .client_base import (
 )
 from .compat import peer_certificates
 from .h3 import Data, H3Error, H3Streams, Headers
-from .identity import CertificateRejected, verify_server
 from .quic_io import QuicDriver
 from .tlsconfig import TLSConfig
 

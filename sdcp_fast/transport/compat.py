@@ -3,16 +3,14 @@ that works, naming the upstream issue it waits for. This is the only module of t
 allowed to touch a library's private names (tests/transport/test_public_apis.py); each shim
 goes when its issue is resolved in a release inside our pinned range.
 
-- `H2StreamErrors` (jh2, h2's fork; h2 itself the same): RFC 9113 8.1.1 makes a malformed
-  request (a content-length that is not a number, that conflicts with another, or that the
-  body does not match) a *stream* error; h2 raises it as a connection error and sends
-  GOAWAY, which would let one bad request end every other stream on the connection (a
-  long-poll, a batch of proposals). Upstream: python-hyper/h2 issue 114 (content-length
-  policing, closed with the connection error); the stream-error variant is not filed yet
-  (bench/RESULTS.md, "Issue 37", has the proposal).
+- `H2StreamErrors` (jh2; h2 the same): RFC 9113 8.1.1 makes a malformed request (a
+  content-length that is not a number, that conflicts with another, or that the body does
+  not match) a *stream* error; h2 raises a connection error and sends GOAWAY, ending every
+  other stream on the connection. Upstream: python-hyper/h2 issue 114 (content-length
+  policing); the stream-error variant is not filed yet (the proposal: bench/RESULTS.md).
 - `client_certificate_quic`, `peer_certificates` (aioquic): a QUIC server cannot ask for a
-  client certificate through aioquic's public API (its TLS context has the flag, "for test
-  purposes only": aioquic issue 541), and neither end can read the peer's certificate.
+  client certificate through aioquic's public API (the flag is "for test purposes only":
+  aioquic issue 541), and neither end can read the peer's certificate.
 - `set_max_streams_bidi` (aioquic): the initial MAX_STREAMS a server announces is fixed at
   128, with no QuicConfiguration member (not filed upstream yet).
 - `unsent` (aioquic): whether a stream's data still waits for flow-control credit; aioquic
@@ -29,11 +27,9 @@ import jh2.events
 import jh2.exceptions
 from jh2.errors import ErrorCodes
 
-# h2 remembers how each closed stream ended (a late frame on a stream it reset is then a
-# stream error, not a connection error), up to 65,536 per connection by default: about
-# 7 MB, which the long-lived connections between roles fill within minutes. A late frame
-# comes within one round trip of the reset, so a few thousand are plenty.
-# (`MAX_CLOSED_STREAMS` is public, documented h2 API; set on our subclasses only.)
+# h2 remembers how each closed stream ended (so that a late frame on a stream it reset is a
+# stream error), 65,536 per connection by default; a late frame comes within one round trip
+# of the reset, so a few thousand are plenty (`MAX_CLOSED_STREAMS` is public h2 API)
 H2_CLOSED_STREAMS_KEPT = 4096
 
 
@@ -92,11 +88,9 @@ class H2Connection(jh2.connection.H2Connection):
 @functools.cache
 def client_certificate_quic() -> type:
     """aioquic's QuicConnection whose server TLS context asks for a client certificate
-    (aioquic issue 541: the flag is "for test purposes only"). aioquic then requires the
-    client's CertificateVerify over the transcript with the certificate's key (proof of
-    possession) but accepts an empty Certificate and checks no chain: the server checks the
-    certificate with its policy once the handshake completes (server_h3.py), and refuses a
-    connection without one."""
+    (aioquic issue 541). aioquic then requires the client's CertificateVerify (proof of
+    possession) but accepts an empty Certificate and checks no chain: server_h3.py applies
+    the certificate policy once the handshake completes, and refuses a connection without one."""
     from aioquic.quic.connection import QuicConnection
 
     class ClientCertificateQuic(QuicConnection):
@@ -118,10 +112,9 @@ def peer_certificates(quic) -> tuple[Any, list[Any]]:
 
 
 def set_max_streams_bidi(quic, count: int) -> None:
-    """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram
-    (aioquic fixes it at 128, with no QuicConfiguration member; not filed upstream yet).
-    `sent` too: aioquic raises the limit by one per closed stream only once the new value is
-    ahead of what it believes was announced."""
+    """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram.
+    `sent` too: aioquic raises the limit per closed stream only once the new value is ahead
+    of what it believes was announced."""
     streams = quic._local_max_streams_bidi
     streams.value = streams.sent = count
 

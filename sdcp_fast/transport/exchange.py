@@ -11,7 +11,6 @@ it, 415 a body that is not SDCP's. Memory per stream never exceeds the resource'
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,16 +18,7 @@ from itertools import chain
 
 from sdcp_fast.core.problems import Kind, Problem
 
-from .http import (
-    Request,
-    Response,
-    media_type,
-    parse_query,
-    precheck,
-    problem_response,
-)
-
-log = logging.getLogger("sdcp_fast.transport")
+from .http import Request, Response, media_type, parse_query, precheck
 
 HeaderList = list[tuple[bytes, bytes]]
 MAX_PATH = 2048
@@ -169,14 +159,10 @@ class BoundedMemo(dict):
 
 
 class RequestHeads:
-    """`IncomingRequest.from_headers` for one server, remembered by the header fields: a
-    session sends the same fields with each of its proposals, and checking and parsing them
-    (RFC 9113 8.2-8.3, path, query, media type, the resource's body limit) is the same work
-    each time. A request gets a fresh `IncomingRequest` (its body and query its own); a
-    refusal (`Problem`, `Malformed`) is worked out again each time (rare, and a problem
-    is not shared between answers). Bounded: header lists of at most `REMEMBER_SIZE`
-    bytes, `REMEMBER` of them (forgotten all at once when full, so a client cycling
-    through new fields costs one parse each, as before)."""
+    """`IncomingRequest.from_headers` for one server, remembered by the header fields (a
+    session sends the same fields with each of its proposals). A request gets a fresh
+    `IncomingRequest` (its body and query its own); a refusal (`Problem`, `Malformed`) is
+    worked out each time. Bounded: `REMEMBER` header lists of at most `REMEMBER_SIZE` bytes."""
 
     REMEMBER = 512
     REMEMBER_SIZE = 1024
@@ -208,24 +194,10 @@ class RequestHeads:
         return head
 
 
-def log_answer(request: Request, response: Response) -> None:
-    log.debug("%s %s from %s -> %d (%d bytes)", request.method, request.path, request.caller,
-              response.status, len(response.body))
-
-
-def overdue_response(request: Request, timeout: float | None) -> Response:
-    """The answer when the handler did not answer within the server's time limit (503)."""
-    log.warning("handler timed out after %ss on %s %s", timeout, request.method, request.path)
-    return problem_response(Problem(Kind.UNAVAILABLE, "handler timed out"))
-
-
 def response_headers(response: Response) -> HeaderList:
     """The header block of `response`: its status, content-type and extra headers, without
-    content-length. HTTP/2 and HTTP/3 frame the content and end the stream after it (RFC
-    9113 8.1.1, RFC 9114 4.1.2 make the field optional); no client of ours reads it (each
-    counts the bytes against its own limit), and every field costs header compression on
-    both ends of every answer. A HEAD answer has the same fields without content (RFC 9110
-    9.3.2)."""
+    content-length (HTTP/2 and HTTP/3 frame the content: RFC 9113 8.1.1, RFC 9114 4.1.2). A
+    HEAD answer has the same fields without content (RFC 9110 9.3.2)."""
     headers: HeaderList = [(b":status", str(response.status).encode())]
     if response.content_type is not None:
         headers.append((b"content-type", response.content_type.encode()))
@@ -236,8 +208,7 @@ def response_headers(response: Response) -> HeaderList:
 
 class PendingBodies:
     """Requests whose body is still arriving, each with a deadline: `on_overdue(stream_id)`
-    runs if the body is not complete `timeout` seconds after the headers (both servers
-    answer 408 then). Shared by the HTTP/2 and HTTP/3 servers."""
+    runs if the body is not complete `timeout` seconds after the headers (408)."""
 
     def __init__(self, timeout: float, on_overdue: Callable[[int], None]):
         self._timeout = timeout
@@ -266,9 +237,6 @@ class PendingBodies:
 
     def __len__(self) -> int:
         return len(self._requests)
-
-    def __iter__(self):
-        return iter(list(self._requests))
 
     def _overdue(self, stream_id: int) -> None:
         self._deadlines.pop(stream_id, None)

@@ -1,13 +1,9 @@
-"""What a transport server hands to role code and takes back: Request, Response, Handler.
-
-The servers move bytes; they never decode CBOR. They answer on their own only what they can
-know without the role: 413 (body over the limit), 415 (a body that is not
-application/sdcp+cbor on POST/PUT), and problem documents for `ProblemError`s that escape a
-handler. Resources (404/405) are `Router`'s business, who may call what `Authorizer`'s.
+"""What a transport server hands to role code and takes back: Request, Response, Handler;
+resources (404/405) are `Router`'s business, who may call what `Authorizer`'s.
 
 `Router.add_message` is the typed layer the roles use: the route declares the message type
 of its body, the router decodes it strictly (a bad body is the message type's 400 or 422)
-and encodes what the role returns, so roles receive and return messages, never CBOR:
+and encodes what the role returns:
 
     router.add_message("POST", "/proposals", propose, body=Proposal, resource="proposals")
     async def propose(call: Call, proposal: Proposal) -> Verdict: ...   # -> 200 CBOR
@@ -91,12 +87,6 @@ def body_timeout_response(timeout: float) -> Response:
     return Response(408, body, PROBLEM_MEDIA_TYPE)
 
 
-def internal_error_response() -> Response:
-    """A handler bug: 500 with a generic document (details stay in the server log)."""
-    body = b'{"status":500,"title":"Internal Server Error","type":"about:blank"}'
-    return Response(500, body, PROBLEM_MEDIA_TYPE)
-
-
 def media_type(header_value: str | None) -> str | None:
     """`application/sdcp+cbor; foo=bar` -> `application/sdcp+cbor`."""
     if header_value is None:
@@ -135,7 +125,7 @@ def failure_response(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ProblemError):
         return problem_response(exc.problem)
     log.error("handler failed on %s %s from %s", request.method, request.path, request.caller, exc_info=exc)
-    return internal_error_response()
+    return Response(500, b'{"status":500,"title":"Internal Server Error","type":"about:blank"}', PROBLEM_MEDIA_TYPE)
 
 
 def handler_entry(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -171,7 +161,7 @@ class Authorizer:
         object.__setattr__(self, "rules", {k: frozenset(v) for k, v in self.rules.items()})
 
     def allows(self, caller: str | None, resource: str) -> bool:
-        allowed = self.rules.get(resource, frozenset())
+        allowed = self.rules.get(resource, _NOBODY)
         return caller is not None and (ANY_CALLER in allowed or caller in allowed)
 
     def check(self, caller: str | None, resource: str) -> None:
@@ -241,15 +231,9 @@ class Router:
     def resource_of(self, method: str, path: str) -> str | None:
         """The resource class a request goes to (None: no route, or none declared); the
         server picks the body limit by it before reading the body."""
-        route = self._exact.get(path)
-        if route is not None:
-            entry = route.methods.get(method)
-            return entry[1] if entry is not None else None
-        for route in self._routes.values():
-            if route.pattern.match(path):
-                entry = route.methods.get(method)
-                return entry[1] if entry is not None else None
-        return None
+        route = self._exact.get(path) or next((r for r in self._routes.values() if r.pattern.match(path)), None)
+        entry = route.methods.get(method) if route is not None else None
+        return entry[1] if entry is not None else None
 
     async def handle(self, request: Request) -> Response:
         return await self.start(request)
@@ -260,15 +244,16 @@ class Router:
         coroutine of the router's around it), the matching one's otherwise. A refusal of the
         authorizer raises here, before anything is awaited."""
         exact = self._exact.get(request.path)
-        if exact is not None:
-            entry = exact.methods.get(request.method)
-            if entry is not None:
-                fn, resource = entry
-                if resource is not None:
-                    assert self._authorizer is not None
-                    self._authorizer.check(request.caller, resource)
-                return fn(request)
+        entry = exact.methods.get(request.method) if exact is not None else None
+        if entry is not None:
+            return self._authorized(request, entry)(request)
         return self._matched(request, exact)
+
+    def _authorized(self, request: Request, entry: tuple[RouteFn, str | None]) -> RouteFn:
+        fn, resource = entry
+        if resource is not None:
+            self._authorizer.check(request.caller, resource)
+        return fn
 
     async def _matched(self, request: Request, exact: _Route | None) -> Response:
         for route in (exact,) if exact is not None else self._routes.values():
@@ -280,11 +265,7 @@ class Router:
                 allow = ", ".join(sorted(route.methods))
                 problem = Problem(Kind.METHOD_NOT_ALLOWED, f"{request.method} not allowed; allow {allow}")
                 return problem_response(problem, [("allow", allow)])
-            fn, resource = entry
-            if resource is not None:
-                assert self._authorizer is not None
-                self._authorizer.check(request.caller, resource)
-            return await fn(request, **match.groupdict())
+            return await self._authorized(request, entry)(request, **match.groupdict())
         raise ProblemError(Problem(Kind.NOT_FOUND, f"no resource at {request.path}"))
 
 

@@ -24,11 +24,12 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 from sdcp_fast.aio import Deadlines
+from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
 
-from .exchange import IncomingRequest, Malformed, PendingBodies, log_answer, overdue_response
+from .certpolicy import CertificateRejected
+from .exchange import IncomingRequest, Malformed, PendingBodies
 from .http import Request, Response, body_timeout_response, failure_response, problem_response
-from .identity import CertificateRejected
 from .refusals import Kind, log
 from .serving import Serving
 
@@ -270,9 +271,11 @@ class RequestLifecycle:
                     except Exception as exc:
                         response = failure_response(request, exc)
             except TimeoutError:   # only the limit's: the handler's own are answered above
-                response = overdue_response(request, timeout)
+                log.warning("handler timed out after %ss on %s %s", timeout, request.method, request.path)
+                response = problem_response(Problem(ProblemKind.UNAVAILABLE, "handler timed out"))
             if log.isEnabledFor(logging.DEBUG):
-                log_answer(request, response)
+                log.debug("%s %s from %s -> %d (%d bytes)", request.method, request.path, request.caller,
+                          response.status, len(response.body))
             if self._tasks.get(stream_id) is task:   # not reset meanwhile
                 rest = self._write_answer(stream_id, response, head)
                 if rest is not None:

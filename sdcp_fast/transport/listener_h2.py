@@ -6,6 +6,11 @@ under `handshake_timeout`; at most `max_handshakes` run at once, and past that t
 dropped (a slow-loris of idle TCP connections cannot lock out clients that finish a
 handshake in milliseconds). The connection then goes to `server_h2.H2ServerProtocol`, which
 names the caller from its certificate and admits it or not.
+
+Why the peek: OpenSSL as Python's ssl drives it answers a client without a common ALPN
+protocol without ALPN instead of with the no_application_protocol alert (RFC 7301 3.2).
+Parsing the ClientHello is bounded (`MAX_HELLO`) and total: anything odd is `Unparsed`, and
+then OpenSSL decides as usual.
 """
 
 from __future__ import annotations
@@ -15,13 +20,108 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from . import clienthello
 from .refusals import Kind, log
 from .serving import Serving
 
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
+
+HANDSHAKE_RECORD = 22
+CLIENT_HELLO = 1
+ALPN_EXTENSION = 16
+MAX_HELLO = 1 << 16   # a ClientHello is a few hundred bytes; with post-quantum keys a few KiB
+# TLS alert record, plaintext (the server has sent nothing yet): fatal, no_application_protocol
+NO_APPLICATION_PROTOCOL_ALERT = bytes([21, 3, 3, 0, 2, 2, 120])
+
+
+class Incomplete(Exception):
+    """More bytes are needed."""
+
+
+class Unparsed(Exception):
+    """Not a ClientHello this module understands: leave it to OpenSSL."""
+
+
+@dataclass(frozen=True)
+class Hello:
+    alpn: tuple[bytes, ...] | None   # None: no ALPN extension at all
+
+    def offers(self, protocol: bytes) -> bool:
+        return self.alpn is not None and protocol in self.alpn
+
+
+def parse(data: bytes) -> Hello:
+    """The ClientHello at the start of `data`: `Incomplete` or `Unparsed` when not (yet) one."""
+    message = _handshake_message(data)
+    return Hello(_alpn(message))
+
+
+def _handshake_message(data: bytes) -> bytes:
+    """The first handshake message, reassembled from its records."""
+    payload = bytearray()
+    pos = 0
+    need: int | None = None
+    while need is None or len(payload) < need:
+        if len(data) < pos + 5:
+            raise Incomplete
+        kind, length = data[pos], int.from_bytes(data[pos + 3:pos + 5], "big")
+        if kind != HANDSHAKE_RECORD or data[pos + 1] != 3 or length == 0 or length > 1 << 14:
+            raise Unparsed(f"record type {kind}")
+        if len(data) < pos + 5 + length:
+            raise Incomplete
+        payload += data[pos + 5:pos + 5 + length]
+        pos += 5 + length
+        if need is None and len(payload) >= 4:
+            if payload[0] != CLIENT_HELLO:
+                raise Unparsed(f"handshake type {payload[0]}")
+            need = 4 + int.from_bytes(payload[1:4], "big")
+            if need > MAX_HELLO:
+                raise Unparsed("ClientHello too long")
+    return bytes(payload[4:need])
+
+
+def _alpn(body: bytes) -> tuple[bytes, ...] | None:
+    reader = _Reader(body)
+    reader.skip(2 + 32)                  # legacy_version, random
+    reader.skip(reader.uint(1))          # legacy_session_id
+    reader.skip(reader.uint(2))          # cipher_suites
+    reader.skip(reader.uint(1))          # legacy_compression_methods
+    if reader.done():
+        return None                      # no extensions at all
+    extensions = _Reader(reader.take(reader.uint(2)))
+    while not extensions.done():
+        kind, data = extensions.uint(2), extensions.take(extensions.uint(2))
+        if kind == ALPN_EXTENSION:
+            names = _Reader(data)
+            listed = _Reader(names.take(names.uint(2)))
+            out = []
+            while not listed.done():
+                out.append(listed.take(listed.uint(1)))
+            return tuple(out)
+    return None
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data, self.pos = data, 0
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.data):
+            raise Unparsed("truncated ClientHello")
+        chunk = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return chunk
+
+    def skip(self, n: int) -> None:
+        self.take(n)
+
+    def uint(self, size: int) -> int:
+        return int.from_bytes(self.take(size), "big")
+
+    def done(self) -> bool:
+        return self.pos >= len(self.data)
 
 
 class TCPListener:
@@ -122,7 +222,7 @@ class TLSAcceptor:
         """Peek at the ClientHello (the bytes stay for OpenSSL); refuse one without "h2"."""
         try:
             hello, size = await _peek_client_hello(sock)
-        except (clienthello.Unparsed, OSError):
+        except (Unparsed, OSError):
             return True  # not ours to judge: OpenSSL refuses what is not TLS 1.3
         if hello.offers(b"h2"):
             return True
@@ -130,12 +230,12 @@ class TLSAcceptor:
         self._serving.refusals.refuse(Kind.ALPN, self._peer, f"h2 not offered ({offered}): no_application_protocol")
         with contextlib.suppress(OSError):
             sock.recv(size)   # read, so that the close is a FIN after the alert, not a reset
-            sock.send(clienthello.NO_APPLICATION_PROTOCOL_ALERT)   # 7 bytes: fits any send buffer
+            sock.send(NO_APPLICATION_PROTOCOL_ALERT)   # 7 bytes: fits any send buffer
             sock.shutdown(socket.SHUT_WR)
         return False
 
 
-async def _peek_client_hello(sock: socket.socket) -> tuple[clienthello.Hello, int]:
+async def _peek_client_hello(sock: socket.socket) -> tuple[Hello, int]:
     """The ClientHello waiting on the socket, read with MSG_PEEK so that OpenSSL still reads
     it (no transport reads the socket yet); with the bytes it spans."""
     loop = asyncio.get_running_loop()
@@ -148,16 +248,16 @@ async def _peek_client_hello(sock: socket.socket) -> tuple[clienthello.Hello, in
         finally:
             loop.remove_reader(fd)
         try:
-            data = sock.recv(clienthello.MAX_HELLO, socket.MSG_PEEK)
+            data = sock.recv(MAX_HELLO, socket.MSG_PEEK)
         except BlockingIOError:
             continue   # woken with nothing to read
         if not data:
             raise ConnectionResetError("closed before the ClientHello")
         try:
-            return clienthello.parse(data), len(data)
-        except clienthello.Incomplete:
-            if len(data) >= clienthello.MAX_HELLO:
-                raise clienthello.Unparsed("ClientHello too long") from None
+            return parse(data), len(data)
+        except Incomplete:
+            if len(data) >= MAX_HELLO:
+                raise Unparsed("ClientHello too long") from None
             # the socket stays readable while the peeked bytes sit there: wait a little
             # for the rest instead of spinning (bounded by handshake_timeout)
             await asyncio.sleep(PEEK_RETRY_S)

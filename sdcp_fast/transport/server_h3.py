@@ -40,10 +40,10 @@ from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
 
 from . import compat
+from .certpolicy import CertificateRejected
 from .exchange import response_headers
 from .h3 import Data, GoAway, H3Error, H3Streams, Headers, TooLarge
 from .http import Response
-from .identity import CertificateRejected
 from .lifecycle import RequestLifecycle
 from .quic_io import QuicDriver
 from .refusals import Kind, log

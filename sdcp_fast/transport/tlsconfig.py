@@ -8,8 +8,8 @@ from pathlib import Path
 
 from cryptography import x509
 
+from .certpolicy import uri_identity
 from .certs import CA_CERT_FILE, instance_file_name
-from .identity import uri_identity
 
 H2_ALPN = "h2"
 H3_ALPN = "h3"

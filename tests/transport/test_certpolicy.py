@@ -204,8 +204,7 @@ def test_h3_client_offering_no_h3_is_refused_with_no_application_protocol(pki):
 
 def test_policy_refusal_reasons(pki, case_files):
     """What the policy says, on its own (both transports log it)."""
-    from sdcp_fast.transport.certpolicy import CertificatePolicy
-    from sdcp_fast.transport.identity import CertificateRejected
+    from sdcp_fast.transport.certpolicy import CertificatePolicy, CertificateRejected
 
     policy = CertificatePolicy(pki.server.ca)
     assert policy.check(_cert(case_files["valid"].cert)) == DRAFTER_URI

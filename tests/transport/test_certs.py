@@ -10,9 +10,8 @@ from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from sdcp_fast.transport import TLSConfig, make_certs
-from sdcp_fast.transport.certpolicy import CertificatePolicy
+from sdcp_fast.transport.certpolicy import CertificatePolicy, CertificateRejected, uri_identity
 from sdcp_fast.transport.certs import instance_file_name, main, make_ca, make_instance_cert
-from sdcp_fast.transport.identity import CertificateRejected, uri_identity
 
 URI = "https://verifier-1.example:8443/"
 
