@@ -55,7 +55,7 @@ class Client:
         self.retries = retries
         options = dict(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_response=max_response)
         if protocol == "h2":
-            self._origins = H2Origins(tls, timeout=timeout, **options)
+            self._origins = H2Origins(tls, **options)
         else:
             from .client_h3 import H3Origins  # aioquic is the optional h3 extra
 

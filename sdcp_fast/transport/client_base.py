@@ -127,7 +127,20 @@ class Exchange:
 
 
 class Origins:
-    """The connections of one client by origin; a subclass finds or opens one in `_connection`."""
+    """The connections of one client, per origin: one while its streams fit the server's
+    limit, past that another (up to `max_connections`), then a request waits for a free
+    stream (within its caller's deadline). One connect at a time per origin. A connection
+    idle for 0.9 x `idle_timeout` is retired rather than reused (a server with the same
+    idle_timeout may be closing it, and a request written onto it could not be retried
+    unless idempotent). A subclass opens connections (`_open`); a connection offers
+    `usable`, `has_room`, `busy`, `last_used`, `retire()` and `close()`."""
+
+    def __init__(self, *, idle_timeout: float, max_connections: int):
+        self._expiry = 0.9 * idle_timeout
+        self._max_connections = max_connections
+        self._pools: dict[tuple[str, int], list] = {}
+        self._freed: dict[tuple[str, int], asyncio.Event] = {}   # set when a stream or a connect ends
+        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
 
     async def open(self, url: str):
         """(a connection to the URL's origin with room for a stream, :authority, :path)."""
@@ -140,8 +153,39 @@ class Origins:
         connection, authority, path = target
         return await connection.request(method, authority, path, body, content_type)
 
-    async def _connection(self, origin: tuple[str, int]):
+    async def _open(self, origin: tuple[str, int], freed: asyncio.Event):
         raise NotImplementedError
+
+    async def _connection(self, origin: tuple[str, int]):
+        pool = self._pools.setdefault(origin, [])
+        freed = self._freed.setdefault(origin, asyncio.Event())
+        while True:
+            now = asyncio.get_running_loop().time()
+            for connection in list(pool):
+                if not connection.usable or (not connection.busy and now - connection.last_used > self._expiry):
+                    pool.remove(connection)
+                    connection.retire()
+            for connection in pool:
+                if connection.has_room:
+                    return connection
+            if len(pool) < self._max_connections:
+                lock = self._connecting.setdefault(origin, asyncio.Lock())
+                if not lock.locked():   # others wait for this connect
+                    async with lock:
+                        try:
+                            connection = await self._open(origin, freed)
+                        finally:
+                            freed.set()   # the waiters look again (and connect themselves on failure)
+                        pool.append(connection)
+                        return connection
+            freed.clear()
+            await freed.wait()
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            for connection in pool:
+                connection.close()
+        self._pools.clear()
 
 
 def connect_error(exc: BaseException, host: str, port: int, timeout: float) -> TransportError:

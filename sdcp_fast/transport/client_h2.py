@@ -2,12 +2,8 @@
 per origin and reused, requests on one connection as concurrent streams, a request's
 headers and body leaving in one write.
 
-- Connections: one per origin while its streams fit the server's
-  SETTINGS_MAX_CONCURRENT_STREAMS; past that another (up to `MAX_CONNECTIONS` per origin),
-  then a request waits for a free stream (within its deadline). A connection is used once
-  the server's SETTINGS arrived (it admitted us); one idle for 0.9 x `idle_timeout` is closed
-  rather than reused (a server with the same idle_timeout may be closing it, and a request
-  written onto it could not be retried unless idempotent).
+- Connections (client_base.Origins): up to `MAX_CONNECTIONS` per origin, each used once the
+  server's SETTINGS arrived (it admitted us).
 - A request that ends before its exchange did (its caller's deadline, an oversized answer)
   resets its stream (RST_STREAM CANCEL), so the server's concurrency slot is freed at once.
 - Errors, as `TransportError(sent=...)`: connect, TLS and ALPN failures, a stream the server
@@ -183,6 +179,11 @@ class H2ClientConnection(H2Endpoint):
             self._settled.set_exception(TransportError(str(error), sent=error.sent))
         self._freed.set()
 
+    def retire(self) -> None:
+        """Out of the pool: closed unless a GOAWAY came (then it closes after its last answer)."""
+        if self._closed is None:
+            self.close()
+
     def close(self) -> None:
         """GOAWAY, then close (requests still on it fail)."""
         if self._closed is None:
@@ -221,46 +222,11 @@ async def connect_h2(host: str, port: int, context: ssl.SSLContext, timeout: flo
 class H2Origins(Origins):
     """The HTTP/2 connections of one client, per origin."""
 
-    def __init__(self, tls: TLSConfig, *, timeout: float, connect_timeout: float, idle_timeout: float,
-                 max_response: int):
+    def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
+        super().__init__(idle_timeout=idle_timeout, max_connections=MAX_CONNECTIONS)
         self._context = tls.client_ssl_context()
         self._connect_timeout = connect_timeout
         self._max_response = max_response
-        self._expiry = 0.9 * idle_timeout   # module docstring
-        self._pools: dict[tuple[str, int], list[H2ClientConnection]] = {}
-        self._freed: dict[tuple[str, int], asyncio.Event] = {}
-        self._connecting: dict[tuple[str, int], asyncio.Lock] = {}
 
-    async def _connection(self, origin: tuple[str, int]) -> H2ClientConnection:
-        pool = self._pools.setdefault(origin, [])
-        freed = self._freed.setdefault(origin, asyncio.Event())
-        while True:
-            now = asyncio.get_running_loop().time()
-            for connection in list(pool):
-                if not connection.usable:
-                    pool.remove(connection)
-                elif not connection.busy and now - connection.last_used > self._expiry:
-                    pool.remove(connection)
-                    connection.close()
-            for connection in pool:
-                if connection.has_room:
-                    return connection
-            if len(pool) < MAX_CONNECTIONS:
-                lock = self._connecting.setdefault(origin, asyncio.Lock())
-                if not lock.locked():   # one connect at a time per origin; others wait for it
-                    async with lock:
-                        try:
-                            connection = await connect_h2(origin[0], origin[1], self._context,
-                                                          self._connect_timeout, self._max_response, freed)
-                        finally:
-                            freed.set()   # the waiters look again (and connect themselves on failure)
-                        pool.append(connection)
-                        return connection
-            freed.clear()
-            await freed.wait()   # a stream ended, or a connect finished (bounded by the caller)
-
-    async def aclose(self) -> None:
-        for pool in self._pools.values():
-            for connection in pool:
-                connection.close()
-        self._pools.clear()
+    async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H2ClientConnection:
+        return await connect_h2(origin[0], origin[1], self._context, self._connect_timeout, self._max_response, freed)

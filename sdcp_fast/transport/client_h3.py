@@ -51,11 +51,16 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
         self._datagram_transport: asyncio.DatagramTransport | None = None
         self.connected_to = None
         self._connected = self._loop.create_future()
-        self._closed = asyncio.Event()
+        self.last_used = self._loop.time()
+        self.has_room = True   # QUIC's stream limit and flow control pace the streams
 
     @property
     def usable(self) -> bool:
         return self._terminated is None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._exchanges)
 
     def connection_made(self, transport) -> None:
         self._datagram_transport = transport
@@ -96,6 +101,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             raise
         finally:
             self._exchanges.pop(stream_id, None)
+            self.last_used = self._loop.time()
 
     def _cancel(self, stream_id: int) -> None:
         if self._terminated is not None:   # nothing left to tell the server
@@ -131,7 +137,6 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
                 self._connected.set_exception(ConnectionError(str(self._terminated)))
                 self._connected.exception()   # retrieved: nobody may be waiting
             self.stop_timer()
-            self._closed.set()
 
     def _on_stream_data(self, stream_id: int, data: bytes, ended: bool) -> None:
         exchange = self._exchanges.get(stream_id)
@@ -157,21 +162,15 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
                 return
 
     def close(self) -> None:
+        """CONNECTION_CLOSE (unless the connection is over already), then the socket."""
         if self._terminated is None:
             self.quic.close()
             self.transmit()
-
-    async def wait_closed(self) -> None:
-        await self._closed.wait()
-
-    async def aclose(self) -> None:
-        self.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1.0):   # not wait_for: see connect_h3
-                await self.wait_closed()
         self.stop_timer()   # nothing may be sent once the socket is closed
         if self._datagram_transport is not None:
             self._datagram_transport.close()
+
+    retire = close
 
 
 async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
@@ -190,7 +189,7 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     connection = QuicConnection(configuration=configuration)
     # a socket connected to the server: each datagram is sent without an address (no route
     # lookup per send), and the kernel delivers only the server's datagrams to it
-    transport, protocol = await loop.create_datagram_endpoint(
+    _, protocol = await loop.create_datagram_endpoint(
         lambda: H3ClientConnection(connection, max_response), family=family, remote_addr=addr)
     protocol.connected_to = addr
     protocol.connect(addr)
@@ -199,7 +198,6 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
             await protocol.wait_connected()
     except (ConnectionError, TimeoutError, asyncio.CancelledError) as exc:
         protocol.close()   # the caller's deadline too: do not leak the socket
-        transport.close()
         if isinstance(exc, asyncio.CancelledError):
             raise
         raise connect_error(exc, host, port, timeout) from exc
@@ -209,41 +207,22 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
             raise CertificateRejected(CertificateRejected.MISSING, "server sent no certificate")
         verify_server(ca_file, leaf, chain, host)
     except CertificateRejected as exc:
-        await protocol.aclose()
+        protocol.close()
         raise TransportError(f"refusing server {host}:{port}: {exc}", sent=False) from exc
     return protocol
 
 
 class H3Origins(Origins):
-    """The HTTP/3 connections of one client, one per origin."""
+    """The HTTP/3 connections of one client, one per origin (QUIC flow control paces streams)."""
 
     def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
+        super().__init__(idle_timeout=idle_timeout, max_connections=1)
         self._tls = tls
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._max_response = max_response
-        self._connections: dict[tuple[str, int], H3ClientConnection] = {}
-        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
 
-    async def _connection(self, origin: tuple[str, int]) -> H3ClientConnection:
-        connection = self._connections.get(origin)
-        if connection is not None and connection.usable:   # every request but a connect's: no lock
-            return connection
-        lock = self._locks.setdefault(origin, asyncio.Lock())
-        async with lock:
-            connection = self._connections.get(origin)
-            if connection is not None and connection.usable:
-                return connection
-            if connection is not None:
-                with contextlib.suppress(Exception):
-                    await connection.aclose()
-            configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
-            connection = await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
-                                          ca_file=self._tls.ca, max_response=self._max_response)
-            self._connections[origin] = connection
-            return connection
-
-    async def aclose(self) -> None:
-        for connection in list(self._connections.values()):
-            await connection.aclose()
-        self._connections.clear()
+    async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H3ClientConnection:
+        configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
+        return await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
+                                ca_file=self._tls.ca, max_response=self._max_response)

@@ -238,6 +238,9 @@ class PendingBodies:
     def __len__(self) -> int:
         return len(self._requests)
 
+    def __iter__(self):
+        return iter(list(self._requests))
+
     def _overdue(self, stream_id: int) -> None:
         self._deadlines.pop(stream_id, None)
         if self._requests.pop(stream_id, None) is not None:

@@ -94,7 +94,7 @@ def test_a_closing_server_refuses_unprocessed(pki):
 def test_an_idle_connection_is_not_reused_past_its_expiry(pki):
     async def main():
         async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False) as server:
-            origins = H2Origins(pki.drafter, timeout=5.0, connect_timeout=5.0, idle_timeout=0.2,
+            origins = H2Origins(pki.drafter, connect_timeout=5.0, idle_timeout=0.2,
                                 max_response=1 << 20)
             try:
                 first, _, _ = await origins.open(_url(server, "/proposals"))

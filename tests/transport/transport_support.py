@@ -208,7 +208,7 @@ async def h3_post(port: int, configuration: QuicConfiguration, body: bytes = PRO
         return await asyncio.wait_for(protocol.request("POST", f"127.0.0.1:{port}", "/proposals", body,
                                                        SDCP_MEDIA_TYPE), 5.0)
     finally:
-        await protocol.aclose()
+        protocol.close()
 
 
 def files(config: TLSConfig) -> tuple[str, str]:
@@ -285,4 +285,4 @@ async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
             await asyncio.sleep(0.01)
         return await asyncio.wait_for(exchange.future, 5.0)
     finally:
-        await protocol.aclose()
+        protocol.close()
