@@ -24,8 +24,7 @@ Certificates: `make_certs(directory, instances)`, `sdcp-fast certs --dir DIR URI
 """
 
 from .certs import CertPaths, make_certs
-from .client import Client, Reply, call
-from .client_base import ClientResponse, RequestTimeout, TransportError
+from .client import Client, ClientResponse, Reply, RequestTimeout, TransportError, call
 from .compat import H2_CLOSED_STREAMS_KEPT
 from .http import (
     ANY_CALLER,

@@ -10,14 +10,10 @@ mutual TLS); this adapter is for clients and scrapers.
 
 `WebRequest(method, path, query, headers, body)`: the whole body, at most `max_body` bytes
 (413 otherwise), read within `read_timeout_s` (408 otherwise). A `StreamingResponse` sends
-its chunks as they come (server-sent events) and stops when the client goes away; a handler still
-working on its answer when the client goes away is cancelled. An exception that escapes the
-handler is a logged 500 `{"error": "internal error"}`.
-
-With `tls`, clients must present a certificate from `tls.ca` (TLS 1.3). Hypercorn over TCP
-does not hand the client certificate to the app, so the handler learns no identity: any
-certificate of the deployment's CA is admitted. Hypercorn would send GOAWAY after
-`keep_alive_max_requests` (default 1000) requests on one connection; that cap is lifted.
+its chunks as they come (server-sent events) and stops when the client goes away; a handler
+still working on its answer then is cancelled. An exception that escapes the handler is a
+logged 500. With `tls`, clients must present a certificate from `tls.ca` (TLS 1.3); hypercorn
+does not hand it to the app, so the handler learns no identity.
 """
 
 from __future__ import annotations
@@ -110,21 +106,9 @@ class WebApp:
             query=dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)),
             headers={k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])},
             body=body)
-        # the handler runs while we watch the connection: a client that goes away before the
-        # answer cancels it (the OpenAI routes then cancel the generation)
-        handling = asyncio.ensure_future(self.handler.handle(request))
-        watching = asyncio.ensure_future(_client_gone(receive))
-        try:
-            await asyncio.wait({handling, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watching.cancel()
-            if not handling.done():
-                handling.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watching
-        if not handling.done() or handling.cancelled():
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await handling
+        # a client that goes away before the answer cancels the handler
+        handling = await _until_gone(self.handler.handle(request), receive)
+        if handling.cancelled():
             return
         try:
             response = handling.result()
@@ -172,26 +156,34 @@ async def _stream(response: StreamingResponse, receive, send) -> None:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    pumping, watching = asyncio.ensure_future(pump()), asyncio.ensure_future(_client_gone(receive))
     try:
-        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+        pumping = await _until_gone(pump(), receive)
     finally:
-        for task in (pumping, watching):
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await pumping
         aclose = getattr(response.chunks, "aclose", None)
         if aclose is not None:
             with contextlib.suppress(Exception):
                 await aclose()
-    if pumping.done() and not pumping.cancelled() and pumping.exception() is not None:
+    if not pumping.cancelled() and pumping.exception() is not None:
         log.warning("stream ended by an error: %s", pumping.exception())
 
 
-async def _client_gone(receive) -> None:
-    """Returns once the client has disconnected."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+async def _until_gone(work, receive) -> asyncio.Task:
+    """`work` as a task, cancelled if the client disconnects first; the task, once it is done."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watching = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for running in (task, watching):
+            running.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.gather(task, watching, return_exceptions=True)
+    return task
 
 
 async def _lifespan(receive, send) -> None:

@@ -64,28 +64,39 @@ def instance_file_name(uri: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "_", name)
 
 
+def _signed(subject: x509.Name, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
+            signer: ec.EllipticCurvePrivateKey, not_before: dt.datetime, not_after: dt.datetime, *,
+            ca: bool, extensions: list[x509.ExtensionType]) -> x509.Certificate:
+    """A certificate for `key` signed by `signer`: basic constraints and key usage critical
+    (a CA signs certificates, a leaf only signatures), a subject key identifier, `extensions`."""
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(not_before)
+        .not_valid_after(not_after)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=0 if ca else None), critical=True)
+        .add_extension(
+            x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                          data_encipherment=False, key_agreement=False, key_cert_sign=ca,
+                          crl_sign=ca, encipher_only=False, decipher_only=False),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    for extension in extensions:
+        builder = builder.add_extension(extension, critical=False)
+    return builder.sign(signer, hashes.SHA256())
+
+
 def make_ca(common_name: str = "sdcp-fast CA", *, days: int = 3650) -> CertificateAuthority:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                          crl_sign=True, encipher_only=False, decipher_only=False),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .sign(key, hashes.SHA256())
-    )
+    cert = _signed(name, key, name, key, now - dt.timedelta(minutes=5), now + dt.timedelta(days=days),
+                   ca=True, extensions=[])
     return CertificateAuthority(cert, key)
 
 
@@ -104,42 +115,15 @@ def make_instance_cert(
         raise ValueError(f"instance URI must be https://HOST[:PORT]/...: {uri!r}")
     key = key or ec.generate_private_key(ec.SECP256R1())
     now = _now()
-    not_before = not_before or now - dt.timedelta(minutes=5)
-    not_after = not_after or now + dt.timedelta(days=days)
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)]
-    for dns in dict.fromkeys([host, *LOOPBACK_DNS]):
-        if _is_ip(dns):
-            continue
-        names.append(x509.DNSName(dns))
-    for ip in dict.fromkeys([host, *LOOPBACK_IPS]):
-        if _is_ip(ip):
-            names.append(x509.IPAddress(ipaddress.ip_address(ip)))
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-        .issuer_name(ca.cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(not_before)
-        .not_valid_after(not_after)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
-                          data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                          crl_sign=False, encipher_only=False, decipher_only=False),
-            critical=True,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()), critical=False
-        )
-        .sign(ca.key, hashes.SHA256())
-    )
+    names += [x509.DNSName(dns) for dns in dict.fromkeys([host, *LOOPBACK_DNS]) if not _is_ip(dns)]
+    names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys([host, *LOOPBACK_IPS]) if _is_ip(ip)]
+    cert = _signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]), key, ca.cert.subject, ca.key,
+                   not_before or now - dt.timedelta(minutes=5), not_after or now + dt.timedelta(days=days),
+                   ca=False, extensions=[
+                       x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       x509.SubjectAlternativeName(names),
+                       x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key())])
     return cert, key
 
 

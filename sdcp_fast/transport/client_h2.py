@@ -24,7 +24,7 @@ import jh2.events
 import jh2.exceptions
 import jh2.settings
 
-from .client_base import (
+from .client import (
     ClientResponse,
     Exchange,
     Origins,

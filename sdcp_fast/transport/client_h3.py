@@ -20,7 +20,7 @@ from aioquic.quic.events import (
 )
 
 from .certpolicy import CertificateRejected, verify_server
-from .client_base import (
+from .client import (
     DEFAULT_MAX_RESPONSE,
     ClientResponse,
     Exchange,
@@ -30,8 +30,7 @@ from .client_base import (
     request_headers,
 )
 from .compat import peer_certificates
-from .h3 import Data, H3Error, H3Streams, Headers
-from .quic_io import QuicDriver
+from .h3 import Data, H3Error, H3Streams, Headers, QuicDriver
 from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)

@@ -1,11 +1,16 @@
-"""HTTP/3 framing (RFC 9114) on a QUIC connection, for both ends: aioquic's QuicConnection and
-pylsqpack's QPACK through their public APIs.
+"""HTTP/3 on QUIC for both ends, through aioquic's and pylsqpack's public APIs: one
+QuicConnection moved by the event loop (`QuicDriver`: datagrams in and out, one timer,
+events) and the HTTP/3 framing of RFC 9114 (`H3Streams`).
 
-Why not aioquic's H3Connection: its public API cannot keep what RFC 9114 makes a stream error
-(a malformed request, 4.1.2) on its stream (it closes the connection), cannot refuse a HEADERS
-frame over the advertised field-section size before buffering it, and always offers a QPACK
-dynamic table, whose decoder-stream acknowledgements cost a packet of their own per request.
-The framing is small (a type and a length per frame, RFC 9114 7.1), so it is done here:
+What a loop turn leads to leaves together: what is written in one turn is sent by one
+`transmit()` at its end (`transmit_soon`), so the packets of one batch share datagrams and
+ACKs. While an answer is being worked out (`answer_pending`), what a received datagram leads
+to waits for the answer's transmit, at most ANSWER_WAIT. The timer is re-armed only when it
+must fire earlier than the armed one; one that fires early re-arms itself instead of acting.
+
+Why not aioquic's H3Connection: its public API cannot keep a malformed request (RFC 9114
+4.1.2) a stream error, cannot refuse a HEADERS frame over the advertised field-section size
+before buffering it, and always offers a QPACK dynamic table. So, here:
   - both ends advertise a QPACK table capacity of 0 and no blocked streams (RFC 9204 3.2.3):
     header blocks use the static table and literals, no encoder or decoder stream is opened
     (RFC 9204 4.2 allows that), and a block decodes the same whatever came before;
@@ -18,6 +23,9 @@ The framing is small (a type and a length per frame, RFC 9114 7.1), so it is don
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import pylsqpack
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import ErrorCode, FrameUnexpected
@@ -25,11 +33,83 @@ from aioquic.quic.connection import QuicConnection
 
 from .exchange import BoundedMemo
 
+ANSWER_WAIT = 0.005   # seconds a received datagram's transmit may wait for an answer's
 DATA, HEADERS, SETTINGS, GOAWAY = 0x0, 0x1, 0x4, 0x7
 _CONTROL_FRAMES = frozenset({0x3, SETTINGS, 0x5, GOAWAY, 0xD})   # never on a request stream
 CONTROL_STREAM = 0x0
 QPACK_MAX_TABLE_CAPACITY, MAX_FIELD_SECTION_SIZE, QPACK_BLOCKED_STREAMS = 0x1, 0x6, 0x7
 REFUSED_KEPT = 4096   # refused streams whose late data is dropped, per connection
+
+
+class QuicDriver:
+    """Subclasses handle events in `quic_event(event)`; `send(data, addr)` writes a datagram."""
+
+    def __init__(self, quic, send: Callable[[bytes, object], None]):
+        self.quic = quic
+        self._send = send
+        self._loop = asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._soon: asyncio.Handle | None = None   # a transmit queued for later in this turn, or ANSWER_WAIT
+
+    def quic_event(self, event) -> None:
+        raise NotImplementedError
+
+    def answer_pending(self) -> bool:
+        return False
+
+    def receive(self, data: bytes, addr) -> None:
+        self.quic.receive_datagram(data, addr, now=self._loop.time())
+        self._process_events()
+        if self._soon is None and self.answer_pending():
+            self._soon = self._loop.call_later(ANSWER_WAIT, self.transmit)
+        else:
+            self.transmit_soon()
+
+    def transmit_soon(self) -> None:
+        """A transmit at the end of this loop turn (not later: an ANSWER_WAIT one is advanced)."""
+        if self._soon is None or isinstance(self._soon, asyncio.TimerHandle):
+            if self._soon is not None:
+                self._soon.cancel()
+            self._soon = self._loop.call_soon(self.transmit)
+
+    def transmit(self) -> None:
+        if self._soon is not None:
+            self._soon.cancel()
+            self._soon = None
+        for data, addr in self.quic.datagrams_to_send(now=self._loop.time()):
+            self._send(data, addr)
+        at = self.quic.get_timer()
+        if at is not None and (self._timer_at is None or at < self._timer_at):
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = self._loop.call_at(at, self._on_timer), at
+
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        now = self._loop.time()
+        at = self.quic.get_timer()
+        if at is None:
+            return
+        if at > now:   # the deadline moved later since it was armed
+            self._timer, self._timer_at = self._loop.call_at(at, self._on_timer), at
+            return
+        self.quic.handle_timer(now=now)
+        self._process_events()
+        self.transmit()
+
+    def _process_events(self) -> None:
+        event = self.quic.next_event()
+        while event is not None:
+            self.quic_event(event)
+            event = self.quic.next_event()
+
+    def stop_timer(self) -> None:
+        """The connection is over: no timer, no queued transmit."""
+        for handle in (self._timer, self._soon):
+            if handle is not None:
+                handle.cancel()
+        self._timer = self._timer_at = self._soon = None
 
 
 class H3Error(Exception):

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .lifecycle import Serving
 from .refusals import Kind, log
-from .serving import Serving
 
 PEEK_RETRY_S = 0.005     # a ClientHello split over several TCP segments: look again this soon
 

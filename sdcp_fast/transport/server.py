@@ -14,11 +14,11 @@ import socket
 from typing import Any
 
 from .http import Handler
+from .lifecycle import Serving
 from .limits import Limits
 from .listener_h2 import TCPListener
 from .refusals import Refusals
 from .server_h2 import H2ServerProtocol
-from .serving import Serving
 from .tlsconfig import TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")

@@ -29,9 +29,8 @@ from .compat import H2StreamErrors, MalformedStream
 from .exchange import response_headers
 from .h2base import ErrorCodes, H2Endpoint
 from .http import Response
-from .lifecycle import RequestLifecycle
+from .lifecycle import RequestLifecycle, Serving
 from .refusals import Kind, log
-from .serving import Serving
 
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 _PREFACE_SIZE = 24   # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

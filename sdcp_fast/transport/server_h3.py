@@ -42,12 +42,10 @@ from sdcp_fast.core.problems import Problem
 from . import compat
 from .certpolicy import CertificateRejected
 from .exchange import response_headers
-from .h3 import Data, GoAway, H3Error, H3Streams, Headers, TooLarge
+from .h3 import Data, GoAway, H3Error, H3Streams, Headers, QuicDriver, TooLarge
 from .http import Response
-from .lifecycle import RequestLifecycle
-from .quic_io import QuicDriver
+from .lifecycle import RequestLifecycle, Serving
 from .refusals import Kind, log
-from .serving import Serving
 
 CRYPTO_ERROR = 0x100   # + a TLS alert (RFC 9001 4.8)
 _ALERTS = {CertificateRejected.MISSING: AlertDescription.certificate_required,
