@@ -215,8 +215,6 @@ def connect_error(exc: BaseException, host: str, port: int, timeout: float) -> T
     return TransportError(f"cannot connect to {host}:{port}: {exc}", sent=False)
 
 
-
-
 class Client:
     _limits: Deadlines | None = None   # the attempts' time limits, on the loop of the latest one
 

@@ -10,14 +10,9 @@ import socket
 from pathlib import Path
 
 from aioquic.h3.connection import ErrorCode
+from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import (
-    ConnectionTerminated,
-    HandshakeCompleted,
-    StreamDataReceived,
-    StreamReset,
-)
 
 from .certpolicy import CertificateRejected, verify_server
 from .client import (
@@ -111,19 +106,19 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
         self.transmit()
 
     def quic_event(self, event) -> None:
-        if isinstance(event, StreamDataReceived):
+        if isinstance(event, events.StreamDataReceived):
             if self._h3 is not None:
                 self._on_stream_data(event.stream_id, event.data, event.end_stream)
-        elif isinstance(event, StreamReset):
+        elif isinstance(event, events.StreamReset):
             exchange = self._exchanges.get(event.stream_id)
             if exchange is not None:
                 sent = event.error_code != ErrorCode.H3_REQUEST_REJECTED  # rejected: unprocessed
                 exchange.fail(TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent))
-        elif isinstance(event, HandshakeCompleted):
+        elif isinstance(event, events.HandshakeCompleted):
             self._h3 = H3Streams(self.quic, is_client=True, max_field_section_size=MAX_ANSWER_FIELDS)
             if not self._connected.done():
                 self._connected.set_result(None)
-        elif isinstance(event, ConnectionTerminated):
+        elif isinstance(event, events.ConnectionTerminated):
             # A TLS alert (a transport close, frame_type set) means the handshake or the
             # certificate was refused: no request was processed. Application closes (H3
             # codes) carry no frame type.

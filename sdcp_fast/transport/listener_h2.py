@@ -20,7 +20,6 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from .lifecycle import Serving
@@ -44,22 +43,9 @@ class Unparsed(Exception):
     """Not a ClientHello this module understands: leave it to OpenSSL."""
 
 
-@dataclass(frozen=True)
-class Hello:
-    alpn: tuple[bytes, ...] | None   # None: no ALPN extension at all
-
-    def offers(self, protocol: bytes) -> bool:
-        return self.alpn is not None and protocol in self.alpn
-
-
-def parse(data: bytes) -> Hello:
-    """The ClientHello at the start of `data`: `Incomplete` or `Unparsed` when not (yet) one."""
-    message = _handshake_message(data)
-    return Hello(_alpn(message))
-
-
-def _handshake_message(data: bytes) -> bytes:
-    """The first handshake message, reassembled from its records."""
+def offered_alpn(data: bytes) -> tuple[bytes, ...] | None:
+    """The ALPN protocols the ClientHello at the start of `data` offers (None: no ALPN
+    extension); `Incomplete` or `Unparsed` when it is not (yet) a ClientHello."""
     payload = bytearray()
     pos = 0
     need: int | None = None
@@ -79,15 +65,11 @@ def _handshake_message(data: bytes) -> bytes:
             need = 4 + int.from_bytes(payload[1:4], "big")
             if need > MAX_HELLO:
                 raise Unparsed("ClientHello too long")
-    return bytes(payload[4:need])
-
-
-def _alpn(body: bytes) -> tuple[bytes, ...] | None:
-    reader = _Reader(body)
-    reader.skip(2 + 32)                  # legacy_version, random
-    reader.skip(reader.uint(1))          # legacy_session_id
-    reader.skip(reader.uint(2))          # cipher_suites
-    reader.skip(reader.uint(1))          # legacy_compression_methods
+    reader = _Reader(bytes(payload[4:need]))
+    reader.take(2 + 32)                  # legacy_version, random
+    reader.take(reader.uint(1))          # legacy_session_id
+    reader.take(reader.uint(2))          # cipher_suites
+    reader.take(reader.uint(1))          # legacy_compression_methods
     if reader.done():
         return None                      # no extensions at all
     extensions = _Reader(reader.take(reader.uint(2)))
@@ -113,9 +95,6 @@ class _Reader:
         chunk = self.data[self.pos:self.pos + n]
         self.pos += n
         return chunk
-
-    def skip(self, n: int) -> None:
-        self.take(n)
 
     def uint(self, size: int) -> int:
         return int.from_bytes(self.take(size), "big")
@@ -221,12 +200,12 @@ class TLSAcceptor:
     async def _offers_h2(self, sock: socket.socket) -> bool:
         """Peek at the ClientHello (the bytes stay for OpenSSL); refuse one without "h2"."""
         try:
-            hello, size = await _peek_client_hello(sock)
+            alpn, size = await _peek_client_hello(sock)
         except (Unparsed, OSError):
             return True  # not ours to judge: OpenSSL refuses what is not TLS 1.3
-        if hello.offers(b"h2"):
+        if alpn is not None and b"h2" in alpn:
             return True
-        offered = "no ALPN" if hello.alpn is None else f"ALPN {[p.decode('latin-1') for p in hello.alpn]}"
+        offered = "no ALPN" if alpn is None else f"ALPN {[p.decode('latin-1') for p in alpn]}"
         self._serving.refusals.refuse(Kind.ALPN, self._peer, f"h2 not offered ({offered}): no_application_protocol")
         with contextlib.suppress(OSError):
             sock.recv(size)   # read, so that the close is a FIN after the alert, not a reset
@@ -235,9 +214,9 @@ class TLSAcceptor:
         return False
 
 
-async def _peek_client_hello(sock: socket.socket) -> tuple[Hello, int]:
-    """The ClientHello waiting on the socket, read with MSG_PEEK so that OpenSSL still reads
-    it (no transport reads the socket yet); with the bytes it spans."""
+async def _peek_client_hello(sock: socket.socket) -> tuple[tuple[bytes, ...] | None, int]:
+    """The ALPN list of the ClientHello waiting on the socket, read with MSG_PEEK so that
+    OpenSSL still reads it (no transport reads the socket yet); with the bytes it spans."""
     loop = asyncio.get_running_loop()
     while True:
         readable = loop.create_future()
@@ -254,7 +233,7 @@ async def _peek_client_hello(sock: socket.socket) -> tuple[Hello, int]:
         if not data:
             raise ConnectionResetError("closed before the ClientHello")
         try:
-            return parse(data), len(data)
+            return offered_alpn(data), len(data)
         except Incomplete:
             if len(data) >= MAX_HELLO:
                 raise Unparsed("ClientHello too long") from None

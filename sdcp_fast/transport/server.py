@@ -1,10 +1,6 @@
 """`serve()`: one handler on HTTP/2 (TLS 1.3/TCP) and HTTP/3 (QUIC/UDP) at one host and port.
-
-The one place that picks the protocol adapters: imports run one way, from here to the
-adapters (server_h2.py, server_h3.py) and from them to the shared pieces below (serving.py,
-exchange.py, http.py). The HTTP/3 adapter is imported only when HTTP/3 is served: aioquic
-is an optional extra.
-"""
+The one place that picks the protocol adapters; the HTTP/3 one is imported only when HTTP/3
+is served (aioquic is an optional extra)."""
 
 from __future__ import annotations
 
@@ -25,10 +21,7 @@ log = logging.getLogger("sdcp_fast.transport")
 
 
 class Server:
-    """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`.
-
-    `limits` (limits.py; `overrides` change single members of it, e.g. `max_body=4096`);
-    `refusals` counts and logs every refusal (a fresh one when None)."""
+    """Started by `serve()`; `port` is the bound port (useful with port=0); `await stop()`."""
 
     def __init__(self, handler: Handler, *, host: str, port: int, tls: TLSConfig, http2: bool = True,
                  http3: bool = True, limits: Limits | None = None, refusals: Refusals | None = None,

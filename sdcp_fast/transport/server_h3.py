@@ -19,21 +19,7 @@ import contextlib
 
 from aioquic.buffer import Buffer
 from aioquic.h3.connection import ErrorCode
-from aioquic.quic.events import (
-    ConnectionIdIssued,
-    ConnectionIdRetired,
-    ConnectionTerminated,
-    HandshakeCompleted,
-    StopSendingReceived,
-    StreamDataReceived,
-    StreamReset,
-)
-from aioquic.quic.packet import (
-    QuicErrorCode,
-    QuicPacketType,
-    encode_quic_version_negotiation,
-    pull_quic_header,
-)
+from aioquic.quic import events, packet
 from aioquic.tls import AlertDescription
 
 from sdcp_fast.core.problems import Kind as ProblemKind
@@ -73,17 +59,17 @@ class H3Listener(asyncio.DatagramProtocol):
                 protocol.datagram_received(data, addr)
             return
         try:
-            header = pull_quic_header(Buffer(data=data), host_cid_length=self._cid_length)
+            header = packet.pull_quic_header(Buffer(data=data), host_cid_length=self._cid_length)
         except ValueError:
             return
         versions = self._configuration.supported_versions
         if header.version is not None and header.version not in versions:
-            self._transport.sendto(encode_quic_version_negotiation(
+            self._transport.sendto(packet.encode_quic_version_negotiation(
                 source_cid=header.destination_cid, destination_cid=header.source_cid,
                 supported_versions=versions), addr)
             return
         protocol = self._protocols.get(header.destination_cid)
-        if protocol is None and header.packet_type == QuicPacketType.INITIAL and len(data) >= 1200:
+        if protocol is None and header.packet_type == packet.QuicPacketType.INITIAL and len(data) >= 1200:
             quic = compat.client_certificate_quic()(
                 configuration=self._configuration, original_destination_connection_id=header.destination_cid)
             protocol = H3ServerProtocol(quic, self._serving, self)
@@ -150,23 +136,23 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         self.receive(data, addr)
 
     def quic_event(self, event) -> None:
-        if isinstance(event, StreamDataReceived):
+        if isinstance(event, events.StreamDataReceived):
             if self._h3 is not None:
                 self._on_stream_data(event.stream_id, event.data, event.end_stream)
-        elif isinstance(event, StreamReset | StopSendingReceived):
+        elif isinstance(event, events.StreamReset | events.StopSendingReceived):
             if self._h3 is not None:
                 self._h3.forget(event.stream_id)
             self._headers_arrived(event.stream_id)
             if self._on_reset(event.stream_id):
                 # our side too, so that QUIC frees the stream (and gives the client its credit)
                 self._reset(event.stream_id, ErrorCode.H3_REQUEST_CANCELLED)
-        elif isinstance(event, HandshakeCompleted):
+        elif isinstance(event, events.HandshakeCompleted):
             self._handshake_done()
-        elif isinstance(event, ConnectionIdIssued):
+        elif isinstance(event, events.ConnectionIdIssued):
             self._listener.route(event.connection_id, self)
-        elif isinstance(event, ConnectionIdRetired):
+        elif isinstance(event, events.ConnectionIdRetired):
             self._listener.route(event.connection_id, None)
-        elif isinstance(event, ConnectionTerminated):
+        elif isinstance(event, events.ConnectionTerminated):
             self._on_terminated(event)
 
     # ---- admission -----------------------------------------------------------------------
@@ -194,7 +180,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         self._serving.handshake_ended(self)
         self._close(ErrorCode.H3_EXCESSIVE_LOAD, "handshake dropped")
 
-    def _on_terminated(self, event: ConnectionTerminated) -> None:
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         self._ended = True
         self._handshake_timer.cancel()
         self._serving.handshake_ended(self)
@@ -211,7 +197,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
                 # the one signature a server checks is the client's CertificateVerify
                 kind, reason = Kind.CERTIFICATE, "CertificateVerify signature does not match the certificate"
             self._serving.refusals.refuse(kind, self._peer, f"h3: refused client {self._peer}: {reason}")
-        elif event.error_code == QuicErrorCode.STREAM_LIMIT_ERROR:
+        elif event.error_code == packet.QuicErrorCode.STREAM_LIMIT_ERROR:
             self._serving.refusals.refuse(Kind.STREAM_LIMIT, self.caller,
                                           f"h3: more than {self._limits.max_concurrent_streams} streams "
                                           f"opened: closed ({event.reason_phrase})")

@@ -44,13 +44,8 @@ class TLSConfig:
 
     def server_ssl_context(self) -> ssl.SSLContext:
         """TCP server: TLS 1.3 only, client certificate from the CA required, ALPN h2."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.maximum_version = ssl.TLSVersion.TLSv1_3
+        context = self._ssl_context(ssl.PROTOCOL_TLS_SERVER)
         context.verify_mode = ssl.CERT_REQUIRED
-        context.load_cert_chain(self.cert, self.key)
-        context.load_verify_locations(cafile=self.ca)
-        context.set_alpn_protocols([H2_ALPN])
         # Resumed sessions would skip the CertificateRequest; every connection authenticates anew.
         context.num_tickets = 0
         context.options |= ssl.OP_NO_TICKET
@@ -58,9 +53,11 @@ class TLSConfig:
 
     def client_ssl_context(self) -> ssl.SSLContext:
         """TCP client: TLS 1.3 only, presents our certificate, verifies the server against the CA."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.maximum_version = ssl.TLSVersion.TLSv1_3
+        return self._ssl_context(ssl.PROTOCOL_TLS_CLIENT)
+
+    def _ssl_context(self, protocol: int) -> ssl.SSLContext:
+        context = ssl.SSLContext(protocol)
+        context.minimum_version = context.maximum_version = ssl.TLSVersion.TLSv1_3
         context.load_cert_chain(self.cert, self.key)
         context.load_verify_locations(cafile=self.ca)
         context.set_alpn_protocols([H2_ALPN])
