@@ -153,7 +153,8 @@ class Origins:
     unless idempotent). A subclass opens connections (`_open`); a connection offers
     `usable`, `has_room`, `busy`, `last_used`, `retire()` and `close()`."""
 
-    def __init__(self, *, idle_timeout: float, max_connections: int):
+    def __init__(self, *, connect_timeout: float, idle_timeout: float, max_connections: int):
+        self._connect_timeout = connect_timeout
         self._expiry = 0.9 * idle_timeout
         self._max_connections = max_connections
         self._pools: dict[tuple[str, int], list] = {}
@@ -172,6 +173,7 @@ class Origins:
         return await connection.request(method, authority, path, body, content_type)
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event):
+        """A new connection to `origin`, within `connect_timeout` seconds."""
         raise NotImplementedError
 
     async def _connection(self, origin: tuple[str, int]):
@@ -192,6 +194,8 @@ class Origins:
                     async with lock:
                         try:
                             connection = await self._open(origin, freed)
+                        except OSError as exc:   # TLS, timeouts and refusals too: nothing was sent
+                            raise _connect_error(exc, origin, self._connect_timeout) from exc
                         finally:
                             freed.set()   # the waiters look again (and connect themselves on failure)
                         pool.append(connection)
@@ -206,13 +210,10 @@ class Origins:
         self._pools.clear()
 
 
-def connect_error(exc: BaseException, host: str, port: int, timeout: float) -> TransportError:
-    """What a failed connect raises: nothing was sent (sent=False)."""
-    if isinstance(exc, TransportError):
-        return exc
+def _connect_error(exc: OSError, origin: tuple[str, int], timeout: float) -> TransportError:
     if isinstance(exc, TimeoutError):
-        return RequestTimeout(f"connect to {host}:{port} not done within {timeout}s", sent=False)
-    return TransportError(f"cannot connect to {host}:{port}: {exc}", sent=False)
+        return RequestTimeout(f"connect to {origin[0]}:{origin[1]} not done within {timeout}s", sent=False)
+    return TransportError(f"cannot connect to {origin[0]}:{origin[1]}: {exc}", sent=False)
 
 
 class Client:

@@ -29,7 +29,6 @@ from .client import (
     Exchange,
     Origins,
     TransportError,
-    connect_error,
     request_headers,
 )
 from .compat import H2Connection
@@ -210,12 +209,10 @@ async def connect_h2(host: str, port: int, context: ssl.SSLContext, timeout: flo
             if ssl_object is None or ssl_object.selected_alpn_protocol() != H2_ALPN:
                 raise TransportError(f"{host}:{port} did not agree to HTTP/2 (ALPN)", sent=False)
             await protocol.settled()
-    except (TimeoutError, OSError, ssl.SSLError, TransportError, asyncio.CancelledError) as exc:
+    except BaseException:
         if protocol is not None:   # the caller's deadline too: do not leak the socket
             protocol.close()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise connect_error(exc, host, port, timeout) from exc
+        raise
     return protocol
 
 
@@ -223,9 +220,8 @@ class H2Origins(Origins):
     """The HTTP/2 connections of one client, per origin."""
 
     def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
-        super().__init__(idle_timeout=idle_timeout, max_connections=MAX_CONNECTIONS)
+        super().__init__(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_connections=MAX_CONNECTIONS)
         self._context = tls.client_ssl_context()
-        self._connect_timeout = connect_timeout
         self._max_response = max_response
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H2ClientConnection:

@@ -21,7 +21,6 @@ from .client import (
     Exchange,
     Origins,
     TransportError,
-    connect_error,
     request_headers,
 )
 from .compat import peer_certificates
@@ -172,13 +171,9 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
     loop = asyncio.get_running_loop()
     # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
-    # cancellation when its inner await finishes at the same moment (gh-86296), and then the
-    # attempt's deadline (Client._attempt, the only one over a request) would be lost
-    try:
-        async with asyncio.timeout(timeout):
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    except (OSError, TimeoutError) as exc:
-        raise TransportError(f"cannot resolve {host}: {exc}", sent=False) from exc
+    # cancellation when its inner await finishes at the same moment (gh-86296)
+    async with asyncio.timeout(timeout):
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     family, _, _, _, addr = infos[0]
     connection = QuicConnection(configuration=configuration)
     # a socket connected to the server: each datagram is sent without an address (no route
@@ -190,11 +185,9 @@ async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
     try:
         async with asyncio.timeout(timeout):
             await protocol.wait_connected()
-    except (ConnectionError, TimeoutError, asyncio.CancelledError) as exc:
+    except BaseException:
         protocol.close()   # the caller's deadline too: do not leak the socket
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise connect_error(exc, host, port, timeout) from exc
+        raise
     leaf, chain = peer_certificates(connection)
     try:
         if leaf is None:
@@ -210,9 +203,8 @@ class H3Origins(Origins):
     """The HTTP/3 connections of one client, one per origin (QUIC flow control paces streams)."""
 
     def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
-        super().__init__(idle_timeout=idle_timeout, max_connections=1)
+        super().__init__(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_connections=1)
         self._tls = tls
-        self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout
         self._max_response = max_response
 
