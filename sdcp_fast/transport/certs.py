@@ -22,6 +22,7 @@ import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from cryptography import x509
@@ -41,8 +42,7 @@ class CertificateAuthority:
     key: ec.EllipticCurvePrivateKey
 
 
-@dataclass(frozen=True)
-class InstancePaths:
+class InstancePaths(NamedTuple):
     uri: str
     cert: Path
     key: Path
@@ -156,11 +156,9 @@ def make_certs(directory: str | os.PathLike[str], instances: list[str], *, days:
         write_pair(ca.cert, ca.key, root / CA_CERT_FILE, root / CA_KEY_FILE)
     written: dict[str, InstancePaths] = {}
     for uri in instances:
-        cert, key = make_instance_cert(ca, uri, days=days)
         name = instance_file_name(uri)
-        paths = InstancePaths(uri, root / f"{name}.pem", root / f"{name}.key")
-        write_pair(cert, key, paths.cert, paths.key)
-        written[uri] = paths
+        written[uri] = InstancePaths(uri, root / f"{name}.pem", root / f"{name}.key")
+        write_pair(*make_instance_cert(ca, uri, days=days), written[uri].cert, written[uri].key)
     return CertPaths(root / CA_CERT_FILE, root / CA_KEY_FILE, written)
 
 
@@ -177,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sdcp-fast certs: {exc}", file=sys.stderr)
         return 2
     print(f"ca\t{paths.ca_cert}")
-    for uri, inst in paths.instances.items():
-        print(f"{uri}\t{inst.cert}\t{inst.key}")
+    for uri, instance in paths.instances.items():
+        print(f"{uri}\t{instance.cert}\t{instance.key}")
     return 0
 
 
