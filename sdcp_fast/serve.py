@@ -153,6 +153,22 @@ async def status_page(address: str, registry, health: Health, built: Built) -> N
 # ---------------------------------------------------------------------- building each role
 
 
+async def open_role(cfg: InstanceConfig, metrics, address: str, health: Health, *, with_log: bool):
+    """What every role starts with: its Built (refusals counted in `metrics`), its status page
+    at `address`, its model, and its store and commit log (closed with the role, checked by
+    /health); (built, backend, store, commit_log or None)."""
+    built = Built(None, count_refusal=refusal_counter(metrics.registry))
+    await status_page(address, metrics.registry, health, built)
+    backend = load_model(cfg.model)
+    store, commit_log = await open_stores(cfg, with_log=with_log)
+    built.closers.append(store.close)
+    health.add("store", store_check(store))
+    if commit_log is not None:
+        built.closers.append(commit_log.close)
+        health.add("commit_log", log_check(commit_log))
+    return built, backend, store, commit_log
+
+
 async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Built:
     from .verifier import EngineConfig, Metrics, VerifierConfig, VerifierService
 
@@ -164,13 +180,7 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
         memory_budget_bytes=v.session_memory_mb << 20, retire_idle_s=v.retire_idle_s,
         max_context_tokens=v.max_context_tokens, idle_s=v.idle_s)
     metrics = Metrics()
-    built = Built(None, count_refusal=refusal_counter(metrics.registry))
-    await status_page(v.metrics, metrics.registry, health, built)
-    backend = load_model(cfg.model)
-    store, commit_log = await open_stores(cfg, with_log=True)
-    built.closers += [store.close, commit_log.close]
-    health.add("store", store_check(store))
-    health.add("commit_log", log_check(commit_log))
+    built, backend, store, commit_log = await open_role(cfg, metrics, v.metrics, health, with_log=True)
     built.service = VerifierService(config, backend, store, commit_log, client=client, metrics=metrics,
                                     engine_config=EngineConfig(max_batch=v.max_batch, max_wait_ms=v.max_wait_ms,
                                                                group_commit=v.group_commit,
@@ -195,12 +205,7 @@ async def build_drafter(cfg: InstanceConfig, tls, client, health: Health) -> Bui
         drop_verdicts=d.drop_verdicts, memory_budget_bytes=d.session_memory_mb << 20,
         max_context_tokens=d.max_context_tokens)
     metrics = Metrics()
-    built = Built(None, count_refusal=refusal_counter(metrics.registry))
-    await status_page(d.metrics, metrics.registry, health, built)
-    backend = load_model(cfg.model)
-    store, _ = await open_stores(cfg, with_log=False)
-    built.closers.append(store.close)
-    health.add("store", store_check(store))
+    built, backend, store, _ = await open_role(cfg, metrics, d.metrics, health, with_log=False)
     built.service = DrafterService(config, backend, store, client=client, metrics=metrics)
     return built
 
@@ -259,15 +264,9 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
     except ValueError as exc:
         raise ConfigError(f"router.{exc}") from None
     metrics = Metrics()
-    built = Built(None, count_refusal=refusal_counter(metrics.registry))
-    await status_page(r.metrics, metrics.registry, health, built)
-    backend = load_model(cfg.model)
-    store, commit_log = await open_stores(cfg, with_log=True)
-    built.closers += [store.close, commit_log.close]
+    built, backend, store, commit_log = await open_role(cfg, metrics, r.metrics, health, with_log=True)
     table = await open_session_table(r.session_table, commit_log_spec(cfg))
     built.closers.append(table.close)
-    health.add("store", store_check(store))
-    health.add("commit_log", log_check(commit_log))
     service = built.service = RouterService(config, backend, store, commit_log, client=client, table=table,
                                             metrics=metrics)
     health.add("lease", service.own.health_check)

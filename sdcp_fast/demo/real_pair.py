@@ -30,7 +30,7 @@ import time
 from . import deployment
 from .client import Generation, generate_all, wait_live
 from .hf_baseline import Decoded, chat_prompts, end_of_turn, generate_batched, generate_each
-from .report import summarize
+from .report import per_prompt, summarize
 
 MAX_NEW = 64
 TARGET = "hf:smollm2"
@@ -218,20 +218,13 @@ def verifier_cpu_seconds(url: str) -> float:
 
 def print_comparison(generations, records, wall: float, reference: Decoded, batched: Decoded,
                      assisted: Decoded) -> int:
-    by_session: dict[str, list[dict]] = {}
-    for r in records:
-        by_session.setdefault(r["session"], []).append(r)
     header = (f"{'prompt':>6} {'tokens':>6} {'rounds':>6} {'tok/round':>9} {'accept':>6} "
               f"{'SDCP tok/s':>10} {'generate() tok/s':>16} {'same':>4}")
     print("\n" + header + "\n" + "-" * len(header))
-    identical = 0
-    for n, g in enumerate(generations):
-        stats = summarize(by_session.get(g.gid, []))
-        same = g.tokens == reference.outputs[n]
-        identical += same
-        rate = len(g.tokens) / g.seconds if g.seconds else 0.0
-        alone = len(reference.outputs[n]) / reference.seconds[n] if reference.seconds[n] else 0.0
-        print(f"{n + 1:>6} {len(g.tokens):>6} {stats['rounds']:>6} {stats['tokens_per_round']:>9.2f} "
+    rows = per_prompt(generations, records, reference.outputs, reference.seconds)
+    identical = sum(row[3] for row in rows)
+    for n, g, stats, same, rate, alone in rows:
+        print(f"{n:>6} {len(g.tokens):>6} {stats['rounds']:>6} {stats['tokens_per_round']:>9.2f} "
               f"{stats['acceptance']:>6.0%} {rate:>10.1f} {alone:>16.1f} {'yes' if same else 'NO':>4}")
     total = summarize(records)
     tokens = sum(len(g.tokens) for g in generations)

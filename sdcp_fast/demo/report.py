@@ -30,22 +30,29 @@ def summarize(records: list[dict]) -> dict:
             "acceptance": accepted / proposed if proposed else 0.0, "escalations": escalations}
 
 
-def print_table(generations, records, wall, baseline: Baseline) -> dict:
+def per_prompt(generations, records: list[dict], outputs, seconds) -> list[tuple]:
+    """(number, generation, its rounds' `summarize`, whether its tokens equal `outputs[n]`,
+    its tokens/s, the reference's tokens/s from `seconds[n]`) for each prompt."""
     by_session: dict[str, list[dict]] = {}
     for r in records:
         by_session.setdefault(r["session"], []).append(r)
+    rows = []
+    for n, g in enumerate(generations):
+        rate = len(g.tokens) / g.seconds if g.seconds else 0.0
+        alone = len(outputs[n]) / seconds[n] if seconds[n] else 0.0
+        rows.append((n + 1, g, summarize(by_session.get(g.gid, [])), g.tokens == outputs[n], rate, alone))
+    return rows
+
+
+def print_table(generations, records, wall, baseline: Baseline) -> dict:
     header = (f"{'prompt':>6} {'tokens':>6} {'rounds':>6} {'acc/rnd':>7} {'tok/pass':>8} {'accept':>6} "
               f"{'escal':>5} {'SDCP tok/s':>10} {'alone tok/s':>11} {'speedup':>7} {'same':>5}")
     print("\n" + header)
     print("-" * len(header))
-    identical = 0
-    for n, g in enumerate(generations):
-        stats = summarize(by_session.get(g.gid, []))
-        same = g.tokens == baseline.outputs[n]
-        identical += same
-        rate = len(g.tokens) / g.seconds if g.seconds else 0.0
-        alone = len(baseline.outputs[n]) / baseline.each_s[n] if baseline.each_s[n] else 0.0
-        print(f"{n + 1:>6} {len(g.tokens):>6} {stats['rounds']:>6} {stats['accepted_per_round']:>7.2f} "
+    rows = per_prompt(generations, records, baseline.outputs, baseline.each_s)
+    identical = sum(row[3] for row in rows)
+    for n, g, stats, same, rate, alone in rows:
+        print(f"{n:>6} {len(g.tokens):>6} {stats['rounds']:>6} {stats['accepted_per_round']:>7.2f} "
               f"{stats['tokens_per_round']:>8.2f} {stats['acceptance']:>6.0%} {stats['escalations']:>5} "
               f"{rate:>10.1f} {alone:>11.1f} {rate / alone if alone else 0:>6.2f}x {'yes' if same else 'NO':>5}")
     total = summarize(records)
