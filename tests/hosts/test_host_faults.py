@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hosts_support import recovery_bound, wait_committed_past
 from roles_support import FrontDoorClient, greedy, make_tables, wait_until
 from test_faults import committed_tokens
 from test_routers import Stream, run_stream, wait_owned
@@ -34,6 +35,8 @@ from sdcp_fast.models import load_backend
 
 MAX_NEW = 120
 LEASE_TTL_S = 2.0
+STALL_S = 3.0
+ETCD_ELECTION_S = 1.0            # etcd's default election timeout
 HOSTS = ["router-1", "router-2", "verifier-1", "drafter-1", "drafter-2"]
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -59,7 +62,7 @@ def bed(hosts_available, tmp_path_factory):
             cluster.router(model=target, drafter_models={"drafter-1": digest, "drafter-2": digest}, name=r,
                            contract={"rule": 1, "m_max": 6, "max_new": MAX_NEW, "low_rounds": 4,
                                      "fallback": ["reduce", "switch"]},
-                           lease_ttl_s=LEASE_TTL_S, stall_s=3.0)
+                           lease_ttl_s=LEASE_TTL_S, stall_s=STALL_S)
         bed.start()
         bed.target = target
         for r in ("router-1", "router-2"):
@@ -75,9 +78,12 @@ def live(bed: Testbed, router: str) -> None:
         fd.close()
 
 
-def run_jobs(bed: Testbed, seed: int, fault) -> None:
+def run_jobs(bed: Testbed, seed: int, fault, bound_s: float, *, moves: bool = False) -> float:
     """Two generations at router-1 (rule 1; rule 2 with a seed); `fault(fd, victim, rng)` once
-    one of them committed a number of tokens drawn from the seed; then every check."""
+    one of them committed a number of tokens drawn from the seed; then every check. Returns
+    the recovery time: from the end of `fault` (the cut, or the partition healed) until the
+    victim commits again (`moves`: drafted by another drafter than its own), which must be
+    within `bound_s`."""
     rng = random.Random(seed)
     fd = FrontDoorClient(bed.cluster.instances["router-1"].frontdoor_url, timeout=120)
     prompts = [[rng.randrange(32) for _ in range(rng.randint(2, 5))] for _ in range(2)]
@@ -92,6 +98,11 @@ def run_jobs(bed: Testbed, seed: int, fault) -> None:
                                               and g["finish"] is None and g["committed"] >= point), None),
                                 120, f"nothing reached {point} tokens ({where})")
             fault(fd, victim, rng)
+            committed = fd.info(victim["id"])["committed"]
+            recovery = wait_committed_past(fd, victim["id"], committed, 2 * bound_s,
+                                           away_from=victim["drafter"] if moves else None)
+            print(f"recovered in {recovery:.2f} s ({where}; bound {bound_s:g} s)")
+            assert recovery <= bound_s, f"{where}: recovery took {recovery:.2f} s, bound {bound_s:g} s"
             results = [f.result(timeout=240) for f in futures]
     finally:
         fd.close()
@@ -102,6 +113,7 @@ def run_jobs(bed: Testbed, seed: int, fault) -> None:
         assert result["tokens"] == logged, f"{where}: rule {field.get('rule', 1)}: the stream is not the log's"
         if "rule" not in field:
             assert result["tokens"] == greedy(bed.target, prompt, MAX_NEW), where
+    return recovery
 
 
 def test_drafter_host_cut_off_for_good(bed, seed):
@@ -112,8 +124,11 @@ def test_drafter_host_cut_off_for_good(bed, seed):
         bed.net.cut(name)
         cut.append(name)
 
+    drafter_ttl = bed.cluster.instances["drafter-1"].config.drafter.ttl_ms / 1000
     try:
-        run_jobs(bed, seed, fault)
+        # the router notices the drafter gone (its TTL, or the session stalled) and places
+        # the session again
+        run_jobs(bed, seed, fault, recovery_bound(drafter_ttl, STALL_S), moves=True)
     finally:
         for name in cut:
             bed.net.restore(name)
@@ -141,7 +156,8 @@ def test_etcd_member_killed_then_leader_partitioned(bed, seed):
         bed.net.restore(leader)
 
     try:
-        run_jobs(bed, seed, fault)
+        # from the partition healed: an election, then the roles' calls retried
+        run_jobs(bed, seed, fault, recovery_bound(ETCD_ELECTION_S, STALL_S))
     finally:
         for host in cut:
             bed.net.restore(host)
@@ -174,8 +190,19 @@ def test_router_host_partitioned_stream_resumes_at_the_other(bed, seed):
         done = _first_stream(fronts["router-1"], stream, http_body, maybe_cut, read_timeout=5 * LEASE_TTL_S)
         assert not done and cut, f"the stream ended before the cut at {cut_at} (SDCP_FAULT_SEED={seed})"
         wait_owned(bed.cluster, "router-2", stream.id, timeout=6 * LEASE_TTL_S)
-        print(f"router-2 owns the session {time.monotonic() - cut[0]:.2f} s after the cut at {len(stream.tokens)} tokens")
-        assert run_stream(fronts["router-2"], stream, openai=False, prompt=prompt, resume=True)
+        owned = time.monotonic() - cut[0]
+        at = len(stream.tokens)
+        resumed: list[float] = []
+
+        def first_resumed(n: int) -> None:
+            if not resumed and n > at:
+                resumed.append(time.monotonic() - cut[0])
+        assert run_stream(fronts["router-2"], stream, openai=False, prompt=prompt, resume=True,
+                          on_tokens=first_resumed)
+        bound = recovery_bound(LEASE_TTL_S, STALL_S) + 5 * LEASE_TTL_S    # + the client's silence
+        print(f"router-2 owns the session {owned:.2f} s after the cut at {at} tokens; the stream moves again "
+              f"{resumed[0] if resumed else float('nan'):.2f} s after it (bound {bound:g} s)")
+        assert not resumed or resumed[0] <= bound, f"resumed {resumed[0]:.2f} s after the cut (SDCP_FAULT_SEED={seed})"
     finally:
         bed.net.restore("router-1")
     assert stream.tokens == greedy(bed.target, prompt, MAX_NEW), f"cut at {cut_at} (SDCP_FAULT_SEED={seed})"

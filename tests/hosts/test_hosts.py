@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from cryptography import x509
+from hosts_support import recovery_bound, wait_committed_past
 from roles_support import FrontDoorClient, greedy, make_tables, wait_until
 from test_faults import committed_tokens
 
@@ -201,9 +202,17 @@ def test_verifier_host_cut_off_and_back_outputs_exact(hosts_available, tmp_path,
                 cut = next(i for i in cluster.instances.values() if i.uri == victim["verifier"])
                 bed.net.cut(cut.name)
                 t0 = time.monotonic()
+                at_cut = fd.info(victim["id"])["committed"]
                 wait_until(lambda: fd.info(victim["id"])["epoch"] >= 2, 60,
                            f"no failover from {cut.name} (SDCP_FAULT_SEED={seed})")
-                print(f"cut {cut.name} at {point} tokens; failed over after {time.monotonic() - t0:.2f} s")
+                failover = time.monotonic() - t0
+                # recovery: the cut until the session commits again (on the other verifier)
+                recovery = failover + wait_committed_past(fd, victim["id"], at_cut, 60)
+                ttl = cut.config.verifier.ttl_ms / 1000
+                bound = recovery_bound(ttl, cluster.instances["router"].config.router.stall_s)
+                print(f"cut {cut.name} at {point} tokens; failed over after {failover:.2f} s, committing "
+                      f"again after {recovery:.2f} s (bound {bound:g} s)")
+                assert recovery <= bound, f"recovery {recovery:.2f} s, bound {bound:g} s (SDCP_FAULT_SEED={seed})"
                 bed.net.restore(cut.name)
                 results = [f.result(timeout=180) for f in futures]
             assert cut.alive(), "the cut-off verifier died"
