@@ -1,7 +1,7 @@
 """A deployment across test hosts with distance between drafters and verifier (issue 36).
 
     flock /tmp/sdcp-quiet.lock .venv/bin/python bench/bench_hosts.py [--sessions 16] [--max-new 64]
-        [--rtts 0.1,2,10,30] [--out bench/hosts_runs.json]
+        [--rtts 0.1,2,10,30] [--out bench/hosts_runs.json] [--protocol h3 --loss 0.01]
 
 Needs root and `ip netns` (sdcp_fast/hosts). Hosts: a router, a verifier and 3 etcd members
 (commit log and session table) on the near wire; two drafters on the far wire; the relay host
@@ -17,8 +17,10 @@ It measures, in order:
    the drafters drafting ahead (`draft_ahead`, the drafter prepares the next proposal during
    verification on the all-accepted verdict and throws it away otherwise) and without:
    `--sessions` streams at once and one stream alone (the median of `--repeats` runs: one
-   short run is noisy); tokens/s (all streams' tokens over the wall time), inter-token latency (per stream, (last - first token) / (tokens - 1); the
-   median over streams), every output checked against the target's greedy decoding;
+   short run is noisy; the repeats go round the RTTs, so that a slow minute of the shared
+   machine falls on every RTT alike); tokens/s (all streams' tokens over the wall time),
+   inter-token latency (per stream, (last - first token) / (tokens - 1); the median over
+   streams), time to first token, every output checked against the target's greedy decoding;
 3. faults during live generations, each ending with every output exact: the verifier host
    cut off (link down) for 1.5 s and back (inside its TTL: the same verifier carries on); an
    etcd member other than the leader killed (started again once the streams ended); the etcd
@@ -28,8 +30,9 @@ It measures, in order:
 4. the CPU seconds each process spent per committed token (router, verifier, drafters,
    etcd members; from /proc) and the etcd cluster's append rate, for bench/fleet_sim.py.
 
-The drafters' rounds logs (m, accepted, draft and turnaround times) and the figures go to
-`--out` (JSON), which bench/fleet_sim.py calibrates from. The last line is the summary:
+The drafters' rounds logs (m, accepted, draft and turnaround times, look-ahead drafted and
+used), the verifier's batch log (jobs, tokens, pass time, a job's time in the verifier) and
+the figures go to `--out` (JSON), which bench/fleet_sim.py calibrates from. The last line is the summary:
 `hosts: N hosts, RTT 0.1/2/10/30 ms: 16-session tokens/s A/B/C/D (ahead) vs E/F/G/H (not
 ahead); faults K/K exact`.
 """
@@ -64,7 +67,9 @@ from sdcp_fast.hosts.testbed import Testbed  # noqa: E402
 from sdcp_fast.models import load_backend  # noqa: E402
 
 TARGET, DRAFT = "tiny:demo-target", "tiny:demo-draft"
-ROUND_FIELDS = ("m", "accepted", "emitted", "draft_ms", "verify_ms", "ahead")
+ROUND_FIELDS = ("m", "accepted", "emitted", "draft_ms", "verify_ms", "ahead", "session", "drafted_ahead",
+                "turnaround_ms", "verifier_ms")
+BATCH_FIELDS = ("jobs", "tokens", "pass_ms", "residence_ms")
 HOSTS = ["router", "verifier", "drafter-1", "drafter-2"]
 FAR = ["drafter-1", "drafter-2"]
 
@@ -241,9 +246,9 @@ def deployment_live(bed: Testbed, count: int | None = None) -> None:
     time.sleep(1.0)        # one more status round: the router's view of loads settles
 
 
-def set_delay(bed: Testbed, delay_ms: float) -> None:
+def set_delay(bed: Testbed, delay_ms: float, loss: float = 0.0) -> None:
     bed.relay.stop()
-    bed.relay = RelayProcess(bed.net, delay_ms, bed.workdir / "relay.log")
+    bed.relay = RelayProcess(bed.net, delay_ms, bed.workdir / "relay.log", loss=loss)
     bed.relay.start()
     bed.delay_ms = delay_ms
     deployment_live(bed)
@@ -282,14 +287,76 @@ def etcd_append_rate(spec: str, seconds: float = 3.0, concurrency: int = 16) -> 
     return asyncio.run(go())
 
 
+def batches_since(bed: Testbed, since: float) -> list[dict]:
+    path = bed.cluster.workdir / "verifier.batches.jsonl"
+    if not path.is_file():
+        return []
+    return [b for b in map(json.loads, path.read_text().splitlines()) if b["t"] >= since]
+
+
+def measure(bed: Testbed, front: str, prompts: list[list[int]], max_new: int) -> dict:
+    """One run of len(prompts) streams: the streams, wall time, CPU seconds per process, the
+    drafters' rounds and the verifier's batches of that run."""
+    since = time.time()
+    before = process_cpu(bed)
+    started = time.perf_counter()
+    streams, wall = run_streams(front, prompts, max_new)
+    after = process_cpu(bed)
+    time.sleep(0.05)                  # the last lines of the logs
+    return {"streams": streams, "started": started, "wall": wall,
+            "cpu": {k: after[k] - before.get(k, 0.0) for k in after},
+            "rounds": rounds_since(bed, since), "batches": batches_since(bed, since)}
+
+
+def summarize(reps: list[dict], reference: dict) -> dict:
+    """A point from its repeats: tokens/s the median of the runs', ITL and TTFT the median over
+    every stream; rounds and batches as rows (ROUND_FIELDS, BATCH_FIELDS) for fleet_sim."""
+    streams = [s for rep in reps for s in rep["streams"]]
+    rates = [sum(len(s.tokens) for s in rep["streams"]) / rep["wall"] for rep in reps]
+    itls = [s.itl_ms for s in streams if s.itl_ms is not None]
+    ttfts = [1000 * (s.times[0] - rep["started"]) for rep in reps for s in rep["streams"] if s.times]
+    cpu: dict[str, float] = {}
+    for rep in reps:
+        for k, v in rep["cpu"].items():
+            cpu[k] = cpu.get(k, 0.0) + v
+    rounds, batches = [], []
+    for n, rep in enumerate(reps):
+        # a proposal's time in the verifier (queued, then its batch's pass and commit), by
+        # (session, round): the rest of its turnaround is the wire and the protocol's overhead
+        inside = {(sid, rnd): w + 1000 * (b["end"] - b["t"]) for b in rep["batches"]
+                  for sid, rnd, w in zip(b["sessions"], b["rounds"], b["waited_ms"], strict=True)}
+        ids: dict[str, int] = {}
+        for r in rep["rounds"]:
+            sid = ids.setdefault(r["session"], 1000 * n + len(ids))
+            resident = inside.get((r["session"], r["round"]))
+            rounds.append([r["m"], r["accepted"], r["emitted"], r["draft_ms"], r["verify_ms"], int(bool(r["ahead"])),
+                           sid, r.get("drafted_ahead", 0),
+                           round(1000 * (r["answered_at"] - r["sent_at"]), 3) if r.get("sent_at") else None,
+                           None if resident is None else round(resident, 3)])
+        for b in rep["batches"]:
+            residence = [w + 1000 * (b["end"] - b["t"]) for w in b["waited_ms"]]
+            batches.append([len(b["m"]), sum(m + 1 for m in b["m"]), round(1000 * (b["end"] - b["t"]), 3),
+                            round(statistics.median(residence), 3)])
+    used = [r for r in rounds if r[5]]
+    return {"repeats": len(reps), "tokens": sum(len(s.tokens) for s in streams),
+            "wall_s": sum(rep["wall"] for rep in reps), "tokens_per_s": statistics.median(rates),
+            "tokens_per_s_runs": rates, "itl_ms": statistics.median(itls) if itls else None,
+            "ttft_ms": statistics.median(ttfts) if ttfts else 0.0,
+            "exact": exact(streams, reference), "cpu_s": cpu,
+            "lookahead_used": len(used) / max(1, len(rounds)), "rounds": rounds, "batches": batches}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=16)
     parser.add_argument("--max-new", type=int, default=64)
     parser.add_argument("--rtts", default="0.1,2,10,30", help="round trips in ms (0.1: the relay without delay)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
-    parser.add_argument("--repeats", type=int, default=3, help="runs per point (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per point (the median is reported)")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--protocol", default="h2", choices=("h2", "h3"), help="how the roles call each other")
+    parser.add_argument("--loss", type=float, default=0.0,
+                        help="fraction of UDP datagrams the relay drops (HTTP/3's; TCP is never altered)")
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -302,7 +369,7 @@ def main() -> int:
     prompts = [target.encode(PROMPTS[n % len(PROMPTS)] + " " * (n // len(PROMPTS))) for n in range(args.sessions)]
     outputs, alone_s = decode_alone(target, prompts, [args.max_new] * len(prompts))
     reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-    record: dict = {"round_fields": ROUND_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+    record: dict = {"round_fields": ROUND_FIELDS, "batch_fields": BATCH_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
                     "sessions": args.sessions, "max_new": args.max_new, "target_alone_tokens_per_s":
                     sum(map(len, outputs)) / alone_s, "runs": [], "faults": []}
     print(f"target alone (one process, {args.sessions} prompts batched): "
@@ -314,8 +381,11 @@ def main() -> int:
         for name, r in record["relay"].items():
             print(f"round trip {name:>10}: TCP {r['tcp_ms']:.3f} ms, UDP {r['udp_ms']:.3f} ms", flush=True)
 
-        with Testbed(workdir / "bed", hosts=HOSTS, far=FAR, delay_ms=0.0) as bed:
+        with Testbed(workdir / "bed", hosts=HOSTS, far=FAR, delay_ms=0.0, protocol=args.protocol) as bed:
             deployment.plan(bed.cluster, TARGET, DRAFT, draft.digest.hex(), args.max_new, speculation="on")
+            v = bed.cluster.instances["verifier"]     # one JSON line per verify batch: the pass costs
+            v.config = dataclasses.replace(v.config, verifier=dataclasses.replace(
+                v.config.verifier, batch_log=str(bed.cluster.workdir / "verifier.batches.jsonl")))
             for d in FAR:      # room for 16 sessions per drafter
                 i = bed.cluster.instances[d]
                 i.config = dataclasses.replace(i.config, drafter=dataclasses.replace(i.config.drafter,
@@ -327,34 +397,24 @@ def main() -> int:
             run_streams(front, prompts[:2], 16)     # warm-up: first connections, first passes
             for ahead in (True, False):
                 restart_drafters(bed, ahead)
-                for rtt in rtts:
-                    set_delay(bed, delays[rtt])
-                    for count in (args.sessions, 1):
-                        since = time.time()
-                        before = process_cpu(bed)
-                        # one run is short and noisy: the median of --repeats runs
-                        repeats = [run_streams(front, prompts[:count], args.max_new)
-                                   for _ in range(args.repeats)]
-                        after = process_cpu(bed)
-                        streams = [s for rep, _ in repeats for s in rep]
-                        tokens = sum(len(s.tokens) for s in streams)
-                        wall = sum(w for _, w in repeats)
-                        rates = [sum(len(s.tokens) for s in rep) / w for rep, w in repeats]
-                        itls = [s.itl_ms for s in streams if s.itl_ms is not None]
-                        rounds = rounds_since(bed, since)
-                        run = {"rtt_ms": rtt, "delay_ms": delays[rtt], "ahead": ahead, "sessions": count,
-                               "repeats": len(repeats), "tokens": tokens, "wall_s": wall,
-                               "tokens_per_s": statistics.median(rates),
-                               "itl_ms": statistics.median(itls) if itls else None,
-                               "exact": exact(streams, reference),
-                               "cpu_s": {k: after[k] - before.get(k, 0.0) for k in after},
-                               # one row a round: ROUND_FIELDS (bench/fleet_sim.py reads them)
-                               "rounds": [[r["m"], r["accepted"], r["emitted"], r["draft_ms"],
-                                           r["verify_ms"], int(bool(r["ahead"]))] for r in rounds]}
-                        record["runs"].append(run)
-                        print(f"RTT {rtt:>4g} ms, {'ahead' if ahead else 'not ahead':>9}, {count:2d} sessions: "
-                              f"{run['tokens_per_s']:7.1f} tokens/s, ITL {run['itl_ms'] or 0:6.1f} ms, "
-                              f"{len(rounds)} rounds, exact {run['exact']}", flush=True)
+                # repeats interleaved over the RTTs (not all of one RTT, then the next): what
+                # else the machine is doing drifts over minutes and would otherwise favour one
+                points: dict[tuple[float, int], list] = {}
+                for _ in range(args.repeats):
+                    for rtt in rtts:
+                        set_delay(bed, delays[rtt], args.loss)
+                        for count in (args.sessions, 1):
+                            points.setdefault((rtt, count), []).append(measure(bed, front, prompts[:count],
+                                                                               args.max_new))
+                for (rtt, count), reps in points.items():
+                    run = summarize(reps, reference)
+                    run.update(rtt_ms=rtt, delay_ms=delays[rtt], ahead=ahead, sessions=count, protocol=args.protocol,
+                               loss=args.loss)
+                    record["runs"].append(run)
+                    print(f"RTT {rtt:>4g} ms, {'ahead' if ahead else 'not ahead':>9}, {count:2d} sessions: "
+                          f"{run['tokens_per_s']:7.1f} tokens/s, ITL {run['itl_ms'] or 0:6.1f} ms, "
+                          f"TTFT {run['ttft_ms']:6.1f} ms, {len(run['rounds'])} rounds "
+                          f"({run['lookahead_used']:.0%} used a look-ahead), exact {run['exact']}", flush=True)
             record["etcd_appends_per_s"] = etcd_append_rate(bed.commit_log)
             print(f"etcd cluster (3 members): {record['etcd_appends_per_s']:.0f} appends/s "
                   "(16 logs at once, from the client link)", flush=True)
@@ -369,6 +429,8 @@ def main() -> int:
                         if r["rtt_ms"] == rtt and r["ahead"] == ahead and r["sessions"] == args.sessions)
     ok = sum(1 for f in record["faults"] if f["exact"])
     rtt_text = "/".join(f"{r:g}" for r in rtts)
+    if args.protocol != "h2" or args.loss:
+        rtt_text += f" ({args.protocol}, {100 * args.loss:g}% UDP loss)"
     print(f"hosts: {n_hosts} hosts, RTT {rtt_text} ms: {args.sessions}-session tokens/s {series(True)} (ahead) "
           f"vs {series(False)} (not ahead); faults {ok}/{len(record['faults'])} exact")
     return 0
@@ -398,8 +460,15 @@ def faults(bed: Testbed, front: str, prompts: list[list[int]], reference: dict, 
         t0 = time.perf_counter()
         moved = [s for s in streams if s.gid in on_it]
         before = [len(s.tokens) for s in moved]
-        while not all(len(s.tokens) > b or s.finish or s.error for s, b in zip(moved, before, strict=True)):
-            time.sleep(0.005)
+
+        def elsewhere() -> set[str]:     # generations drafted by another drafter now
+            listed = httpx.get(f"{front}/v1/generations", timeout=10).json()["generations"]
+            return {g["id"] for g in listed if g.get("drafter") not in (None, victim.uri)}
+        # recovered: every stream it held moves again, drafted elsewhere (a round already at
+        # the verifier when the cut came still commits: that is no recovery)
+        while not all(s.finish or s.error or (len(s.tokens) > b and s.gid in moved_on)
+                      for s, b, moved_on in [(s, b, elsewhere()) for s, b in zip(moved, before, strict=True)]):
+            time.sleep(0.02)
         return {"recovery_s": time.perf_counter() - t0, "sessions_moved": len(moved), "cut": victim.name}
 
     def etcd_member_killed(streams: list[Stream]) -> dict:
