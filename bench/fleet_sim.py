@@ -1,33 +1,49 @@
 """A fleet of verifiers and drafters as a discrete-event model (SimPy), calibrated from the
-namespace runs of bench/bench_hosts.py (issue 36).
+costs measured in the namespace runs of bench/bench_hosts.py (issue 36).
 
     .venv/bin/python bench/fleet_sim.py [--runs bench/hosts_runs.json] [--itl-target-ms 25]
         [--plot bench/fleet_sim.png]
 
-The model, one verifier at a time:
-- a session's round: its drafter drafts M tokens (M drawn from the measured proposals), the
-  proposal travels RTT/2 plus a message cost, waits for the verifier's next pass, the verdict
-  travels back the same way; tokens 1..M are accepted position by position with the measured
-  acceptance per position, and the verdict emits accepted + 1 tokens;
+The model, one verifier at a time, each part the deployment's own mechanism:
+- a session's round: its drafter drafts M tokens (M chosen as the drafter chooses it,
+  core.control.choose_m over its EWMAs of acceptance, drafting cost and turnaround per M),
+  the proposal crosses the wire (the RTT measured through the relay at that delay, half each
+  way), the roles handle it (`handle` + `hr` x the other sessions' rounds per second: the
+  HTTP request and the verdict's write-out on both sides, slower when the machine is busier;
+  handled beside the passes, as the verifier's event loop does), the next pass verifies it,
+  the verdict crosses back;
+  tokens 1..M are accepted position by position with the acceptance measured *for that
+  session* (sessions differ: some prompts are easy, and the slowest session sets the wall
+  time), and the verdict emits accepted + 1 tokens;
 - the verifier batches every proposal waiting when a pass starts (after its 1 ms batching
-  wait): a pass over n new tokens (M + 1 for each proposal) costs v0 + v1 * n;
+  wait): a pass over n new tokens (M + 1 for each proposal) costs v0 + v1 * n + vr * the
+  other sessions' rounds per second, its commit included (the last term: on the measured
+  machine every role shares the cores, so the rest of the deployment's work, which comes per
+  round, stretches the pass; on hosts of their own vr would be 0);
 - a drafter drafts its sessions' tokens in batched steps (one token for every session that
   wants one): a step for b sessions costs d0 + d1 * b;
-- drafting ahead: while a proposal is out, the drafter drafts the next one on the
-  all-accepted verdict when the session's acceptance makes that likely (alpha^M >= 0.5, as
-  the drafter does); a verdict that accepts all M uses it, any other throws it away (its
-  steps were spent anyway);
+- drafting ahead, as sdcp_fast/drafter/session.py does it: while a proposal is out the
+  drafter drafts the next one on the all-accepted verdict when the session's measured odds
+  (EWMAs of fully accepted rounds and of right guesses of the verifier's additional token)
+  say it will be used at least half the time; the verdict stops it; it is used when all M
+  were accepted and its first token was the verifier's additional one (the chance of that:
+  the acceptance at position M + 1), else thrown away (its steps were spent anyway);
 - co-located: drafting and verifying take turns on one device (one resource); split: the
   verifier's device verifies only, drafters have their own;
 - a session starts when the router has placed it, one session at a time: the verifier opens
-  it (open_cost of its device: prefill, first commit) and the assignment crosses to the
+  it (`open_cost` of its device: prefill, first commit), the assignment crosses to the
   drafter (one RTT), then `start` until its first round.
 
-Calibration (printed): M's distribution and the acceptance per position from the drafters'
-rounds logs; d0, d1 from the measured draft times at 1 and 16 sessions; v0, v1 and the message
-cost fitted so the model reproduces the RTT 0.1 ms runs (1 and 16 sessions, not drafting
-ahead). Validation: every other measured run (RTT 2, 10, 30 ms; ahead and not) simulated and
-compared, tokens/s and inter-token latency, error in percent (goal: within 15%).
+Calibration, each parameter from its own measurement (printed), at the lowest RTT without
+drafting ahead: v0, v1 by least squares over the verifier's batch log (pass time against
+tokens in the pass); d0, d1 from the drafting time per token at 1 session and at the most
+sessions (per drafter); `handle` from the 1-session rounds: a round's turnaround less the
+measured RTT and its time in the verifier (batch log, joined by session and round); the
+acceptance per position per session from the drafters' rounds logs; `open_cost` and `start`
+so that the model's time to first token matches the measured one at 1 session and at the
+most sessions. Nothing is fitted to tokens/s or ITL. Validation: every measured run (each
+RTT, ahead and not, 1 and 16 sessions) simulated and compared, tokens/s and inter-token
+latency, error in percent (goal: within 15%).
 
 Then, from the model: sessions one verifier sustains at the ITL target, split vs co-located,
 next to the bound 1 + gamma * t_d / t_v from the same calibration (gamma: tokens drafted per
@@ -46,13 +62,13 @@ import math
 import random
 import statistics
 import sys
-from collections import Counter
-from dataclasses import dataclass, replace
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdcp_fast.core.control import choose_m  # noqa: E402
+from sdcp_fast.drafter.session import LOOKAHEAD_MIN_P, LookaheadOdds  # noqa: E402
 
 try:
     import simpy
@@ -61,39 +77,48 @@ except ImportError:                 # pragma: no cover - an install without the 
     raise SystemExit(2) from None
 
 BATCH_WAIT_S = 0.001                # the verifier's max_wait_ms in the deployment (demo plan)
-LOOKAHEAD_MIN_P = 0.5               # sdcp_fast/drafter/session.py's threshold
+COMPANY_SHARE = 0.5                 # the verifier's company_share (its default)
+TURNAROUND_ALPHA = 0.25             # sdcp_fast/verifier/engine.py's weight of a session's latest gap
+M_MAX = 8                           # the demo plan's contract
+RATE_ROUNDS = 32                    # the round rate a pass sees: over the latest this many rounds
 STEADY = 8                          # capacity runs: generations this many times the measured ones
 
 
 @dataclass
 class Params:
-    m_values: list[int]             # M of measured proposals (their largest is the limit)
-    alpha: list[float]              # acceptance at position 1..m_max
-    alpha_mean: float               # one per-token acceptance, as the drafter's EWMA sees it
-    d0: float                       # drafting step: d0 + d1 * sessions in the step (s)
-    d1: float
-    v0: float                       # verifier pass: v0 + v1 * tokens in the pass (M + 1 a proposal) (s)
-    v1: float
-    msg: float                      # one message's cost besides the wire (s), each way
+    profiles: list[list[float]]     # per measured session: acceptance at position 1..M_MAX
+    m_values: list[int]             # M of measured proposals (reported)
+    m_by_sessions: dict             # sessions -> M of the proposals measured at that many
+    d0: float                       # drafting step: d0 + d1 * sessions in the step
+    d1: float                       #   + dr * the other sessions' rounds per second (s)
+    dr: float
+    v0: float                       # verifier pass: v0 + v1 * tokens in the pass (M + 1 a proposal)
+    v1: float                       #   + vr * the other sessions' rounds per second (s)
+    vr: float
+    handle: float                   # the verifier's process per proposal, besides the pass:
+    hr: float                       #   handle + hr * the other sessions' rounds per second (s)
     start: float                    # a session's opening until its first round (s)
     open_cost: float                # the verifier's device per session opened (prefill), serial (s)
-    rtt: float                      # s
+    rtt: float                      # the wire's round trip (s)
     ahead: bool
     colocated: bool = False
     drafters: int = 2
+    rtt_of: dict = field(default_factory=dict)   # configured RTT (ms) -> measured round trip (s)
 
     @property
     def mean_m(self) -> float:
         return statistics.fmean(self.m_values)
 
-    def full_accept_p(self, m: int) -> float:
-        return math.prod(self.alpha[:m])
+    def at(self, rtt_ms: float) -> Params:
+        """These costs at a configured RTT: the round trip measured through the relay there."""
+        return replace(self, rtt=self.rtt_of.get(rtt_ms, rtt_ms / 1000))
 
 
 @dataclass
 class Result:
     tokens_per_s: float
     itl_ms: float
+    ttft_ms: float
 
 
 # ---------------------------------------------------------------------- the model
@@ -110,12 +135,29 @@ class Model:
                               for _ in range(max(1, p.drafters))]
         self.pending: list[tuple[int, simpy.Event]] = []
         self.wake = self.env.event()
-        self.want: list[list[tuple[int, simpy.Event]]] = [[] for _ in self.draft_devices]
+        self.want: list[list[list]] = [[] for _ in self.draft_devices]
         self.draft_wake = [self.env.event() for _ in self.draft_devices]
         self.emitted = [0] * sessions
         self.itl: list[float] = []          # per session, as bench_hosts measures it
+        self.ttft: list[float] = []
         self.finished = 0
+        self.started = 0
         self.end_time = 0.0
+        self.completions: deque[float] = deque(maxlen=RATE_ROUNDS)   # the latest rounds' ends
+        self.trace: dict[str, list[float]] = {"pass": [], "jobs": [], "turnaround": [], "draft": [], "m": [],
+                                                "emitted": []}
+        self.in_pass = False
+        self.answered_at: list[float | None] = [None] * sessions   # the verifier's last verdict to each
+        self.turnaround: list[float | None] = [None] * sessions    # ... and the EWMA of its way back
+        order = list(range(len(p.profiles)))
+        self.rng.shuffle(order)
+        self.profile = [p.profiles[order[s % len(order)]] for s in range(sessions)]
+        # M as measured at the lowest RTT with the nearest number of sessions: the drafter's
+        # choice (core.control.choose_m over its own EWMAs) under the verifier's m_cap, which
+        # the model takes as measured rather than redoing both controllers
+        near = min(p.m_by_sessions, key=lambda n: (abs(math.log(n / sessions)), n))
+        self.m_pool = p.m_by_sessions[near]
+
 
     def run(self) -> Result:
         self.env.process(self.verifier())
@@ -125,11 +167,11 @@ class Model:
             self.env.process(self.session(s))
         self.env.run()
         total = sum(self.emitted)
-        return Result(total / self.end_time, 1000 * statistics.median(self.itl))
+        return Result(total / self.end_time, 1000 * statistics.median(self.itl), 1000 * statistics.median(self.ttft))
 
     def draft(self, j: int, tokens: int) -> list:
-        """[tokens left, event]: the event fires once drafter j drafted them for one session."""
-        item = [tokens, self.env.event()]
+        """[tokens left, event, tokens wanted]: the event fires once drafter j drafted them."""
+        item = [tokens, self.env.event(), tokens]
         self.want[j].append(item)
         if not self.draft_wake[j].triggered:
             self.draft_wake[j].succeed()
@@ -151,7 +193,7 @@ class Model:
                 # (a split drafter's device is its own, so the same loop)
                 while self.want[j]:
                     batch = list(self.want[j])
-                    yield self.env.timeout(p.d0 + p.d1 * len(batch))
+                    yield self.env.timeout(p.d0 + p.d1 * len(batch) + p.dr * self.others_rate())
                     for item in batch:
                         if item not in self.want[j]:
                             continue                 # cancelled during the step
@@ -160,31 +202,82 @@ class Model:
                             self.want[j].remove(item)
                             item[1].succeed()
 
+    @property
+    def back_at(self) -> list[float]:
+        """When each session's next proposal is expected at the verifier."""
+        return [math.inf if a is None or t is None else a + t
+                for a, t in zip(self.answered_at, self.turnaround, strict=True)]
+
+    def others_rate(self) -> float:
+        """Rounds per second of the sessions other than one: what else the shared machine is
+        busy with (drafting, the router, etcd, the other processes' messages) grows with it."""
+        active = self.started - self.finished
+        if active <= 1 or len(self.completions) < 2 or self.env.now <= self.completions[0]:
+            return 0.0
+        rate = (len(self.completions) - 1) / (self.env.now - self.completions[0])
+        return rate * (active - 1) / active
+
     def verifier(self):
-        p = self.p
+        """The engine's loop (sdcp_fast/verifier/engine.py): a batch is every job waiting, and
+        those that come while it waits for company: until its first job has waited the
+        batching wait (none for a job that came during a pass), and, while a session of the
+        last two batches is expected back (its last verdict plus its drafter's usual time to
+        the next proposal) within COMPANY_SHARE of a batch's cost, until then."""
+        p, env = self.p, self.env
+        recent: deque[set[int]] = deque(maxlen=2)
+        batch_s = 0.0
         while self.finished < self.sessions:
             if not self.pending:
-                self.wake = self.env.event()
-                yield self.wake | self.env.timeout(1.0)
+                self.wake = env.event()
+                yield self.wake | env.timeout(1.0)
                 continue
-            yield self.env.timeout(BATCH_WAIT_S)
+            now = env.now
+            first = self.pending[0]
+            deadline = now if first[4] else first[3] + BATCH_WAIT_S
+            company = now + COMPANY_SHARE * batch_s
+            while True:
+                waiting = {job[2] for job in self.pending}
+                active = self.started - self.finished
+                if len(waiting) >= active:
+                    break                              # nobody else can come
+                back = self.back_at
+                expected = any(sid not in waiting and back[sid] <= company for sid in set().union(*recent))
+                until = max(deadline, company) if expected else deadline
+                if env.now >= until:
+                    break
+                self.wake = env.event()
+                yield self.wake | env.timeout(until - env.now)
             batch, self.pending = self.pending, []
+            recent.append({job[2] for job in batch})
+            self.in_pass = True
             with self.device.request() as turn:
                 yield turn
-                yield self.env.timeout(p.v0 + p.v1 * sum(m + 1 for m, _ in batch))
-            for m, answered in batch:
-                answered.succeed(self.accepted(m))
+                seconds = p.v0 + p.v1 * sum(job[0] + 1 for job in batch) + p.vr * self.others_rate()
+                self.trace["pass"].append(seconds)
+                self.trace["jobs"].append(len(batch))
+                yield env.timeout(seconds)
+            self.in_pass = False
+            batch_s = seconds if batch_s == 0 else batch_s + 0.2 * (seconds - batch_s)
+            for m, answered, s, _, _ in batch:
+                self.answered_at[s] = env.now
+                answered.succeed(self.accepted(s, m))
 
-    def accepted(self, m: int) -> int:
+    def accepted(self, s: int, m: int) -> int:
+        alpha = self.profile[s]
         for k in range(m):
-            if self.rng.random() >= self.p.alpha[min(k, len(self.p.alpha) - 1)]:
+            if self.rng.random() >= alpha[min(k, len(alpha) - 1)]:
                 return k
         return m
+
+    def guess_right(self, s: int, m: int) -> bool:
+        """The verifier's additional token (position M + 1) is the draft's next one."""
+        alpha = self.profile[s]
+        return self.rng.random() < alpha[min(m, len(alpha) - 1)]
 
     def session(self, s: int):
         p, env = self.p, self.env
         j = s % len(self.draft_devices)
-        yield env.timeout(self.rng.uniform(0, 0.002))
+        began = env.now
         with self.placing.request() as placing:       # the router places it: the verifier opens it
             yield placing                              # (prefill, first commit), then the drafter's
             with self.device.request() as turn:        # assignment crosses the wire
@@ -192,45 +285,57 @@ class Model:
                 yield env.timeout(p.open_cost)
             yield env.timeout(p.rtt)
         yield env.timeout(p.start)
-        ready_ahead = None
-        first = first_tokens = last = None
-        m_limit = max(p.m_values)
-        t_draft = p.d0 + p.d1                          # per token, then as measured (EWMA 0.2)
-        t_verify = p.rtt + 2 * p.msg + p.v0 + 2 * p.v1  # the turnaround, likewise
+        self.started += 1
+        odds = LookaheadOdds()
+        ready = 0                                      # tokens of the next proposal drafted ahead
+        first = last = None
         while self.emitted[s] < self.max_new:
-            # M as the drafter chooses it (core.control.choose_m, section 6.2)
-            m = min(choose_m(p.alpha_mean, t_draft, t_verify, m_limit), self.max_new - self.emitted[s])
-            began = env.now
-            if ready_ahead is None:
-                yield self.draft(j, m)[1]
-            elif not ready_ahead[1].triggered:
-                yield ready_ahead[1]                   # what drafting ahead has not finished yet
-            if ready_ahead is None:
-                t_draft += 0.2 * ((env.now - began) / m - t_draft)
+            limit = max(1, min(M_MAX, self.max_new - self.emitted[s]))
+            m = min(limit, self.rng.choice(self.m_pool))
+            building = env.now
+            if ready < m:
+                yield self.draft(j, m - ready)[1]
+            self.trace["draft"].append(env.now - building)
             ahead = None
-            if p.ahead and p.full_accept_p(m) >= LOOKAHEAD_MIN_P:
-                ahead = self.draft(j, min(m_limit, m + 1))
+            if p.ahead and odds.hit >= LOOKAHEAD_MIN_P:
+                room = self.max_new - self.emitted[s] - m - 1
+                want = min(M_MAX, m + 1, room) + 1     # drafted on top of the proposal
+                if want >= 2:
+                    ahead = self.draft(j, want)
             sent = env.now
-            yield env.timeout(p.rtt / 2 + p.msg)
+            yield env.timeout(p.rtt / 2)
+            yield env.timeout(p.handle + p.hr * self.others_rate())   # the request handled, the verdict written
             answered = env.event()
-            self.pending.append((m, answered))
+            if self.answered_at[s] is not None:        # the verifier's view of this drafter's pace
+                gap = env.now - self.answered_at[s]
+                self.turnaround[s] = gap if self.turnaround[s] is None else \
+                    self.turnaround[s] + TURNAROUND_ALPHA * (gap - self.turnaround[s])
+            self.pending.append((m, answered, s, env.now, self.in_pass))
             if not self.wake.triggered:
                 self.wake.succeed()
             a = yield answered
-            yield env.timeout(p.rtt / 2 + p.msg)
-            t_verify += 0.2 * ((env.now - sent) - t_verify)
+            yield env.timeout(p.rtt / 2)
+            self.trace["turnaround"].append(env.now - sent)
             emitted = min(a + 1, self.max_new - self.emitted[s])
             if first is None:
-                first, first_tokens = env.now, emitted
+                first = env.now
+                self.ttft.append(first - began)
             last = env.now
+            self.completions.append(last)
+            self.trace["m"].append(m)
+            self.trace["emitted"].append(emitted)
             self.emitted[s] += emitted
-            if ahead is not None and a != m:
-                self.cancel(j, ahead)                  # the verdict invalidated it
-                ahead = None
-            ready_ahead = ahead
+            ready, right = 0, None
+            if ahead is not None:
+                self.cancel(j, ahead)                  # the verdict stops it
+                drafted = ahead[2] - ahead[0]
+                if a == m and drafted:
+                    right = self.guess_right(s, m)
+                    ready = drafted - 1 if right else 0
+            odds.observe(a, m, right)
         if last is not None and self.emitted[s] > 1 and last > first:
             self.itl.append((last - first) / (self.emitted[s] - 1))
-        elif first_tokens:
+        elif first is not None:
             self.itl.append(0.0)
         self.finished += 1
         self.end_time = max(self.end_time, env.now)
@@ -238,76 +343,106 @@ class Model:
             self.wake.succeed()
 
 
-def simulate(p: Params, sessions: int, max_new: int, seeds: int = 3) -> Result:
+def simulate(p: Params, sessions: int, max_new: int, seeds: int = 5) -> Result:
     results = [Model(p, sessions, max_new, seed).run() for seed in range(seeds)]
-    return Result(statistics.fmean(r.tokens_per_s for r in results), statistics.fmean(r.itl_ms for r in results))
+    return Result(statistics.fmean(r.tokens_per_s for r in results), statistics.fmean(r.itl_ms for r in results),
+                  statistics.fmean(r.ttft_ms for r in results))
 
 
 # ---------------------------------------------------------------------- calibration
 
 
-def acceptance(rounds: list[dict]) -> list[float]:
-    """P(position k accepted | positions < k accepted), k = 1..max M."""
-    top = max(r["m"] for r in rounds)
+def acceptance(rounds: list[dict], top: int = M_MAX, prior: list[float] | None = None) -> list[float]:
+    """P(position k accepted | positions < k accepted), k = 1..top; a position never tried
+    takes `prior`'s value (or the last one's)."""
     out = []
     for k in range(1, top + 1):
         tried = sum(1 for r in rounds if r["m"] >= k and r["accepted"] >= k - 1)
         took = sum(1 for r in rounds if r["accepted"] >= k)
-        out.append(took / tried if tried else (out[-1] if out else 0.5))
+        out.append(took / tried if tried else (prior[k - 1] if prior else (out[-1] if out else 0.5)))
     return out
+
+
+def least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
+    """Coefficients c >= 0 minimising |rows @ c - ys| (a coefficient that comes out negative,
+    a cost that would fall with more work, is dropped and the rest fitted again)."""
+    import numpy as np
+
+    a, y = np.array(rows, dtype=float), np.array(ys, dtype=float)
+    keep = list(range(a.shape[1]))
+    while True:
+        c = np.linalg.lstsq(a[:, keep], y, rcond=None)[0]
+        if (c >= 0).all() or len(keep) == 1:
+            out = [0.0] * a.shape[1]
+            for k, v in zip(keep, c, strict=True):
+                out[k] = max(0.0, float(v))
+            return out
+        keep.pop(int(np.argmin(c)))
 
 
 def calibrate(record: dict) -> tuple[Params, dict]:
     runs = record["runs"]
     low = min(r["rtt_ms"] for r in runs)
-    base = [r for r in runs if r["rtt_ms"] == low]
+    base = [r for r in runs if r["rtt_ms"] == low and not r["ahead"]]
+    one = next(r for r in base if r["sessions"] == 1)
+    many = max(base, key=lambda r: r["sessions"])
+    rtt_of = {}
+    for r in runs:       # the configured RTT's measured round trip (the relay at RTT/2 each way)
+        measured = record.get("relay", {}).get(f"relay {r['delay_ms']:g}")
+        rtt_of[r["rtt_ms"]] = measured["tcp_ms"] / 1000 if measured else r["rtt_ms"] / 1000
     rounds = [x for r in runs for x in r["rounds"]]
     m_values = [x["m"] for x in rounds]
-    alpha = acceptance(rounds)
-    # the drafter's per-token acceptance: accepted over proposed
-    alpha_mean = sum(x["accepted"] for x in rounds) / max(1, sum(x["m"] for x in rounds))
-    # drafting steps: draft_ms / M at one session and at the most sessions (per drafter)
+    overall = acceptance(rounds)
+    by_session: dict[tuple, list[dict]] = {}
+    for n, r in enumerate(runs):
+        if r["sessions"] > 1:
+            for x in r["rounds"]:
+                by_session.setdefault((n, x["session"]), []).append(x)
+    profiles = [acceptance(rs, prior=overall) for rs in by_session.values()] or [overall]
+    # the verifier's pass: least squares over its batches, pass time against tokens in the
+    # pass and the other sessions' round rate in that run (the machine's other work)
+    def others(run):
+        # streaming, every session completes a round each ITL x tokens per round
+        n = run["sessions"]
+        per_round = statistics.fmean(x["emitted"] for x in run["rounds"])
+        return (n - 1) / (run["itl_ms"] / 1000 * per_round)
+    batches = [(b, others(r)) for r in base for b in r["batches"]]
+    v0, v1, vr = least_squares([(1.0, b["tokens"], rate) for b, rate in batches],
+                               [b["pass_ms"] / 1000 for b, _ in batches])
+    # drafting: time per token drafted (rounds that drafted all of their proposal) alone and
+    # at the most sessions, against the other sessions' round rate: on the shared cores the
+    # step waits for the rest of the deployment's work far more than it grows with its batch
+    # (drafter CPU stays a fraction of a core), so that term carries the difference
     def per_token(rs):
         return statistics.median(x["draft_ms"] / 1000 / x["m"] for x in rs if x["m"] and not x["ahead"])
-    one = next(r for r in base if r["sessions"] == 1 and not r["ahead"])
-    many = max((r for r in base if not r["ahead"]), key=lambda r: r["sessions"])
-    per_drafter = many["sessions"] / 2
     t1, tn = per_token(one["rounds"]), per_token(many["rounds"])
-    d1 = max(0.0, (tn - t1) / max(per_drafter - 1, 1))
-    d0 = max(1e-5, t1 - d1)
-    # a session's start: the 1-session run's wall time less its streaming time
-    reps = one.get("repeats", 1)
-    start = max(0.0, one["wall_s"] / reps - one["itl_ms"] / 1000 * (one["tokens"] / reps - 1))
-    p = Params(m_values, alpha, alpha_mean, d0, d1, v0=0.002, v1=0.0005, msg=0.001, start=start, open_cost=0.005,
-               rtt=low / 1000, ahead=False)
-    # fit v0, v1, msg to the base runs (tokens/s and ITL), coarse grid then a finer one
-    targets = [(r["sessions"], r["ahead"], r["tokens_per_s"], r["itl_ms"]) for r in base]
+    d0, d1 = t1, 0.0
+    dr = max(0.0, (tn - t1) / max(others(many), 1e-9))
+    # the verifier's handling of a proposal: a round's turnaround less the wire and its time in
+    # the verifier, at one session (nothing else running) and at the most, where the other
+    # sessions' work competes for the cores
+    def handling(run):
+        return max(0.0, statistics.median(x["turnaround_ms"] / 1000 - rtt_of[low] - x["verifier_ms"] / 1000
+                                          for x in run["rounds"] if x["verifier_ms"] is not None))
+    handle = handling(one)
+    hr = max(0.0, (handling(many) - handle) / max(others(many), 1e-9))
+    m_by_sessions = {r["sessions"]: [x["m"] for x in r["rounds"]] for r in base}
+    p = Params(profiles, m_values, m_by_sessions, d0, d1, dr, v0, v1, vr, handle, hr, start=0.0, open_cost=0.0, rtt=rtt_of[low], ahead=False,
+               rtt_of=rtt_of)
+    # opening: open_cost (serial, the verifier's) and start, so that the first token comes
+    # when it came at 1 session and at the most sessions
     max_new = record["max_new"]
-
-    def loss(q: Params, seeds: int = 1) -> float:
-        err = 0.0
-        for sessions, ahead, tps, itl in targets:
-            sim = simulate(replace(q, ahead=ahead), sessions, max_new, seeds=seeds)
-            err += (sim.tokens_per_s / tps - 1) ** 2 + (sim.itl_ms / itl - 1) ** 2
-        return err
-
-    best = (math.inf, p)
-    for v0 in (0.0005, 0.002, 0.006, 0.016):
-        for v1 in (0.0001, 0.0004, 0.001, 0.0025):
-            for msg in (0.0002, 0.0008, 0.002, 0.005):
-                for open_cost in (0.003, 0.01, 0.03, 0.08):
-                    q = replace(p, v0=v0, v1=v1, msg=msg, open_cost=open_cost, start=max(0.0, start - open_cost))
-                    best = min(best, (loss(q), q), key=lambda t: t[0])
-    p = best[1]
-    best = (loss(p, 3), p)
-    for _ in range(3):
-        for name in ("v0", "v1", "msg", "open_cost"):
-            for f in (0.5, 0.7, 0.85, 1.2, 1.4, 2.0):
-                q = replace(p, **{name: getattr(p, name) * f})
-                q = replace(q, start=max(0.0, start - q.open_cost))
-                best = min(best, (loss(q, 3), q), key=lambda t: t[0])
-            p = best[1]
-    return p, {"base_runs": len(base), "fit_loss": best[0]}
+    t_one, t_many = one["ttft_ms"] / 1000, many["ttft_ms"] / 1000
+    for _ in range(6):
+        s1 = simulate(p, 1, max_new, seeds=3).ttft_ms / 1000
+        sn = simulate(p, many["sessions"], max_new, seeds=3).ttft_ms / 1000
+        start = max(0.0, p.start + t_one - s1)
+        spread_sim, spread = sn - s1, t_many - t_one
+        open_cost = max(0.0, p.open_cost + (spread - spread_sim) / max(1.0, many["sessions"] / 2))
+        p = replace(p, start=start, open_cost=open_cost)
+    return p, {"batches": len(batches), "ttft_ms": (one["ttft_ms"], many["ttft_ms"]),
+               "load": (others(many), statistics.fmean(b["jobs"] for b in many["batches"])),
+               "profiles": len(profiles)}
 
 
 # ---------------------------------------------------------------------- questions
@@ -316,7 +451,7 @@ def calibrate(record: dict) -> tuple[Params, dict]:
 def validate(p: Params, record: dict) -> list[dict]:
     out = []
     for r in record["runs"]:
-        q = replace(p, rtt=r["rtt_ms"] / 1000, ahead=r["ahead"])
+        q = replace(p.at(r["rtt_ms"]), ahead=r["ahead"])
         sim = simulate(q, r["sessions"], record["max_new"])
         out.append({"rtt_ms": r["rtt_ms"], "ahead": r["ahead"], "sessions": r["sessions"],
                     "tps": (r["tokens_per_s"], sim.tokens_per_s), "itl": (r["itl_ms"], sim.itl_ms),
@@ -349,21 +484,23 @@ def main() -> int:
     parser.add_argument("--plot", default=None, help="write capacity against RTT and fleet size (PNG)")
     args = parser.parse_args()
     record = json.loads(Path(args.runs).read_text())
-    fields = record.get("round_fields")
-    if fields:                       # rounds stored as rows
-        for run in record["runs"]:
-            run["rounds"] = [dict(zip(fields, row, strict=True)) for row in run["rounds"]]
+    for run in record["runs"]:       # rounds and batches stored as rows
+        run["rounds"] = [dict(zip(record["round_fields"], row, strict=True)) for row in run["rounds"]]
+        run["batches"] = [dict(zip(record["batch_fields"], row, strict=True)) for row in run["batches"]]
     max_new = record["max_new"]
 
     p, fit = calibrate(record)
+    overall = [statistics.fmean(pr[k] for pr in p.profiles) for k in range(M_MAX)]
     print(f"calibrated from {args.runs} ({record['machine']}): measured M mean {p.mean_m:.2f} "
-          f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position "
-          f"{' '.join(f'{a:.2f}' for a in p.alpha)}")
-    print(f"  drafting step {1e3 * p.d0:.3f} + {1e3 * p.d1:.3f} x sessions ms; verifier pass {1e3 * p.v0:.3f} + "
-          f"{1e3 * p.v1:.3f} x tokens ms; message cost {1e3 * p.msg:.3f} ms each way; session open "
-          f"{1e3 * p.open_cost:.1f} ms of the verifier, then {1e3 * p.start:.0f} ms to its first round "
-          f"(fitted to the {fit['base_runs']} runs at the lowest RTT); the drafter's acceptance {p.alpha_mean:.2f}, M its "
-          "choice (core.control.choose_m) from the turnaround and drafting cost the session sees")
+          f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position (mean of "
+          f"{fit['profiles']} sessions' own) {' '.join(f'{a:.2f}' for a in overall)}")
+    print(f"  verifier pass {1e3 * p.v0:.3f} + {1e3 * p.v1:.3f} x tokens + {1e3 * p.vr:.4f} x R ms (least squares "
+          f"over {fit['batches']} batches; R: the other sessions' rounds per second); drafting step {1e3 * p.d0:.3f} "
+          f"+ {1e3 * p.dr:.4f} x R ms; handling a proposal {1e3 * p.handle:.3f} + {1e3 * p.hr:.4f} x R ms (turnaround "
+          "less round trip and time in the verifier); "
+          f"session open {1e3 * p.open_cost:.1f} ms of the verifier, then {1e3 * p.start:.0f} ms to its first round "
+          f"(time to first token {fit['ttft_ms'][0]:.0f} and {fit['ttft_ms'][1]:.0f} ms measured); round trips "
+          + ", ".join(f"{k:g} ms -> {1e3 * v:.2f} ms" for k, v in sorted(p.rtt_of.items())))
 
     print("\nvalidation against the namespace runs (measured -> simulated):")
     print("| RTT ms | ahead | sessions | tokens/s | error | ITL ms | error |")
@@ -383,16 +520,19 @@ def main() -> int:
     low = min(r["rtt_ms"] for r in record["runs"]) / 1000
     target = args.itl_target_ms
     split = capacity(replace(p, rtt=low, drafters=8), target, max_new)
-    colocated = capacity(replace(p, rtt=0.0, msg=0.0, colocated=True, drafters=1), target, max_new)
+    colocated = capacity(replace(p, rtt=0.0, handle=0.0, hr=0.0, colocated=True, drafters=1), target, max_new)
     gamma = p.mean_m
-    t_d, t_v = p.d0 + p.d1, p.v0 + p.v1 * (gamma + 1)   # one session alone: a token drafted, a pass
+    t_d, t_v = p.d0, p.v0 + p.v1 * (gamma + 1)     # one session alone: a token drafted, a pass
     bound = 1 + gamma * t_d / t_v
-    marginal = 1 + gamma * p.d1 / (p.v1 * (gamma + 1))  # one more session in a batch: its share of each
+    rate, jobs = fit["load"]                        # the most sessions measured: R and jobs per pass
+    t_d_n = p.d0 + p.dr * rate
+    t_v_n = (p.v0 + p.vr * rate) / jobs + p.v1 * (gamma + 1)   # a session's share of a pass
+    loaded = 1 + gamma * t_d_n / t_v_n
     print(f"\none verifier at ITL <= {target:g} ms: {split} sessions split (8 drafters, RTT {1e3 * low:g} ms) vs "
           f"{colocated} co-located: {split / max(colocated, 1):.2f}x; bound 1 + gamma * t_d / t_v = 1 + "
           f"{gamma:.2f} x {1e3 * t_d:.3f} / {1e3 * t_v:.3f} = {bound:.2f} (one session alone), "
-          f"1 + {gamma:.2f} x {1e3 * p.d1:.3f} / {1e3 * p.v1 * (gamma + 1):.3f} = {marginal:.2f} (a session's share "
-          "of batched work)")
+          f"1 + {gamma:.2f} x {1e3 * t_d_n:.3f} / {1e3 * t_v_n:.3f} = {loaded:.2f} (a session's share of a pass "
+          f"at the most sessions measured, {jobs:.1f} proposals a pass)")
     needed = None
     for d in range(1, 9):
         if capacity(replace(p, rtt=low, drafters=d), target, max_new) >= 0.95 * split:
