@@ -2,13 +2,14 @@
 
     flock /tmp/sdcp-quiet.lock .venv/bin/python bench/bench_hosts.py [--sessions 16] [--max-new 64]
         [--rtts 0.1,2,10,30] [--out bench/hosts_runs.json] [--protocol h3 --loss 0.01]
+        [--target hf:smollm2 --draft twin:smollm2]
 
 Needs root and `ip netns` (sdcp_fast/hosts). Hosts: a router, a verifier and 3 etcd members
 (commit log and session table) on the near wire; two drafters on the far wire; the relay host
 between the wires (sdcp_fast/hosts/relay.py) forwards TCP and UDP after RTT/2 each way. The
-pair is the byte-level demo pair (tiny:demo-target, tiny:demo-draft: a cost-faithful stand-in
-on 2 cores; the real SmolLM2 pair would spend minutes per point), rule 1, the demo's
-deployment plan (speculation "on").
+pair is by default the byte-level demo pair (tiny:demo-target, tiny:demo-draft: a stand-in on
+2 cores; the real SmolLM2 pair, --target hf:smollm2 --draft twin:smollm2, spends minutes per
+point at 16 sessions), rule 1, the demo's deployment plan (speculation "on").
 
 It measures, in order:
 1. the relay's own cost: TCP and UDP round trips between two hosts on one wire, then through
@@ -354,6 +355,8 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
     parser.add_argument("--repeats", type=int, default=5, help="runs per point (the median is reported)")
     parser.add_argument("--no-faults", action="store_true")
+    parser.add_argument("--target", default=TARGET, help="the target (hf:smollm2: the real pair's)")
+    parser.add_argument("--draft", default=DRAFT, help="the drafters' model (twin:smollm2 with hf:smollm2)")
     parser.add_argument("--protocol", default="h2", choices=("h2", "h3"), help="how the roles call each other")
     parser.add_argument("--loss", type=float, default=0.0,
                         help="fraction of UDP datagrams the relay drops (HTTP/3's; TCP is never altered)")
@@ -364,12 +367,12 @@ def main() -> int:
         return 2
     rtts = [float(r) for r in args.rtts.split(",")]
     delays = {rtt: (0.0 if rtt <= 0.1 else rtt / 2) for rtt in rtts}
-    target = load_backend(TARGET)
-    draft = load_backend(DRAFT)
+    target = load_backend(args.target)
+    draft = load_backend(args.draft)
     prompts = [target.encode(PROMPTS[n % len(PROMPTS)] + " " * (n // len(PROMPTS))) for n in range(args.sessions)]
     outputs, alone_s = decode_alone(target, prompts, [args.max_new] * len(prompts))
     reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
-    record: dict = {"round_fields": ROUND_FIELDS, "batch_fields": BATCH_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
+    record: dict = {"target": args.target, "draft": args.draft, "round_fields": ROUND_FIELDS, "batch_fields": BATCH_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
                     "sessions": args.sessions, "max_new": args.max_new, "target_alone_tokens_per_s":
                     sum(map(len, outputs)) / alone_s, "runs": [], "faults": []}
     print(f"target alone (one process, {args.sessions} prompts batched): "
@@ -382,7 +385,9 @@ def main() -> int:
             print(f"round trip {name:>10}: TCP {r['tcp_ms']:.3f} ms, UDP {r['udp_ms']:.3f} ms", flush=True)
 
         with Testbed(workdir / "bed", hosts=HOSTS, far=FAR, delay_ms=0.0, protocol=args.protocol) as bed:
-            deployment.plan(bed.cluster, TARGET, DRAFT, draft.digest.hex(), args.max_new, speculation="on")
+            # a model whose passes take 100 ms (the real pair on these cores): TTLs with room
+            deployment.plan(bed.cluster, args.target, args.draft, draft.digest.hex(), args.max_new, speculation="on",
+                            slow=args.target.startswith("hf:"))
             v = bed.cluster.instances["verifier"]     # one JSON line per verify batch: the pass costs
             v.config = dataclasses.replace(v.config, verifier=dataclasses.replace(
                 v.config.verifier, batch_log=str(bed.cluster.workdir / "verifier.batches.jsonl")))
