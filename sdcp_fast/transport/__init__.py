@@ -1,26 +1,19 @@
-"""HTTP/2 and HTTP/3 with mutual TLS 1.3: the only part of sdcp-fast that touches sockets.
-(Plain-HTTP pages for clients and scrapers: `asgi.serve_web`, through hypercorn.)
+"""HTTP/2 and HTTP/3 with mutual TLS 1.3: the only part of sdcp-fast that touches sockets
+(plain-HTTP pages for clients and scrapers: `asgi.serve_web`, through hypercorn).
 
-Server side: `serve(handler, *, host, port, tls, http3=True, http2=True, limits=Limits(),
-refusals=None, **limit_overrides) -> Server` runs a `Handler` (`async handle(Request) ->
-Response`), usually a `Router` (404/405 answered for it; `add_message` routes decode the
-body into their message type and encode the answer, so roles never see CBOR) guarded by an
-`Authorizer`. The caller is the single URI SAN of the client certificate, checked by one
-policy on both protocols (certpolicy.py). The transport answers itself: a malformed request
-with a reset of its stream, 431, 413 (decided from content-length or as bytes arrive), 415
-(POST/PUT without application/sdcp+cbor), 400 (bad path or query) and 408 (body not complete
-within body_timeout); a ProblemError raised by the handler becomes its problem document, any
-other exception a logged 500. `Limits` holds every limit against hostile clients (the
-config's [transport] table); `Refusals` counts every refusal by kind.
+Server side: `serve(handler, *, host, port, tls, http3, http2, limits, refusals, **overrides)`
+runs a `Handler` (`async handle(Request) -> Response`), as a rule a `Router` whose
+`add_message` routes decode and encode the messages (roles never see CBOR), guarded by an
+`Authorizer`. The caller is the single URI SAN of the client certificate (certpolicy.py). The
+transport answers itself what it can know without the role (a malformed request resets its
+stream; 431, 413, 415, 400, 408); a ProblemError raised by the handler becomes its problem
+document, any other exception a logged 500. `Limits` holds every limit against hostile
+clients; `Refusals` counts every refusal by kind.
 
-Client side: `Client(tls, "h2" | "h3", *, timeout, connect_timeout, retries, idle_timeout,
-max_response)`; `await client.request(method, url, body, content_type, *, idempotent,
-timeout) -> ClientResponse` raises TransportError(sent=...) / RequestTimeout and retries only
-when safe; each attempt, connection set-up included, ends within `timeout`. `await
-call(client, method, url, message, AnswerType)` -> `Reply` is the typed form roles use.
-
-Certificates: `make_certs(directory, instances)`, `sdcp-fast certs --dir DIR URI...`,
-`TLSConfig(cert, key, ca)` / `TLSConfig.for_instance(directory, uri)`.
+Client side: `Client(tls, "h2" | "h3", ...)`; `await client.request(...)` -> ClientResponse, or
+TransportError(sent=...) / RequestTimeout, retried only when safe; `await call(client, method,
+url, message, AnswerType)` -> `Reply` is the typed form. Certificates: `make_certs`,
+`sdcp-fast certs --dir DIR URI...`, `TLSConfig`.
 """
 
 from .certs import CertPaths, make_certs

@@ -8,12 +8,10 @@ mutual TLS); this adapter is for clients and scrapers.
     class WebHandler(Protocol):
         async def handle(self, request: WebRequest) -> WebResponse | StreamingResponse
 
-`WebRequest(method, path, query, headers, body)`: the whole body, at most `max_body` bytes
-(413 otherwise), read within `read_timeout_s` (408 otherwise). A `StreamingResponse` sends
-its chunks as they come (server-sent events) and stops when the client goes away; a handler
-still working on its answer then is cancelled. An exception that escapes the handler is a
-logged 500. With `tls`, clients must present a certificate from `tls.ca` (TLS 1.3); hypercorn
-does not hand it to the app, so the handler learns no identity.
+`WebRequest`: the whole body, at most `max_body` bytes (413), read within `read_timeout_s`
+(408). A `StreamingResponse` sends its chunks as they come and stops when the client goes
+away; a handler still working then is cancelled; an exception out of it is a logged 500.
+With `tls`, clients must present a certificate from `tls.ca` (the handler learns no identity).
 """
 
 from __future__ import annotations

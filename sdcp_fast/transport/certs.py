@@ -1,11 +1,8 @@
 """A private CA and per-instance certificates whose URI SAN is the instance's base URI.
 
-SDCP identifies every instance by its base URI (../shared/spec/NOTES.md, Identity): the authenticated caller
-of a request is the single URI SAN of its verified client certificate. `sdcp-fast certs`
-(wired to `main`) writes, for each instance, a certificate that serves both as TLS server
-certificate (DNS/IP SANs of the URI's host plus localhost, 127.0.0.1 and ::1, so that
-hostname checks pass on loopback) and as client certificate (the URI SAN). Keys are EC P-256:
-cheap handshakes, and supported by both OpenSSL and aioquic's TLS 1.3.
+`sdcp-fast certs` (`main`) writes, for each instance, a certificate that serves both as TLS
+server certificate (DNS/IP SANs of the URI's host plus loopback) and as client certificate
+(the URI SAN: ../shared/spec/NOTES.md, Identity). Keys are EC P-256 (OpenSSL and aioquic).
 
 Layout of a certificate directory:
     ca.pem, ca.key                  the CA (reused when the directory already has one)

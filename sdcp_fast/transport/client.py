@@ -10,9 +10,8 @@ or when the caller says it is idempotent (`idempotent=True`: proposals are idemp
 round, section 6.9; GETs are safe).
 
 `call(client, method, url, message, AnswerType)` is the typed form for role code: a message
-in, the answer's message (or its problem document) out as a `Reply`, so that roles never
-encode or parse CBOR; the message is encoded deterministically, so a retried call sends the
-same bytes. `client` is anything with `Client.request`'s signature.
+in, the answer's message (or its problem document) out as a `Reply`; a retried call sends
+the same bytes (deterministic encoding).
 """
 
 from __future__ import annotations
@@ -147,11 +146,9 @@ class Exchange:
 class Origins:
     """The connections of one client, per origin: one while its streams fit the server's
     limit, past that another (up to `max_connections`), then a request waits for a free
-    stream (within its caller's deadline). One connect at a time per origin. A connection
-    idle for 0.9 x `idle_timeout` is retired rather than reused (a server with the same
-    idle_timeout may be closing it, and a request written onto it could not be retried
-    unless idempotent). A subclass opens connections (`_open`); a connection offers
-    `usable`, `has_room`, `busy`, `last_used`, `retire()` and `close()`."""
+    stream. One connect at a time per origin. A connection idle for 0.9 x `idle_timeout` is
+    retired, not reused (a server with the same idle_timeout may be closing it). A subclass
+    opens connections (`_open`), which offer usable, has_room, busy, last_used, retire, close."""
 
     def __init__(self, *, connect_timeout: float, idle_timeout: float, max_connections: int):
         self._connect_timeout = connect_timeout

@@ -1,15 +1,9 @@
-"""HTTP/2 client adapter on jh2's sans-IO state machine (mutual TLS 1.3): connections kept
-per origin and reused, requests on one connection as concurrent streams, a request's
-headers and body leaving in one write.
-
-- Connections (client_base.Origins): up to `MAX_CONNECTIONS` per origin, each used once the
-  server's SETTINGS arrived (it admitted us).
-- A request that ends before its exchange did (its caller's deadline, an oversized answer)
-  resets its stream (RST_STREAM CANCEL), so the server's concurrency slot is freed at once.
-- Errors, as `TransportError(sent=...)`: connect, TLS and ALPN failures, a stream the server
-  refused (REFUSED_STREAM) and streams above a GOAWAY's last stream id were certainly not
-  processed (sent=False, RFC 9113 8.7 and 6.8); a reset or a lost connection after the
-  request went out may have been (sent=True).
+"""HTTP/2 client adapter on jh2's sans-IO state machine: up to `MAX_CONNECTIONS` per origin
+(client.Origins), each used once the server's SETTINGS arrived; a request's headers and body
+leave in one write. A request that ends before its exchange did resets its stream (CANCEL),
+so the server's concurrency slot is freed at once. A stream the server refused
+(REFUSED_STREAM) or above a GOAWAY's last stream id was certainly not processed (sent=False,
+RFC 9113 8.7 and 6.8); a reset or a lost connection after the request went out may have been.
 """
 
 from __future__ import annotations

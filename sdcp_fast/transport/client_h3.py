@@ -1,6 +1,5 @@
-"""HTTP/3 client on aioquic's QUIC connection (quic_io.py) and our HTTP/3 framing (h3.py): one
-QUIC connection per origin, kept and reused, our certificate presented, the server's checked
-(its chain by aioquic, its host name by identity.verify_server)."""
+"""HTTP/3 client on h3.py: one QUIC connection per origin, our certificate presented, the
+server's checked (its chain by aioquic, its host name by certpolicy.verify_server)."""
 
 from __future__ import annotations
 

@@ -141,9 +141,8 @@ class IncomingRequest:
 
 
 class BoundedMemo(dict):
-    """A memo of at most `size` entries, all forgotten at once when it is full: what it holds
-    is cheap to work out again, so a peer cycling through new keys costs one miss each and
-    never more memory, with no bookkeeping per hit."""
+    """A memo of at most `size` entries, all forgotten at once when it is full (a peer cycling
+    through new keys costs one miss each, never more memory; no bookkeeping per hit)."""
 
     def __init__(self, size: int):
         super().__init__()

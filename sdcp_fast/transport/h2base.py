@@ -24,6 +24,7 @@ class H2Endpoint(asyncio.Protocol):
         self._window_open = asyncio.Event()   # flow-control credit arrived
         self._writable = asyncio.Event()      # transport buffer below its high-water mark
         self._writable.set()
+        self._transmit_queued = False   # a transmit waits for the end of this loop turn
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -36,6 +37,17 @@ class H2Endpoint(asyncio.Protocol):
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
+
+    def transmit_soon(self) -> None:
+        """Write what jh2 has queued at the end of this loop turn (a batch's messages, written
+        one after another in one turn, leave in one write)."""
+        if not self._transmit_queued:
+            self._transmit_queued = True
+            self._loop.call_soon(self._transmit_now)
+
+    def _transmit_now(self) -> None:
+        self._transmit_queued = False
+        self.transmit()
 
     def _reset(self, stream_id: int, code: int) -> None:
         with contextlib.suppress(jh2.exceptions.H2Error):

@@ -1,29 +1,23 @@
-"""HTTP/3 on QUIC for both ends, through aioquic's and pylsqpack's public APIs: one
-QuicConnection moved by the event loop (`QuicDriver`: datagrams in and out, one timer,
-events) and the HTTP/3 framing of RFC 9114 (`H3Streams`).
+"""HTTP/3 on QUIC for both ends, on aioquic's and pylsqpack's public APIs: a QuicConnection
+moved by the event loop (`QuicDriver`) and the framing of RFC 9114 (`H3Streams`).
 
-What a loop turn leads to leaves together: what is written in one turn is sent by one
-`transmit()` at its end (`transmit_soon`), so the packets of one batch share datagrams and
-ACKs. While an answer is being worked out (`answer_pending`), what a received datagram leads
-to waits for the answer's transmit, at most ANSWER_WAIT. The timer is re-armed only when it
-must fire earlier than the armed one; one that fires early re-arms itself instead of acting.
+What one loop turn writes is sent by one `transmit()` at its end (`transmit_soon`), so the
+packets of a batch share datagrams and ACKs; while an answer is being worked out
+(`answer_pending`), what a received datagram leads to waits for it, at most ANSWER_WAIT.
 
 Why not aioquic's H3Connection: its public API cannot keep a malformed request (RFC 9114
 4.1.2) a stream error, cannot refuse a HEADERS frame over the advertised field-section size
-before buffering it, and always offers a QPACK dynamic table. So, here:
-  - both ends advertise a QPACK table capacity of 0 and no blocked streams (RFC 9204 3.2.3):
-    header blocks use the static table and literals, no encoder or decoder stream is opened
-    (RFC 9204 4.2 allows that), and a block decodes the same whatever came before;
-  - a message is one HEADERS frame and at most one DATA frame written in one stream write;
-  - on a request stream, HEADERS longer than `max_field_section_size` is reported as
-    `TooLarge` as soon as its length is read, and the rest of the stream is dropped unread;
-  - a frame that breaks the framing itself (DATA before HEADERS, a control frame on a
-    request stream, a header block QPACK cannot decode) is a connection error: `H3Error`.
+before buffering it, and always offers a QPACK dynamic table. So, here: both ends advertise
+a QPACK table of 0 and no blocked streams (RFC 9204 3.2.3; no encoder or decoder stream,
+4.2); a message is one HEADERS and at most one DATA frame in one stream write; HEADERS over
+`max_field_section_size` is reported as `TooLarge` once its length is read, the rest of the
+stream dropped unread; a frame that breaks the framing is a connection error (`H3Error`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import namedtuple
 from collections.abc import Callable
 
 import pylsqpack
@@ -121,34 +115,11 @@ class H3Error(Exception):
         self.reason = reason
 
 
-class Headers:
-    __slots__ = ("stream_id", "headers", "ended")
-
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]], ended: bool):
-        self.stream_id, self.headers, self.ended = stream_id, headers, ended
-
-
-class Data:
-    __slots__ = ("stream_id", "data", "ended")
-
-    def __init__(self, stream_id: int, data: bytes, ended: bool):
-        self.stream_id, self.data, self.ended = stream_id, data, ended
-
-
-class TooLarge:
-    """A HEADERS frame of `size` bytes over the limit: the stream's data is dropped from here."""
-
-    __slots__ = ("stream_id", "size")
-
-    def __init__(self, stream_id: int, size: int):
-        self.stream_id, self.size = stream_id, size
-
-
-class GoAway:
-    __slots__ = ("last_id",)
-
-    def __init__(self, last_id: int):
-        self.last_id = last_id
+# what `H3Streams.receive` reports
+Headers = namedtuple("Headers", "stream_id headers ended")   # headers: [(name, value)] as bytes
+Data = namedtuple("Data", "stream_id data ended")
+TooLarge = namedtuple("TooLarge", "stream_id size")   # HEADERS of `size` bytes over the limit: the rest is dropped
+GoAway = namedtuple("GoAway", "last_id")
 
 
 def varint(data: bytes, at: int) -> tuple[int, int]:

@@ -129,11 +129,8 @@ def failure_response(request: Request, exc: Exception) -> Response:
 
 
 def handler_entry(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """What a server calls per request for the awaitable that answers it: a `Routed`
-    handler's router's `start` (the route's own coroutine: neither the handler's nor the
-    router's around it) unless its class answers in its own way. It may raise before
-    anything is awaited (a refusal of the authorizer): the server answers that as dispatch
-    answers what the handler raises."""
+    """What a server calls per request for the awaitable that answers it: a `Routed` handler's
+    router's `start` unless its class answers in its own way (it may raise, as `handle` may)."""
     if isinstance(handler, Routed) and type(handler).handle is Routed.handle:
         return handler.router.start
     return handler.handle
@@ -147,13 +144,9 @@ _NOBODY: frozenset[str] = frozenset()
 
 @dataclass(frozen=True)
 class Authorizer:
-    """Which identities may call which resource class, e.g.
-
-    Authorizer({"sessions": {"https://router-1.example/"}, "proposals": {"*"}})
-
-    "*" admits any authenticated caller (proposals: the core checks the assigned drafter).
-    A resource class missing from the map admits nobody: the configuration fails closed.
-    """
+    """Which identities may call which resource class, e.g. `Authorizer({"sessions":
+    {"https://router-1.example/"}, "proposals": {"*"}})`; "*" admits any authenticated caller,
+    a resource class missing from the map nobody (the configuration fails closed)."""
 
     rules: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
@@ -183,12 +176,8 @@ class _Route:
 
 
 class Router:
-    """A Handler that maps (method, path pattern) to coroutines, with 404/405 answers.
-
-    router = Router(prefix="/", authorizer=auth)
-    router.add("PUT", "/sessions/{id}/drafter", put_drafter, resource="drafter")
-    async def put_drafter(request: Request, id: str) -> Response: ...
-    """
+    """A Handler that maps (method, path pattern) to coroutines, with 404/405 answers:
+    `router.add("PUT", "/sessions/{id}/drafter", fn, resource="drafter")`, `fn(request, id=...)`."""
 
     def __init__(self, *, prefix: str = "", authorizer: Authorizer | None = None):
         self._prefix = prefix.rstrip("/")
@@ -239,10 +228,8 @@ class Router:
         return await self.start(request)
 
     def start(self, request: Request) -> Awaitable[Response]:
-        """What `handle` awaits for `request`, for a server to await itself (`handler_entry`):
-        the route's own coroutine for a path without parameters (no match to make, and no
-        coroutine of the router's around it), the matching one's otherwise. A refusal of the
-        authorizer raises here, before anything is awaited."""
+        """What `handle` awaits for `request`: the route's own coroutine for a path without
+        parameters, the matching one's otherwise; a refusal of the authorizer raises here."""
         exact = self._exact.get(request.path)
         entry = exact.methods.get(request.method) if exact is not None else None
         if entry is not None:

@@ -1,20 +1,14 @@
-"""What one server's connections share (`Serving`), and one request lifecycle for the HTTP/2
-and HTTP/3 servers (`RequestLifecycle`).
-
-`server.py` builds one `Serving` per server and hands it to both protocol adapters
-(server_h2.py, server_h3.py): the handler, TLS, the limits (limits.py), the refusal counter
-(refusals.py), the certificate policy (certpolicy.py) and the books the connection caps are
-kept by: handshakes in progress, live connections per client identity, and the clients that
-were told to calm down.
+"""What one server's connections share (`Serving`: the handler, TLS, limits, refusals, the
+certificate policy, and the books the connection caps are kept by), and one request
+lifecycle for the HTTP/2 and HTTP/3 servers (`RequestLifecycle`).
 
 A connection's requests go through the same steps whatever the protocol: the client's
 certificate names the caller and the connection caps admit it; a header block is checked
-(`RequestHeads`: malformed -> a stream error, 431/400/413/415 -> an answer from the
-transport), a body is awaited under `body_timeout` (408), the handler runs under
-`handler_timeout` (503), its answer is written, and misbehaviour is counted against the
-connection's two budgets (`Strikes`). A protocol adapter feeds `RequestLifecycle` what its
-library reports and provides the wire operations below, each of which must tolerate a
-stream or connection that ended meanwhile.
+(malformed -> a stream error, 431/400/413/415 -> an answer from the transport), a body is
+awaited under `body_timeout` (408), the handler runs under `handler_timeout` (503), its
+answer is written, and misbehaviour is counted against the connection's two budgets
+(`Strikes`). An adapter feeds `RequestLifecycle` what its library reports and provides the
+wire operations below, each tolerating a stream or connection that ended meanwhile.
 
 The budgets: streams reset (or refused) before their answer (the rapid-reset attack), and
 requests refused as malformed or over a limit (400, 413, 415, 431), cost a hostile client
@@ -82,10 +76,8 @@ class Serving:
 
     # ---- connection books ----------------------------------------------------------------
     def may_connect(self, host: str) -> bool:
-        """A token bucket per host: `new_connections_burst` at once, then
-        `new_connections_per_host_s` a second. Refusing before the TLS handshake is what
-        keeps a client that reconnects in a loop (after ENHANCE_YOUR_CALM, say) from making
-        the server spend a handshake's CPU on it each time."""
+        """A token bucket per host (`new_connections_burst`, then `new_connections_per_host_s`),
+        checked before the TLS handshake: a client reconnecting in a loop costs no handshakes."""
         limits, now = self.limits, time.monotonic()
         tokens, then = self._arrivals.pop(host, (float(limits.new_connections_burst), now))
         tokens = min(float(limits.new_connections_burst), tokens + (now - then) * limits.new_connections_per_host_s)
@@ -144,9 +136,7 @@ class Serving:
 
     # ---- tasks ---------------------------------------------------------------------------
     def spawn(self, coro: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[Any]:
-        """Tasks are kept referenced (asyncio holds only weak references) and cancelled on stop.
-        `loop`: the running loop where the caller has it (asking for it is a getpid() system
-        call on Python 3.11)."""
+        """A task kept referenced and cancelled on stop; `loop`: the running loop, if known."""
         task = (loop or asyncio.get_running_loop()).create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -219,10 +209,8 @@ class RequestLifecycle:
         raise NotImplementedError
 
     def _send_answers(self) -> None:
-        """(`transmit()` sends what is queued now, `transmit_soon()` at the end of this loop
-        turn: the adapter's.) An answer was queued: sent at once when it is the connection's only stream in
-        flight, else at the end of this loop turn with the other answers of the batch (their
-        tasks run in the same turn), in one write the client reads in one wake-up."""
+        """An answer was queued: sent now (the adapter's `transmit`) when it is the only stream
+        in flight, else with the batch's other answers at the end of this turn (`transmit_soon`)."""
         if len(self._tasks) <= 1:
             self.transmit()
         else:
@@ -230,10 +218,9 @@ class RequestLifecycle:
 
     # ---- admission -----------------------------------------------------------------------
     def _admit(self, certificate, check) -> str | None:
-        """Name the caller from the client's certificate (`check(certificate)`, the policy of
-        certpolicy.py) and count the connection in; None when admitted, else the refusal's
-        kind (counted and logged here) with `self._refusal` its detail and, for a refused
-        certificate, `self._rejected` the CertificateRejected."""
+        """Name the caller (`check(certificate)`) and count the connection in: None, or the
+        refusal's kind (counted and logged), its detail in `_refusal`, a refused certificate's
+        CertificateRejected in `_rejected`."""
         try:
             if not certificate:
                 raise CertificateRejected(CertificateRejected.MISSING, "no client certificate")
@@ -384,9 +371,8 @@ class RequestLifecycle:
                 self._answer(stream_id, incoming.finish(self.caller), incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
-        """The handler's answer within `handler_timeout` (the connection's `aio.Deadlines`,
-        not a timer per request), in the stream's own task: a ProblemError becomes its
-        document, any other exception a logged 500, the limit a 503."""
+        """The handler's answer within `handler_timeout`, in the stream's own task: a
+        ProblemError becomes its document, any other exception a logged 500, the limit a 503."""
         task = asyncio.current_task(self._loop)
         timeout = self._limits.handler_timeout
         try:
@@ -425,9 +411,8 @@ class RequestLifecycle:
                 f"{self._reset_budget.window_s:g}s (last: stream {stream_id}, {detail})"))
 
     def _count_refused(self, stream_id: int, status: int) -> None:
-        """A request answered 400/413/415/431 (any other status counts nothing, and reads no
-        clock). Called from the stream's own task too, which ending the connection cancels:
-        so that runs as a callback."""
+        """A request answered 400/413/415/431 is a strike; ending the connection (which cancels
+        the stream's task this may run in) runs as a callback."""
         if status in REFUSED_STATUSES and self._refusal_budget.add(self._loop.time()):
             self._loop.call_soon(self._calm_down, Kind.REFUSED_REQUESTS, (
                 f"{self._refusal_budget.count} requests refused as malformed or over a limit within "
@@ -451,8 +436,7 @@ class RequestLifecycle:
 
     def goaway(self) -> None:
         """Graceful close: refuse new requests (safe to retry), answer the ones in flight, then
-        end the connection (HTTP/2: no GOAWAY before that: httpx/httpcore fails every stream
-        still open on a connection once it has seen one, instead of waiting for answers)."""
+        end the connection (HTTP/2: no GOAWAY before that; some clients fail open streams on one)."""
         self._closing = True
         if not self._tasks:
             self._end_connection("done")

@@ -1,16 +1,11 @@
 """HTTP/2's listener: TCP connections until their TLS 1.3 handshake is done.
 
-`TCPListener` accepts; `TLSAcceptor` takes the bare socket: the ClientHello is peeked at (a
-client that offers no "h2" is refused with no_application_protocol), then the handshake runs
-under `handshake_timeout`; at most `max_handshakes` run at once, and past that the oldest is
-dropped (a slow-loris of idle TCP connections cannot lock out clients that finish a
-handshake in milliseconds). The connection then goes to `server_h2.H2ServerProtocol`, which
-names the caller from its certificate and admits it or not.
-
-Why the peek: OpenSSL as Python's ssl drives it answers a client without a common ALPN
-protocol without ALPN instead of with the no_application_protocol alert (RFC 7301 3.2).
-Parsing the ClientHello is bounded (`MAX_HELLO`) and total: anything odd is `Unparsed`, and
-then OpenSSL decides as usual.
+`TCPListener` accepts; `TLSAcceptor` peeks at the ClientHello and refuses a client that
+offers no "h2" with no_application_protocol (RFC 7301 3.2; OpenSSL as Python's ssl drives it
+would answer without ALPN instead), then runs the handshake under `handshake_timeout`, at
+most `max_handshakes` at once (past that the oldest is dropped), and hands the connection to
+`server_h2.H2ServerProtocol`. Parsing the ClientHello is bounded (`MAX_HELLO`) and total:
+anything odd is `Unparsed`, and OpenSSL decides as usual.
 """
 
 from __future__ import annotations
@@ -104,11 +99,8 @@ class _Reader:
 
 
 class TCPListener:
-    """The listening socket: each accepted connection goes to a `TLSAcceptor`.
-
-    Accepting here (not `loop.create_server`) leaves a new connection a bare socket until its
-    ClientHello has been looked at: on uvloop a transport reads the first bytes before the
-    protocol can pause it, so the peek would find nothing. The same code runs on both loops."""
+    """The listening socket: each accepted connection goes to a `TLSAcceptor` as a bare socket
+    (not `loop.create_server`: on uvloop a transport reads the ClientHello before a peek could)."""
 
     def __init__(self, serving: Serving, sock: socket.socket, make_protocol: Callable[[Serving, Any], Any]):
         self._serving = serving

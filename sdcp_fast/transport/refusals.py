@@ -1,11 +1,7 @@
-"""Every refusal of the transport, counted by kind and logged once per client and minute.
-
-A hostile client can make the server refuse thousands of times a second; one log line per
-refusal would turn each attack into a disk and CPU attack on the log. `Refusals.refuse`
-counts every refusal (and hands the kind to `on_count`, which the composition root wires
-to the role's metrics), but logs a (client, kind) pair at most once per `interval` seconds,
-saying how many were not logged since. The table of last-logged times is bounded: the
-oldest entries go first.
+"""Every refusal of the transport, counted by kind (and handed to `on_count`, the role's
+metrics) and logged at most once per (client, kind) and `interval`, saying how many were not
+logged since: a hostile client can make the server refuse thousands of times a second. The
+table of last-logged times is bounded (the oldest entries go first).
 """
 
 from __future__ import annotations

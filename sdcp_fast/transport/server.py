@@ -77,7 +77,7 @@ class Server:
             self._tcp = TCPListener(self.serving, listening, H2ServerProtocol)
             port = listening.getsockname()[1]
         if self.http3:
-            from .server_h3 import serve_h3  # the optional h3 extra
+            from .server_h3 import H3Listener  # the optional h3 extra
 
             if port == 0:  # HTTP/3 only: let UDP choose
                 port = _free_udp_port(self.host)
@@ -86,7 +86,8 @@ class Server:
             configuration.max_data = limits.quic_max_data
             configuration.max_stream_data = limits.quic_max_stream_data
             # No session-ticket store: resumption would skip the client certificate.
-            self._quic = await serve_h3(self.host, port, configuration=configuration, serving=self.serving)
+            _, self._quic = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: H3Listener(configuration, self.serving), local_addr=(self.host, port))
         self._port = port
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -122,13 +123,10 @@ class Server:
         await self.stop()
 
 
-async def serve(handler: Handler, *, host: str, port: int, tls: TLSConfig, http3: bool = True,
-                http2: bool = True, limits: Limits | None = None, refusals: Refusals | None = None,
-                **overrides: Any) -> Server:
-    """Start serving `handler` under `limits` (limits.py) with single members overridden by
-    keyword (e.g. `max_body=4096`); every refusal goes through `refusals`."""
-    server = Server(handler, host=host, port=port, tls=tls, http2=http2, http3=http3, limits=limits,
-                    refusals=refusals, **overrides)
+async def serve(handler: Handler, **options: Any) -> Server:
+    """Start serving `handler`: `Server`'s options (host, port, tls, http2, http3, `limits`
+    with single members overridden by keyword, e.g. `max_body=4096`, and `refusals`)."""
+    server = Server(handler, **options)
     await server.start()
     return server
 

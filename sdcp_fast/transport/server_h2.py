@@ -1,16 +1,13 @@
 """HTTP/2 (RFC 9113) on jh2's public API, held to the limits against hostile clients.
 
 `H2ServerProtocol` takes a connection from listener_h2.py once its TLS handshake is done and
-runs it through the request lifecycle (lifecycle.py), admission included. Per RFC 9113 under
-abuse:
-  - a malformed request resets its own stream (PROTOCOL_ERROR), never the connection
-    (compat.H2StreamErrors for the content-length cases h2 itself checks);
-  - a stream over SETTINGS_MAX_CONCURRENT_STREAMS is refused alone (REFUSED_STREAM, RFC 9113
-    5.1.2): h2 would make it a connection error, so h2 is given no stream limit and the
-    limit is advertised in a SETTINGS frame of our own and enforced here;
-  - the client preface and any frame begun must arrive whole within `header_timeout`
-    (`FrameEdges`); a response stalled by flow control longer than `send_timeout` is reset
-    (CANCEL); a connection with no stream for `idle_timeout` is closed.
+runs it through the request lifecycle (lifecycle.py). A malformed request resets its own
+stream (PROTOCOL_ERROR; compat.H2StreamErrors for the content-length cases h2 checks); a
+stream over SETTINGS_MAX_CONCURRENT_STREAMS is refused alone (REFUSED_STREAM, RFC 9113 5.1.2:
+h2 would make it a connection error, so the limit is advertised in a SETTINGS frame of our
+own and enforced here); the preface and any frame begun must arrive whole within
+`header_timeout` (`FrameEdges`); a response stalled by flow control past `send_timeout` is
+reset; a connection with no stream for `idle_timeout` is closed.
 """
 
 from __future__ import annotations
@@ -91,7 +88,6 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         self._header_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
         self._preface_seen = False
-        self._flush_queued = False   # a transmit waits for the end of this loop turn
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -273,15 +269,6 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         self._transport.close()
 
     # ---- housekeeping --------------------------------------------------------------------
-    def transmit_soon(self) -> None:
-        if not self._flush_queued:
-            self._flush_queued = True
-            self._loop.call_soon(self._transmit_queued)
-
-    def _transmit_queued(self) -> None:
-        self._flush_queued = False
-        self.transmit()
-
     def _arm_header_timer(self) -> None:
         """The client preface, and any frame once begun, must arrive whole within
         header_timeout (a client that trickles a header block would hold the connection,

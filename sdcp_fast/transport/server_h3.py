@@ -1,15 +1,13 @@
 """HTTP/3 over QUIC on aioquic's public API, with mandatory client certificates, held to the
 same limits as HTTP/2 (limits.py) through the same request lifecycle (lifecycle.py).
 
-`H3Listener` owns the UDP socket and hands each datagram to its connection by destination
-connection ID (a new one for an Initial packet). Each `H3ServerProtocol` asks for a client
-certificate (compat.client_certificate_quic) and announces MAX_STREAMS
-`max_concurrent_streams` (a stream beyond it is QUIC's STREAM_LIMIT_ERROR, RFC 9000 4.6). The
-handshake must finish within `handshake_timeout`; a certificate the policy refuses closes
-the connection with the TLS alert as a CRYPTO_ERROR. Per stream: the header block must be
-whole within `header_timeout` of the stream's first byte (else H3_REQUEST_INCOMPLETE); a
-HEADERS frame longer than `max_header_list` is answered 431 as soon as its length is known;
-a response still not sent `send_timeout` after it was written is reset.
+`H3Listener` hands each datagram to its connection by destination connection ID. Each
+`H3ServerProtocol` asks for a client certificate and announces MAX_STREAMS
+`max_concurrent_streams` (beyond it: STREAM_LIMIT_ERROR, RFC 9000 4.6); the handshake must
+finish within `handshake_timeout`; a refused certificate closes the connection with its TLS
+alert. Per stream: the header block must be whole within `header_timeout` of the stream's
+first byte; HEADERS over `max_header_list` is answered 431 once its length is known; a
+response still not sent `send_timeout` after it was written is reset.
 """
 
 from __future__ import annotations
@@ -95,12 +93,6 @@ class H3Listener(asyncio.DatagramProtocol):
             protocol.abort()
         if self._transport is not None:
             self._transport.close()
-
-
-async def serve_h3(host: str, port: int, *, configuration, serving: Serving) -> H3Listener:
-    _, listener = await asyncio.get_running_loop().create_datagram_endpoint(
-        lambda: H3Listener(configuration, serving), local_addr=(host, port))
-    return listener
 
 
 class H3ServerProtocol(RequestLifecycle, QuicDriver):

@@ -64,13 +64,9 @@ class TLSConfig:
         return context
 
     def quic_configuration(self, *, is_client: bool, idle_timeout: float):
-        """aioquic configuration (QUIC mandates TLS 1.3, RFC 9001 4.2). Imported lazily: h3 is optional.
-
-        The client leaves server_name unset: aioquic would check it with service_identity, which
-        cannot parse URI SANs with a port (every SDCP certificate has one) and fails the handshake.
-        aioquic still checks the chain against the CA and the server's CertificateVerify; the
-        client then checks the host name itself (identity.verify_server) before its first request.
-        """
+        """aioquic configuration (QUIC is TLS 1.3). The client leaves server_name unset (aioquic
+        would check it with service_identity, which cannot parse URI SANs with a port): aioquic
+        checks the chain and CertificateVerify, the client the host name (verify_server)."""
         from aioquic.quic.configuration import QuicConfiguration
 
         config = QuicConfiguration(

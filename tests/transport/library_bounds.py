@@ -1,0 +1,86 @@
+"""tests/transport on the lowest and the highest releases of jh2, aioquic and pylsqpack that
+pyproject.toml admits and the package index offers (issue 37: ranges, with CI on both ends).
+
+    .venv/bin/python tests/transport/library_bounds.py [lowest|highest ...] [-- pytest args]
+
+Each bound's three releases are installed with --no-deps into a scratch directory put first
+on PYTHONPATH (the rest of the environment stays as it is), the versions the tests then
+import are printed, and tests/transport runs on them. Exit status: the first failing run's.
+The index is pip's own (`pip index versions`): where it offers no release inside a range,
+that bound fails instead of testing something else.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[2]
+LIBRARIES = ("jh2", "aioquic", "pylsqpack")
+
+
+def ranges() -> dict[str, Requirement]:
+    """Each library's requirement as pyproject.toml states it (dependencies and extras)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    stated = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        stated += extra
+    found = {}
+    for text in stated:
+        requirement = Requirement(text)
+        if requirement.name in LIBRARIES:
+            found[requirement.name] = requirement
+    return found
+
+
+def offered(name: str) -> list[Version]:
+    out = subprocess.run([sys.executable, "-m", "pip", "index", "versions", name],
+                         capture_output=True, text=True, check=True).stdout
+    listed = re.search(r"Available versions: (.*)", out)
+    return sorted(Version(v) for v in listed.group(1).split(", ")) if listed else []
+
+
+def pins(bound: str) -> list[str]:
+    chosen = []
+    for name, requirement in ranges().items():
+        inside = [v for v in offered(name) if requirement.specifier.contains(v)]
+        if not inside:
+            raise SystemExit(f"no release of {name} inside {requirement.specifier} on the index")
+        chosen.append(f"{name}=={inside[0] if bound == 'lowest' else inside[-1]}")
+    return chosen
+
+
+def run(bound: str, pytest_args: list[str]) -> int:
+    chosen = pins(bound)
+    print(f"== {bound}: {' '.join(chosen)}", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"sdcp-{bound}-") as scratch:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", scratch,
+                        *chosen], check=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [scratch, os.environ.get("PYTHONPATH")])))
+        subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(*("
+                        f"f'{{n}} {{m.version(n)}}' for n in {LIBRARIES!r}), sep=', ')"], env=env, check=True)
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/transport", *pytest_args],
+                              cwd=ROOT, env=env).returncode
+
+
+def main(argv: list[str]) -> int:
+    bounds, _, pytest_args = (argv[:argv.index("--")], None, argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, None, [])
+    status = 0
+    for bound in bounds or ["lowest", "highest"]:
+        if bound not in ("lowest", "highest"):
+            raise SystemExit(f"not a bound: {bound!r} (lowest or highest)")
+        status = status or run(bound, pytest_args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
