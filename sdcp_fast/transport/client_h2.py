@@ -1,5 +1,5 @@
 """HTTP/2 client adapter on jh2's sans-IO state machine: up to `MAX_CONNECTIONS` per origin
-(client.Origins), each used once the server's SETTINGS arrived; a request's headers and body
+(client_base.Origins), each used once the server's SETTINGS arrived; a request's headers and body
 leave in one write. A request that ends before its exchange did resets its stream (CANCEL),
 so the server's concurrency slot is freed at once. A stream the server refused
 (REFUSED_STREAM) or above a GOAWAY's last stream id was certainly not processed (sent=False,
@@ -18,7 +18,7 @@ import jh2.events
 import jh2.exceptions
 import jh2.settings
 
-from .client import (
+from .client_base import (
     ClientResponse,
     Exchange,
     Origins,

@@ -14,7 +14,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from .certpolicy import CertificateRejected, verify_server
-from .client import (
+from .client_base import (
     DEFAULT_MAX_RESPONSE,
     ClientResponse,
     Exchange,

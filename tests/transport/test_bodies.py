@@ -349,7 +349,7 @@ def test_client_announces_the_length_of_long_bodies_only(pki, protocol, monkeypa
     """Our client sends content-length with a body of ANNOUNCE_LENGTH_FROM bytes or more (a
     server can refuse it before the upload) and none with a shorter one (every SDCP round:
     the frames carry the end of the body); both arrive whole."""
-    from sdcp_fast.transport.client import ANNOUNCE_LENGTH_FROM
+    from sdcp_fast.transport.client_base import ANNOUNCE_LENGTH_FROM
     from sdcp_fast.transport.exchange import IncomingRequest
 
     seen: list[dict[bytes, bytes]] = []

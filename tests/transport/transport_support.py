@@ -259,7 +259,7 @@ class RecordingRouter:
 async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
                       headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> ClientResponse:
     """POST with exactly these headers (e.g. no content-length) and the body in several DATA frames."""
-    from sdcp_fast.transport.client import Exchange
+    from sdcp_fast.transport.client_base import Exchange
 
     loop = asyncio.get_running_loop()
     connection = QuicConnection(configuration=configuration)
