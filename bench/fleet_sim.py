@@ -5,9 +5,9 @@ costs measured in the namespace runs of bench/bench_hosts.py (issue 36).
         [--plot bench/fleet_sim.png]
 
 The model, one verifier at a time, each part the deployment's own mechanism:
-- a session's round: its drafter drafts M tokens (M chosen as the drafter chooses it,
-  core.control.choose_m over its EWMAs of acceptance, drafting cost and turnaround per M),
-  the proposal crosses the wire (the RTT measured through the relay at that delay, half each
+- a session's round: its drafter drafts M tokens (M drawn from the proposals measured at the
+  lowest RTT with as many sessions: the drafter's choose_m under the verifier's m_cap, taken
+  as measured rather than both controllers redone), the proposal crosses the wire (the RTT measured through the relay at that delay, half each
   way), the roles handle it (`handle` + `hr` x the other sessions' rounds per second: the
   HTTP request and the verdict's write-out on both sides, slower when the machine is busier;
   handled beside the passes, as the verifier's event loop does), the next pass verifies it,
@@ -39,7 +39,8 @@ drafting ahead: v0, v1 by least squares over the verifier's batch log (pass time
 tokens in the pass); d0, d1 from the drafting time per token at 1 session and at the most
 sessions (per drafter); `handle` from the 1-session rounds: a round's turnaround less the
 measured RTT and its time in the verifier (batch log, joined by session and round); the
-acceptance per position per session from the drafters' rounds logs; `open_cost` and `start`
+acceptance per position of each session in the runs at the lowest RTT with as many sessions
+(the same prompts), from the drafters' rounds logs; `open_cost` and `start`
 so that the model's time to first token matches the measured one at 1 session and at the
 most sessions. Nothing is fitted to tokens/s or ITL. Validation: every measured run (each
 RTT, ahead and not, 1 and 16 sessions) simulated and compared, tokens/s and inter-token
@@ -86,7 +87,7 @@ STEADY = 8                          # capacity runs: generations this many times
 
 @dataclass
 class Params:
-    profiles: list[list[float]]     # per measured session: acceptance at position 1..M_MAX
+    profiles: dict                  # sessions -> per measured session: acceptance at position 1..M_MAX
     m_values: list[int]             # M of measured proposals (reported)
     m_by_sessions: dict             # sessions -> M of the proposals measured at that many
     d0: float                       # drafting step: d0 + d1 * sessions in the step
@@ -149,9 +150,11 @@ class Model:
         self.in_pass = False
         self.answered_at: list[float | None] = [None] * sessions   # the verifier's last verdict to each
         self.turnaround: list[float | None] = [None] * sessions    # ... and the EWMA of its way back
-        order = list(range(len(p.profiles)))
+        near = min(p.profiles, key=lambda n: (abs(math.log(n / sessions)), n))
+        pool = p.profiles[near]
+        order = list(range(len(pool)))
         self.rng.shuffle(order)
-        self.profile = [p.profiles[order[s % len(order)]] for s in range(sessions)]
+        self.profile = [pool[order[s % len(order)]] for s in range(sessions)]
         # M as measured at the lowest RTT with the nearest number of sessions: the drafter's
         # choice (core.control.choose_m over its own EWMAs) under the verifier's m_cap, which
         # the model takes as measured rather than redoing both controllers
@@ -393,12 +396,16 @@ def calibrate(record: dict) -> tuple[Params, dict]:
     rounds = [x for r in runs for x in r["rounds"]]
     m_values = [x["m"] for x in rounds]
     overall = acceptance(rounds)
-    by_session: dict[tuple, list[dict]] = {}
-    for n, r in enumerate(runs):
-        if r["sessions"] > 1:
+    # each session's own acceptance, from the runs at the lowest RTT with that many sessions
+    # (a run of n sessions is n prompts: a model of it draws from what those prompts gave)
+    profiles: dict[int, list[list[float]]] = {}
+    for r in runs:
+        if r["rtt_ms"] == low:
+            by_session: dict[int, list[dict]] = {}
             for x in r["rounds"]:
-                by_session.setdefault((n, x["session"]), []).append(x)
-    profiles = [acceptance(rs, prior=overall) for rs in by_session.values()] or [overall]
+                by_session.setdefault(x["session"], []).append(x)
+            profiles.setdefault(r["sessions"], []).extend(acceptance(rs, prior=overall)
+                                                          for rs in by_session.values())
     # the verifier's pass: least squares over its batches, pass time against tokens in the
     # pass and the other sessions' round rate in that run (the machine's other work)
     def others(run):
@@ -442,7 +449,7 @@ def calibrate(record: dict) -> tuple[Params, dict]:
         p = replace(p, start=start, open_cost=open_cost)
     return p, {"batches": len(batches), "ttft_ms": (one["ttft_ms"], many["ttft_ms"]),
                "load": (others(many), statistics.fmean(b["jobs"] for b in many["batches"])),
-               "profiles": len(profiles)}
+               "profiles": sum(map(len, profiles.values()))}
 
 
 # ---------------------------------------------------------------------- questions
@@ -490,7 +497,7 @@ def main() -> int:
     max_new = record["max_new"]
 
     p, fit = calibrate(record)
-    overall = [statistics.fmean(pr[k] for pr in p.profiles) for k in range(M_MAX)]
+    overall = [statistics.fmean(pr[k] for prs in p.profiles.values() for pr in prs) for k in range(M_MAX)]
     print(f"calibrated from {args.runs} ({record['machine']}): measured M mean {p.mean_m:.2f} "
           f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position (mean of "
           f"{fit['profiles']} sessions' own) {' '.join(f'{a:.2f}' for a in overall)}")
