@@ -1,11 +1,6 @@
-"""Who is calling: the one client-certificate policy, applied identically on HTTP/2 and
-HTTP/3, and the caller's identity, the single URI SAN of its certificate (a certificate with
-none or several names nobody unambiguously and is refused).
-
-HTTP/2 runs OpenSSL's verification in the handshake and then this policy on the leaf;
-HTTP/3 has aioquic check the client's CertificateVerify and runs this policy as the handshake
-completes, before any request is read. So this module decides on both transports, and OpenSSL
-on HTTP/2 can only refuse more (tests/transport/test_certpolicy.py runs every case on both).
+"""Who is calling: the one client-certificate policy of both protocols (HTTP/2 runs it after
+OpenSSL's verification, which can only refuse more; HTTP/3 as the handshake completes, before
+any request is read), and the caller's identity, the single URI SAN of its certificate.
 
 A client certificate is accepted when all of these hold, checked in this order:
   1. it is within its validity period (else EXPIRED: the alert says certificate_expired);

@@ -1,7 +1,6 @@
-"""Where the transport's libraries lack a public API SDCP needs: one shim each, the smallest
-that works, naming the upstream issue it waits for. This is the only module of the transport
-allowed to touch a library's private names (tests/transport/test_public_apis.py); each shim
-goes when its issue is resolved in a release inside our pinned range.
+"""Where the transport's libraries lack a public API SDCP needs: one shim each, naming the
+upstream issue it waits for; the only module allowed a library's private names
+(tests/transport/test_public_apis.py). A shim goes once its issue is resolved in range.
 
 - `H2StreamErrors` (jh2; h2 the same): RFC 9113 8.1.1 makes a malformed request (a
   content-length that is not a number, that conflicts with another, or that the body does

@@ -4,14 +4,17 @@ pyproject.toml admits and the package index offers (issue 37: ranges, with CI on
     .venv/bin/python tests/transport/library_bounds.py [lowest|highest ...] [-- pytest args]
 
 Each bound's three releases are installed with --no-deps into a scratch directory put first
-on PYTHONPATH (the rest of the environment stays as it is), the versions the tests then
-import are printed, and tests/transport runs on them. Exit status: the first failing run's.
-The index is pip's own (`pip index versions`): where it offers no release inside a range,
-that bound fails instead of testing something else.
+on PYTHONPATH (the rest of the environment stays as it is): the lowest (highest) release
+inside pyproject's range and inside what the chosen releases themselves require of each
+other (aioquic 1.7.2 requires pylsqpack>=1.0.0, whatever our range admits). The versions the
+tests then import are printed, and tests/transport runs on them. Exit status: a failing
+run's. The index is pip's own (`pip index versions`): where it offers no release inside a
+range, that bound fails instead of testing something else.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -48,22 +51,38 @@ def offered(name: str) -> list[Version]:
     return sorted(Version(v) for v in listed.group(1).split(", ")) if listed else []
 
 
-def pins(bound: str) -> list[str]:
+def pins(bound: str, required: dict[str, list[Requirement]]) -> list[str]:
+    """The lowest or highest release of each library inside pyproject's range and `required`."""
     chosen = []
     for name, requirement in ranges().items():
-        inside = [v for v in offered(name) if requirement.specifier.contains(v)]
+        inside = [v for v in offered(name) if requirement.specifier.contains(v)
+                  and all(other.specifier.contains(v) for other in required.get(name, []))]
         if not inside:
             raise SystemExit(f"no release of {name} inside {requirement.specifier} on the index")
         chosen.append(f"{name}=={inside[0] if bound == 'lowest' else inside[-1]}")
     return chosen
 
 
+def install(chosen: list[str], scratch: str) -> dict[str, list[Requirement]]:
+    """`chosen` into `scratch`; what the installed libraries require of each other."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--upgrade", "--target",
+                    scratch, *chosen], check=True)
+    required: dict[str, list[Requirement]] = {}
+    for dist in importlib.metadata.distributions(path=[scratch]):
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.name in LIBRARIES and not requirement.marker:
+                required.setdefault(requirement.name, []).append(requirement)
+    return required
+
+
 def run(bound: str, pytest_args: list[str]) -> int:
-    chosen = pins(bound)
-    print(f"== {bound}: {' '.join(chosen)}", flush=True)
     with tempfile.TemporaryDirectory(prefix=f"sdcp-{bound}-") as scratch:
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", scratch,
-                        *chosen], check=True)
+        chosen = pins(bound, {})
+        narrowed = pins(bound, install(chosen, scratch))
+        if narrowed != chosen:
+            install(narrowed, scratch)
+        print(f"== {bound}: {' '.join(narrowed)}", flush=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [scratch, os.environ.get("PYTHONPATH")])))
         subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(*("
                         f"f'{{n}} {{m.version(n)}}' for n in {LIBRARIES!r}), sep=', ')"], env=env, check=True)
@@ -78,7 +97,7 @@ def main(argv: list[str]) -> int:
     for bound in bounds or ["lowest", "highest"]:
         if bound not in ("lowest", "highest"):
             raise SystemExit(f"not a bound: {bound!r} (lowest or highest)")
-        status = status or run(bound, pytest_args)
+        status = run(bound, pytest_args) or status
     return status
 
 
