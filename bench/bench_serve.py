@@ -193,7 +193,7 @@ def alone_batch(model, prompts: list[list[int]], max_new: int, eos: int, tempera
 
 
 def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, max_new: int, eos: int,
-                     drafters: int):
+                     drafters: int, batch_log: str | None = None):
     """Router (OpenAI door), verifier (metrics port) and drafters as processes; (cluster,
     front door URL, verifier metrics URL)."""
     from sdcp_fast.procs import Cluster
@@ -205,6 +205,10 @@ def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, 
     if mode != "sdcp":   # the default deployment leaves the verifier's policy as configured (auto)
         verifier.config = dataclasses.replace(
             verifier.config, verifier=dataclasses.replace(verifier.config.verifier, speculation=MODES[mode]))
+    if batch_log:   # one JSON line per verify batch: the verifier's timeline
+        verifier.config = dataclasses.replace(
+            verifier.config, verifier=dataclasses.replace(verifier.config.verifier,
+                                                          batch_log=str(Path(batch_log).resolve())))
     try:
         with progress(f"starting the deployment ({mode}): router, verifier and {drafters} drafter(s)"):
             cluster.start(timeout=600)
@@ -370,6 +374,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="waves per level")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--plot", help="write a PNG of tokens/s and ITL against concurrency here")
+    ap.add_argument("--batch-log", help="the verifier writes one JSON line per verify batch here "
+                    "(start, end, sessions, waits, forward/kernel/commit ms)")
     ap.add_argument("--workdir", help="keep the deployments' work directories here (default: temporary)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: levels 1,4, max-tokens 24")
     ap.add_argument("--no-reference", action="store_true",
@@ -438,7 +444,7 @@ def main() -> int:
     with deployment.work_directory(args.workdir) as root:
         for mode in modes:
             cluster, front, metrics_url = start_deployment(root, mode, draft_spec, draft_digest,
-                                                           args.max_tokens, eos, args.drafters)
+                                                           args.max_tokens, eos, args.drafters, args.batch_log)
             try:
                 asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
                 for t in temperatures:

@@ -23,9 +23,14 @@ loop. The thread count applies to the calling thread only (torch's intra-op sett
 per thread: `torch.set_num_threads` here sets OpenMP's per-thread team size and ATen's),
 so the worker threads of one process may each hold their own share.
 
-Between calls, OpenMP's idle team threads spin before they sleep; a process that spins on
-a core another process now holds slows that process. `procs.Cluster` therefore starts
-instances with `OMP_WAIT_POLICY=PASSIVE` unless the environment sets it.
+Between the parallel regions of one call (an operator each, tens of microseconds apart)
+OpenMP's team threads should spin: a team that sleeps after every region (`OMP_WAIT_POLICY=
+PASSIVE`) pays a wake-up per region, a quarter more on the target's batched pass. Between
+calls (milliseconds apart) they must not: a process that spins on a core another process's
+call now holds slows that call, and an unbounded spin (`ACTIVE`) did so in serving. So
+`procs.Cluster` starts instances with a bounded spin (`procs.spin_env`: libgomp's GOMP_SPINCOUNT,
+which torch's Linux wheels use, and LLVM/Intel OpenMP's KMP_BLOCKTIME), each a fraction of a
+millisecond, unless the environment sets a wait policy of its own.
 
 `SDCP_CORES=N` caps the cores this host shares (default: the cores this process may run
 on); `SDCP_CORE_SHARE=0` turns the sharing off (every call runs on the process's torch

@@ -46,6 +46,16 @@ from .config import (
 )
 from .ports import free_port
 
+# OpenMP threads spin about 0.1-0.3 ms after a parallel region, then sleep (cores.py says
+# why): libgomp counts pause instructions, LLVM/Intel OpenMP's KMP_BLOCKTIME milliseconds
+SPIN_ENV = {"GOMP_SPINCOUNT": "10000", "KMP_BLOCKTIME": "1"}
+WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def spin_env(environ) -> dict[str, str]:
+    """The bounded spin for a child process, or nothing where `environ` sets a policy."""
+    return {} if any(v in environ for v in WAIT_POLICY_VARS) else dict(SPIN_ENV)
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -229,9 +239,9 @@ class Cluster:
     def launch(self, instance: Instance) -> None:
         instance.config_path.write_text(schema.dumps(instance.config))
         instance.ready_path.unlink(missing_ok=True)
-        # each compute call takes the host's free cores (cores.py); between calls no OpenMP
-        # thread spins on a core another process's call now holds
-        env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ, "PYTHONUNBUFFERED": "1",
+        # each compute call takes the host's free cores (cores.py); its OpenMP threads spin
+        # briefly between the parallel regions of the call, then sleep (cores.py)
+        env = {**spin_env(os.environ), **os.environ, "PYTHONUNBUFFERED": "1",
                "OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
         log = open(instance.log_path, "ab")  # noqa: SIM115 (the child owns it)
         instance.popen = subprocess.Popen(

@@ -37,7 +37,7 @@ instance. Prompts must be non-empty (there is no BOS token).
 
 Backends: tiny.TinyBackend (built-in GPT, real KV cache, packed ragged batch),
 table.TableBackend (+ table.write_table), hf.HFBackend (transformers models and GGUF files,
-a DynamicCache per session, packed ragged batch; lazy import), replay.ReplayBackend (a free,
+K/V in one paged pool, packed ragged batch; lazy import), replay.ReplayBackend (a free,
 always-right draft for benchmarks that plays back recorded continuations),
 llamacpp.LlamaCppBackend (llama.cpp, a TinyBackend subclass), ngram.NgramBackend (prompt
 lookup, no model), distilled.load_distilled (a TinyBackend over a draft built on the

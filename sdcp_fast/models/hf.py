@@ -14,38 +14,38 @@ Spec options (`hf:PATH?dtype=bfloat16&device=cuda&threads=4`, unknown ones refus
   max_seq_len   cap on one session's length (default and upper bound: the model's
                 max_position_embeddings / n_positions)
 
-KV cache: one transformers `DynamicCache` per session. `open` prefills the prompt; `score`
-computes only the positions the session's cache does not hold (usually the M + 1 new rows:
-the last committed token, whose K/V a commit leaves out, and the proposal); `commit` crops
-the cache to the longest prefix that agrees with the committed sequence (rejected positions
-dropped); `release` frees it. The bookkeeping (which tokens are cached, the logits rows kept
-for a drafter's growing proposal) is prefix_cache.py, shared with the built-in backend.
+KV cache: the pages of one pool (kv_pages.py) for models the packed pass serves, else one
+transformers `DynamicCache` per session. `open` prefills the prompt; `score` computes only
+the positions the session does not hold (usually the M + 1 new rows: the last committed
+token, whose K/V a commit leaves out, and the proposal); `commit` drops what lies past the
+longest prefix that agrees with the committed sequence (rejected positions; their pages go
+back to the pool); `release` frees it. The bookkeeping (which tokens are cached, the logits
+rows kept for a drafter's growing proposal) is prefix_cache.py, shared with the built-in
+backend.
 
 Batches: all sessions of a `score` go through ONE forward pass as a packed ragged batch
 (hf_ragged.py): the new tokens of every session in one row, each with its own position id,
-attention per session over its own cache through an attention function registered with
-transformers' AttentionInterface. No padding and no copy of any session's past. Measured on
-SmolLM2-135M (fp32, context 200, 1 thread, shared 2-core CPU; bench/RESULTS.md, issue 13):
-one forward per session cost 3 to 7 times a batched pass at 4 and 8 sessions; a left-padded
-batch over per-session caches stacked into one `DynamicCache` cost up to 2.2 times
-transformers' own batched forward (two extra copies of every session's K/V per pass); the
-packed pass stayed within 10% of transformers' own cached forward over one shared cache at
-every shape the verifier (B x M + 1 rows) and the drafter (B x 1) use, 1 to 8 sessions x 1
-to 9 tokens (bench/bench_models.py). So every shape takes the packed pass. Models whose
-attention it cannot reproduce (sliding window, soft-capping, no AttentionInterface) run one
-session per forward with their own attention. transformers' continuous-batching
-`PagedAttentionCache` was not used: it is driven by its own request scheduler and block
-tables, and has no crop to drop rejected positions from one request.
+their K/V written into the pool in place, and attention in one SDPA call per layer for each
+group of like sessions (gathered from the pool into a padded batch) and per fresh prompt.
+No padding of the new tokens, and no per-session step per layer: a per-session attention
+call, and a per-session concatenation that copied each session's whole past every step,
+were a third of a 64-session pass (bench/RESULTS.md, issue 38). Models whose attention it
+cannot reproduce (sliding window, soft-capping, no AttentionInterface) run one session per
+forward with their own attention. transformers' continuous-batching `PagedAttentionCache`
+was not used: it is driven by its own request scheduler and block tables, and has no crop
+to drop rejected positions from one request.
 
 A pass computes at most `max_batch_tokens` (default 4096) new tokens; longer prefills run
 in chunks of that size, which bounds activation memory.
 
 Bounds: a session longer than `max_seq_len`, or K/V of all sessions over `max_kv_bytes`
-(cached tokens x layers x 2 x KV heads x head dim x dtype size), raises `KVCapacityError`
-before any state changes. Kept logits rows add at most (M + 1) x V fp32 per session.
-`session_bytes` reports a session's K/V tensors as allocated (a crop leaves a view of the
-longer tensor until the next update copies) plus rows and token lists; `bytes_for(n)` is
-the most a session of n positions holds, what the verifier's and drafter's budgets reserve.
+(their pages of 16 positions, or their cached tokens, x layers x 2 x KV heads x head dim x
+dtype size), raises `KVCapacityError` before any state changes; the pool's tensor never
+grows past max_kv_bytes. Kept logits rows add at most (M + 1) x V fp32 per session.
+`session_bytes` reports a session's K/V as allocated (its pages; or its cache's tensors,
+where a crop leaves a view of the longer tensor until the next update copies) plus rows and
+token lists; `bytes_for(n)` is the most a session of n positions holds, what the verifier's
+and drafter's budgets reserve.
 
 KV export/import: the kvblob format with the K/V of the committed prefix the cache holds,
 [n_layer, 2, kv_heads, n, head_dim] in the model's dtype; import checks the model digest,
@@ -64,13 +64,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import hf_ragged, kvblob
 from .base import KVCapacityError, KVImportError
+from .kv_pages import PagePool
 from .prefix_cache import CachedSession, CachingBackend, Plan
 from .real_tokenizer import SMOLLM2, hf_tokenizer_digest, resolve_gguf
 from .spec_options import choice, positive_int, split_options
@@ -91,19 +92,33 @@ _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype"}
 
 @dataclass(eq=False)
 class _Session(CachedSession):
-    cache: object = None  # transformers DynamicCache, batch 1, len(cached) positions
+    # K/V: pages of the backend's pool (packed passes), else a transformers DynamicCache
+    pool: PagePool | None = None
+    pages: list[int] = field(default_factory=list)  # in position order
+    cache: object = None  # DynamicCache, batch 1, len(cached) positions (one-by-one models)
 
     def truncate(self, n: int) -> None:
         super().truncate(n)
         self.restore()
 
     def restore(self) -> None:
-        """Crop every cache layer back to len(cached): after a truncation, or after a forward
-        that failed with some layers already extended."""
+        """Give back the pages, or crop every cache layer, beyond len(cached): after a
+        truncation, or after a forward that failed with K/V already written."""
+        if self.pool is not None:
+            keep = self.pool.pages_for(len(self.cached))
+            if len(self.pages) > keep:
+                self.pool.give_back(self.pages[keep:])
+                del self.pages[keep:]
+            return
         for layer in getattr(self.cache, "layers", ()):
             extra = layer.get_seq_length() - len(self.cached)
             if extra > 0:
                 layer.crop(-extra)
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.give_back(self.pages)
+            self.pages = []
 
 
 @dataclass(frozen=True)
@@ -168,9 +183,11 @@ class HFBackend(CachingBackend):
         n_layer, two, kv_heads, head_dim = self.kv_shape
         self.bytes_per_token = n_layer * two * kv_heads * head_dim * self.dtype.itemsize
         self.ragged = hf_ragged.supports_ragged(self.model) if ragged is None else ragged
+        self.pool = None
         if self.ragged:
             hf_ragged.register()
             self.model.set_attn_implementation(hf_ragged.NAME)
+            self.pool = PagePool(n_layer, kv_heads, head_dim, self.dtype, self.device, max_bytes=max_kv_bytes)
         config_dict = {
             k: v
             for k, v in config.to_dict().items()
@@ -199,38 +216,57 @@ class HFBackend(CachingBackend):
 
     # -- sessions (open, commit, score: prefix_cache.CachingBackend) ------------------------
     def _new_session(self, prompt: list[int]) -> _Session:
+        if self.pool is not None:
+            return _Session(committed=prompt, pool=self.pool)
         from transformers import DynamicCache
 
-        # the packed pass writes each layer directly, so its layers exist from the start
-        # (full-attention layers only: supports_ragged); otherwise the model fills them
-        cache = DynamicCache(config=self.model.config) if self.ragged else DynamicCache()
-        return _Session(committed=prompt, cache=cache)
+        return _Session(committed=prompt, cache=DynamicCache())
+
+    def release(self, session: bytes) -> None:
+        s = self._get(session)
+        super().release(session)
+        s.release()
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V all sessions hold (what `max_kv_bytes` caps)."""
+        """Bytes of K/V all sessions hold (what `max_kv_bytes` caps): their pages, or their
+        cached positions."""
+        if self.pool is not None:
+            return self.pool.held * self.pool.page_bytes
         return self.bytes_per_token * sum(len(s.cached) for s in self._sessions.values())
 
     def session_bytes(self, session: bytes) -> int:
-        """The session's K/V tensors as allocated (a crop keeps a view of the longer tensor
-        until the next update copies: up to one proposal more than its cached tokens), its
-        kept logits rows and token lists."""
+        """The session's K/V as allocated (its pages; or its cache's tensors, where a crop
+        keeps a view of the longer tensor until the next update copies), its kept logits
+        rows and token lists."""
         s = self._get(session)
-        kv = sum(
-            t.untyped_storage().nbytes()
-            for layer in getattr(s.cache, "layers", ())
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-            if t is not None
-        )
+        if s.pool is not None:
+            kv = len(s.pages) * s.pool.page_bytes
+        else:
+            kv = sum(
+                t.untyped_storage().nbytes()
+                for layer in getattr(s.cache, "layers", ())
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                if t is not None
+            )
         return kv + self._bookkeeping_bytes(s)
 
     def bytes_for(self, tokens: int) -> int:
-        """K/V of `tokens` positions (each layer's tensors are exactly as long as the cache:
-        an update concatenates), the fp32 rows of a longest proposal, two token lists."""
+        """K/V of `tokens` positions (whole pages; or exactly as long as the cache, whose
+        update concatenates), the fp32 rows of a longest proposal, two token lists."""
         if self.max_seq_len is not None:
             tokens = min(tokens, self.max_seq_len)
-        return tokens * self.bytes_per_token + self._bookkeeping_bytes_for(tokens)
+        if self.pool is not None:
+            kv = self.pool.pages_for(tokens) * self.pool.page_bytes
+        else:
+            kv = tokens * self.bytes_per_token
+        return kv + self._bookkeeping_bytes_for(tokens)
 
     def _reserve(self, plans: list[Plan]) -> None:
+        if self.pool is not None:
+            more = sum(max(0, self.pool.pages_for(len(p.full)) - len(p.session.pages)) for p in plans)
+            if not self.pool.fits(more):
+                self.pool.take(more)  # raises KVCapacityError, saying how much
+            return
         self._check_kv(sum(len(p.full) - len(p.session.cached) for p in plans))
 
     # -- scoring ----------------------------------------------------------------------------
@@ -273,15 +309,17 @@ class HFBackend(CachingBackend):
             lo = len(tokens)
             tokens += c.tokens
             positions += range(c.start, c.start + len(c.tokens))
-            mask = hf_ragged.causal_offset_mask(c.start, len(c.tokens), self.device)
-            spans.append(hf_ragged.Span(lo, len(tokens), c.session.cache, mask))
+            s, need = c.session, self.pool.pages_for(c.start + len(c.tokens))
+            if len(s.pages) < need:  # _reserve checked that they fit
+                s.pages += self.pool.take(need - len(s.pages))
+            spans.append(hf_ragged.SpanPlan(lo, len(tokens), c.start, s.pages))
             keep += range(lo + c.keep_from, len(tokens))
         logits = self.model(
             input_ids=torch.tensor([tokens], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
             use_cache=False,
             logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            sdcp_ragged=hf_ragged.RaggedLayout(spans),
+            sdcp_ragged=hf_ragged.paged_layout(self.pool, spans),
         ).logits[0].float()
         return list(logits.split([len(c.tokens) - c.keep_from for c in chunks]))
 
@@ -303,7 +341,9 @@ class HFBackend(CachingBackend):
         s = self._get(session)
         n = s.committed_kv_tokens()
         kv = None
-        if n:
+        if n and s.pool is not None:
+            kv = s.pool.read(s.pages, n)
+        elif n:
             kv = torch.stack(
                 [torch.stack([layer.keys[0, :, :n], layer.values[0, :, :n]])
                  for layer in s.cache.layers]
@@ -324,7 +364,10 @@ class HFBackend(CachingBackend):
                 raise KVImportError(f"KV dtype {blob.kv.dtype} is not the model's {self.dtype}")
         self._check_kv(n)
         s = self._new_session(committed)
-        if n:
+        if n and s.pool is not None:
+            s.pages = s.pool.take(s.pool.pages_for(n))
+            s.pool.write(s.pages, 0, blob.kv.to(self.device))
+        elif n:
             for i, layer in enumerate(blob.kv.to(self.device)):  # [2, kv_heads, n, head_dim]
                 s.cache.update(layer[0][None].contiguous(), layer[1][None].contiguous(), i)
         s.cached, s.rows_start = committed[:n], n
@@ -332,6 +375,10 @@ class HFBackend(CachingBackend):
 
     # -- memory -----------------------------------------------------------------------------
     def _check_kv(self, more_tokens: int) -> None:
+        if self.pool is not None:
+            if not self.pool.fits(self.pool.pages_for(more_tokens)):
+                self.pool.take(self.pool.pages_for(more_tokens))  # raises, saying how much
+            return
         want = self.kv_bytes() + more_tokens * self.bytes_per_token
         if want > self.max_kv_bytes:
             raise KVCapacityError(

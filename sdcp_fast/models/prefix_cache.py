@@ -1,8 +1,8 @@
 """What a K/V-caching backend knows about each session, and what a `score` must compute.
 
 Shared by the built-in backend (tiny.py, K/V in one buffer per session) and the Hugging Face
-backend (hf.py, K/V in a transformers `DynamicCache` per session); each keeps its K/V its
-own way and subclasses `CachedSession` to drop K/V in `truncate`.
+backend (hf.py, K/V in the pages of one pool, or a transformers `DynamicCache` per session);
+each keeps its K/V its own way and subclasses `CachedSession` to drop K/V in `truncate`.
 
 Per session:
   * `committed`: the committed sequence C (prompt + committed output);

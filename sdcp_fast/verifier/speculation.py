@@ -12,7 +12,11 @@ machine: the policy measures
   whole pass: forward, verify, commit, answers), as a line through per-n averages;
 - the drafters' turnaround g(x), from a verdict's answer to the session's next proposal,
   against x = the draft tokens all active sessions ask for in a round;
-- each session's acceptance (an EWMA of a/M, as the drafter keeps it),
+- each session's acceptance (an EWMA of a/M, as the drafter keeps it); a session with no
+  drafted round of its own yet (one just opened, or self-decoding since its open) is planned
+  with the acceptance of all sessions' rounds lately (`pooled`), not a fixed prior: at 97%
+  acceptance a prior of 70% kept sessions opened under load self-decoding, where drafting
+  would have paid a third more;
 
 and `control.plan_speculation` turns them into a plan per drafted round: an M (the next
 m_cap) or self-decoding. A self-decoding session goes back to a drafter once a plan with
@@ -33,6 +37,7 @@ passes are cost points like any pass (a pass over the prompts' tokens).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -44,6 +49,7 @@ MODES = ("auto", "on", "off")
 LOG_EVERY_S = 10.0        # the plan's inputs and decisions, logged at most this often
 POINT_WEIGHT_CAP = 16     # a cost point's weight in its line: recent conditions count as much as old
 MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to a drafter
+POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
 
 
 @dataclass
@@ -51,6 +57,7 @@ class SessionSpeculation:
     """What the policy keeps per session."""
 
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    rounds: int = 0                 # drafted rounds of its own observed (0: plan with `pooled`)
     self_decoding: bool = False     # the plan moved it to self-decoding (its drafted rounds stopped)
     last_self_decoded: bool = True  # its last job was self-decoded (or none yet): no turnaround to take
 
@@ -99,6 +106,8 @@ class SpeculationPolicy:
         self.min_self_tokens = min_self_tokens
         self.active = 1                 # sessions open at the last pass
         self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0, "open-self": 0}   # decisions taken
+        self.pooled = AcceptanceEstimate(weight=POOLED_WEIGHT)   # every session's rounds
+        self.pooled_rounds = 0
         self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
@@ -122,15 +131,23 @@ class SpeculationPolicy:
         if self.mode == "auto":
             self.costs.observe_turnaround(m * self.active, seconds)
 
-    @staticmethod
-    def observe_round(state: SessionSpeculation, accepted: int, m: int) -> None:
+    def observe_round(self, state: SessionSpeculation, accepted: int, m: int) -> None:
         state.acceptance = state.acceptance.update(accepted, m)
+        state.rounds += 1
+        # a running mean over the first rounds, then an EWMA: the 0.7 prior goes at once
+        self.pooled_rounds += 1
+        weight = max(POOLED_WEIGHT, 1 / self.pooled_rounds)
+        self.pooled = dataclasses.replace(self.pooled, weight=weight).update(accepted, m)
+
+    def acceptance(self, state: SessionSpeculation) -> float:
+        """The session's own estimate once it has rounds of its own, else all sessions'."""
+        return state.acceptance.alpha if state.rounds else self.pooled.alpha
 
     # ------------------------------------------------------------------ decisions
 
     def _plan(self, state: SessionSpeculation, m_max: int, *, speculating: bool,
               active: int | None = None) -> int:
-        return plan_speculation(state.acceptance.alpha, m_max, active or self.active, self.costs.pass_cost,
+        return plan_speculation(self.acceptance(state), m_max, active or self.active, self.costs.pass_cost,
                                 self.costs.turnaround, speculating=speculating, margin=self.margin)
 
     def plan(self, state: SessionSpeculation, m_max: int) -> int | None:
@@ -148,7 +165,7 @@ class SpeculationPolicy:
         """Whether a session just opened should start self-decoding instead of waiting for
         a drafter's first proposal: always with speculation off, never with it on, and in
         auto when the plan says a drafter would not pay, with what is measured now (the
-        prefill passes included), the session's prior acceptance and `active` sessions in
+        prefill passes included), the acceptance of all sessions' rounds and `active` sessions in
         play (those opening with it included: a burst is planned for as the load it is).
         A verifier that has not timed a drafter's turnaround yet lets the session draft (the
         protocol's usual start) rather than weigh drafting by a guess. The caller marks the

@@ -109,12 +109,18 @@ def test_cached_scoring_matches_full_recompute_over_random_traffic(llama_dir, re
                     del live[sid]
         assert out.shape[0] == row
     assert scored_rows > 300
-    # K/V accounting equals what the caches really hold
-    held = sum(
-        2 * layer.keys.numel() * layer.keys.element_size()
-        for s in be._sessions.values()
-        for layer in s.cache.layers
-    )
+    # K/V accounting equals what the sessions really hold
+    if ragged:  # pages: each session exactly those its cached tokens need
+        for s in be._sessions.values():
+            assert len(s.pages) == be.pool.pages_for(len(s.cached))
+        held = sum(len(s.pages) for s in be._sessions.values()) * be.pool.page_bytes
+        assert be.pool.held * be.pool.page_bytes == held
+    else:
+        held = sum(
+            2 * layer.keys.numel() * layer.keys.element_size()
+            for s in be._sessions.values()
+            for layer in s.cache.layers
+        )
     assert held == be.kv_bytes()
 
 
@@ -131,7 +137,8 @@ def test_score_computes_only_new_positions_and_commit_crops(llama_dir, reference
     assert fed[-1] == 5 and be.cached_tokens(b"a") == prompt + [1, 2, 3, 4, 5]
     be.commit(b"a", [1, 2, 9])  # two accepted, a third rejected: its K/V goes
     assert be.cached_tokens(b"a") == prompt + [1, 2]
-    assert all(layer.get_seq_length() == 9 for layer in be._sessions[b"a"].cache.layers)
+    assert be._sessions[b"a"].pages == be._sessions[b"a"].pages[: be.pool.pages_for(9)]
+    assert be.kv_bytes() == be.pool.pages_for(9) * be.pool.page_bytes
     out = be.score([(b"a", [4, 4])])  # the committed 9, then the proposal
     assert fed[-1] == 3
     assert_rows_match(out, full_recompute(reference, prompt + [1, 2, 9], [4, 4]))
@@ -200,18 +207,25 @@ def test_bad_blobs_are_refused_and_nothing_is_half_applied(llama_dir, tmp_path):
     assert b.cached_tokens(b"t") == [4, 5, 6, 7, 8]
 
 
-def test_kv_and_length_caps_raise_before_any_change(llama_dir, reference):
+@pytest.mark.parametrize("ragged", [True, False], ids=["packed", "one-per-forward"])
+def test_kv_and_length_caps_raise_before_any_change(llama_dir, reference, ragged):
+    """max_kv_bytes 50 tokens: the pool holds 3 pages of 16 (48 positions), a session of
+    one-by-one caches 50 positions."""
     per_token = HFBackend(llama_dir).bytes_per_token
-    be = HFBackend(llama_dir, max_kv_bytes=50 * per_token)
+    be = HFBackend(llama_dir, max_kv_bytes=50 * per_token, ragged=ragged)
+
+    def kv(n):
+        return be.pool.pages_for(n) * be.pool.page_bytes if ragged else n * per_token
+
     be.open(b"a", list(range(3, 33)))  # 30 tokens
     with pytest.raises(KVCapacityError):
         be.open(b"b", list(range(3, 28)))  # 25 more: 55 > 50
-    assert be.sessions() == [b"a"] and be.kv_bytes() == 30 * per_token
+    assert be.sessions() == [b"a"] and be.kv_bytes() == kv(30)
     be.score([(b"a", [1] * 15)])  # 45 tokens
     before = be.cached_tokens(b"a")
     with pytest.raises(KVCapacityError):
         be.score([(b"a", [2] * 25)])  # 55 > 50
-    assert be.cached_tokens(b"a") == before and be.kv_bytes() == 45 * per_token
+    assert be.cached_tokens(b"a") == before and be.kv_bytes() == kv(45)
     assert_rows_match(be.score([(b"a", [2, 3])]), full_recompute(reference, list(range(3, 33)), [2, 3]))
     blob = be.export_kv(b"a")
     with pytest.raises(KVCapacityError):
@@ -229,13 +243,39 @@ def test_kv_and_length_caps_raise_before_any_change(llama_dir, reference):
         load_backend(f"hf:{llama_dir}").open(b"y", [3] * 97)  # max_position_embeddings = 96
 
 
-def test_session_bytes_counts_the_kv_as_allocated_and_bytes_for_bounds_it(llama_dir):
+def test_session_bytes_counts_pages_and_bytes_for_bounds_them(llama_dir):
     """What the verifier's and drafter's memory budgets read (Backend.session_bytes and
-    bytes_for): K/V tensors as allocated, kept fp32 rows, two token lists."""
+    bytes_for) on the packed path: whole pages, kept fp32 rows, two token lists."""
     from sdcp_fast.models.base import token_list_bytes
     from sdcp_fast.models.prefix_cache import MAX_ROWS
 
     be = HFBackend(llama_dir)
+    assert be.pool is not None and be.pool.page == 16
+    lists = lambda c, k: token_list_bytes(c) + token_list_bytes(k)  # noqa: E731
+    kv = lambda n: be.pool.pages_for(n) * be.pool.page_bytes  # noqa: E731
+    be.open(b"a", list(range(3, 23)))  # 20 tokens cached (2 pages), the row after them kept
+    assert be.session_bytes(b"a") == kv(20) + 1 * VOCAB * 4 + lists(20, 20)
+    be.score([(b"a", [4] * 6)])  # 26 cached, 7 rows
+    assert be.session_bytes(b"a") == kv(26) + 7 * VOCAB * 4 + lists(20, 26)
+    be.commit(b"a", [4, 5])  # rejected from the second: cropped to 21
+    held = be.session_bytes(b"a")
+    assert held == kv(21) + lists(22, 21) and held <= be.bytes_for(20 + 6 + 1)
+    be.score([(b"a", [6] * 12)])  # 34 cached: a third page
+    assert be.session_bytes(b"a") == 3 * be.pool.page_bytes + 13 * VOCAB * 4 + lists(22, 34)
+    be.commit(b"a", [7])  # the proposal rejected, 22 kept: the third page goes back to the pool
+    assert be.kv_bytes() == 2 * be.pool.page_bytes and be.pool.held == 2
+    assert be.bytes_for(40) == kv(48) + MAX_ROWS * VOCAB * 4 + 2 * token_list_bytes(40)
+    assert be.bytes_for(10_000) == be.bytes_for(96)  # capped at max_position_embeddings
+    be.release(b"a")
+    assert be.pool.held == 0 and be.kv_bytes() == 0
+
+
+def test_session_bytes_counts_the_kv_as_allocated_and_bytes_for_bounds_it(llama_dir):
+    """The same for models served one session per forward: K/V tensors as allocated."""
+    from sdcp_fast.models.base import token_list_bytes
+    from sdcp_fast.models.prefix_cache import MAX_ROWS
+
+    be = HFBackend(llama_dir, ragged=False)
     per_token, lists = be.bytes_per_token, lambda c, k: token_list_bytes(c) + token_list_bytes(k)
     be.open(b"a", list(range(3, 23)))  # 20 tokens cached, the row after them kept
     assert be.session_bytes(b"a") == 20 * per_token + 1 * VOCAB * 4 + lists(20, 20)

@@ -185,3 +185,39 @@ async def test_a_session_opened_where_drafting_loses_self_decodes_from_its_first
 @harness_test(timeout=60, engine_config=EngineConfig(speculation="off", max_wait_ms=1.0))
 async def test_with_speculation_off_every_session_self_decodes_from_its_first_token(h):
     await self_decoded_from_open(h, contract_for(h.backend, max_new=9, self_load=100), [4, 1], 9)
+
+
+class Balanced(Costs):
+    """Costs where drafting pays at 95% acceptance and loses at the 70% cold-start prior: a
+    pass costs 10 ms plus 2 ms a token, a drafter's turnaround 30 ms (2 sessions: 143
+    tokens/s self-decoded; drafting M = 8 makes about 218 at 98%, at most 92 at 70%)."""
+
+    def pass_cost(self, n):
+        return 0.010 + 0.002 * n
+
+    def turnaround(self, x):
+        return 0.030
+
+
+def test_a_session_without_rounds_of_its_own_is_planned_with_every_sessions_acceptance():
+    """A session just opened, or self-decoding since its open, has no acceptance of its own:
+    the plan takes the acceptance of all sessions' rounds (a running mean at first, then an
+    EWMA), not the 70% prior, once any round has been seen; a session's own rounds take over
+    from its first."""
+    from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", costs=Balanced())
+    policy.active = 2
+    fresh = SessionSpeculation()
+    assert policy.acceptance(fresh) == 0.7
+    assert policy.self_decode_from_open(fresh, 8, 2)   # at 70%, drafting loses here
+    seasoned = SessionSpeculation()
+    for _ in range(6):
+        policy.observe_round(seasoned, 8, 8)          # every token accepted, 8 of 8
+    policy.observe_round(seasoned, 7, 8)              # a rejection: 7 of 8 trials
+    assert seasoned.rounds == 7 and abs(policy.pooled.alpha - (6 + 7 / 8) / 7) < 1e-9
+    assert policy.acceptance(fresh) == policy.pooled.alpha > 0.95
+    assert not policy.self_decode_from_open(fresh, 8, 2)   # at the pooled 98%, drafting pays
+    mine = SessionSpeculation()
+    policy.observe_round(mine, 0, 8)
+    assert policy.acceptance(mine) == mine.acceptance.alpha < 0.7
