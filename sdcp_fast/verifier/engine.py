@@ -480,6 +480,9 @@ class Engine:
             if outcome.problem is not None:
                 self._refuse(item, outcome.problem)
                 continue
+            if item.served.answered_at:   # what the round committed per second, answer to answer
+                self.policy.observe_answer(item.job.self_decoded, outcome.accepted + 1,
+                                           time.perf_counter() - item.served.answered_at)
             plan = None
             if not item.job.self_decoded:   # the verifier's plan for the session's next rounds
                 state = item.served.speculation

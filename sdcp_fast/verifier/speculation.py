@@ -19,7 +19,15 @@ machine: the policy measures
   would have paid a third more;
 
 and `control.plan_speculation` turns them into a plan per drafted round: an M (the next
-m_cap) or self-decoding. A self-decoding session goes back to a drafter once a plan with
+m_cap) or self-decoding. That plan models a round as the drafters' turnaround plus one pass;
+under load the sessions' rounds interleave and a round spans more than that. So the plan is
+also checked against what rounds really commit: the tokens a session commits per second
+from one answer to the next, drafted and self-decoded (`MeasuredRate`, all sessions,
+kept with the load they were measured at). Where drafted rounds measured at about this
+load commit less than self-decoding would (measured, else one token per modelled pass),
+the session self-decodes whatever the model says: at 8 and 16 requests the model said
+drafting paid and the drafted rounds made 57 and 65 tokens/s where self-decoding made 63
+and 97 (bench/RESULTS.md, issue 38). A self-decoding session goes back to a drafter once a plan with
 its acceptance says speculating pays again (after at least `min_self_tokens`: each move
 back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
 (self_load, the ladder's own use of it); where the contract does not permit it the plan's
@@ -50,6 +58,32 @@ LOG_EVERY_S = 10.0        # the plan's inputs and decisions, logged at most this
 POINT_WEIGHT_CAP = 16     # a cost point's weight in its line: recent conditions count as much as old
 MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to a drafter
 POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
+RATE_WEIGHT = 0.1         # a round's weight in a measured rate (after a running mean)
+MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
+LOAD_FACTOR = 1.5         # a rate counts at loads within this factor of the one it was measured at
+
+
+@dataclass
+class MeasuredRate:
+    """Tokens a session commits per second, answer to answer, for one way of decoding: an
+    EWMA over all sessions' rounds, and the sessions in play it was measured at."""
+
+    rate: float = 0.0
+    active: float = 0.0
+    rounds: int = 0
+
+    def observe(self, tokens: int, seconds: float, active: int) -> None:
+        self.rounds += 1
+        weight = max(RATE_WEIGHT, 1 / self.rounds)
+        self.rate += weight * (tokens / seconds - self.rate)
+        self.active += weight * (active - self.active)
+
+    def at(self, active: int) -> float | None:
+        """The rate if measured enough at a load like `active`, else None."""
+        if self.rounds < MIN_RATE_ROUNDS or self.active <= 0:
+            return None
+        ratio = active / self.active
+        return self.rate if 1 / LOAD_FACTOR <= ratio <= LOAD_FACTOR else None
 
 
 @dataclass
@@ -108,6 +142,7 @@ class SpeculationPolicy:
         self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0, "open-self": 0}   # decisions taken
         self.pooled = AcceptanceEstimate(weight=POOLED_WEIGHT)   # every session's rounds
         self.pooled_rounds = 0
+        self.drafted_rate, self.self_rate = MeasuredRate(), MeasuredRate()
         self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
@@ -139,6 +174,23 @@ class SpeculationPolicy:
         weight = max(POOLED_WEIGHT, 1 / self.pooled_rounds)
         self.pooled = dataclasses.replace(self.pooled, weight=weight).update(accepted, m)
 
+    def observe_answer(self, self_decoded: bool, tokens: int, seconds: float) -> None:
+        """A session committed `tokens` in a round `seconds` after its last answer."""
+        if self.mode == "auto" and seconds > 0:
+            (self.self_rate if self_decoded else self.drafted_rate).observe(tokens, seconds, self.active)
+
+    def drafting_measured_to_lose(self, active: int | None = None) -> bool:
+        """Drafted rounds measured at about this load commit less than self-decoding would
+        (measured likewise, else one token a session per modelled pass)."""
+        active = active or self.active
+        drafted = self.drafted_rate.at(active)
+        if drafted is None:
+            return False
+        itself = self.self_rate.at(active)
+        if itself is None:
+            itself = 1 / self.costs.pass_cost(active)
+        return itself > drafted * (1 + self.margin)
+
     def acceptance(self, state: SessionSpeculation) -> float:
         """The session's own estimate once it has rounds of its own, else all sessions'."""
         return state.acceptance.alpha if state.rounds else self.pooled.alpha
@@ -158,6 +210,8 @@ class SpeculationPolicy:
         if self.mode == "off":
             return SELF_DECODE
         m = self._plan(state, m_max, speculating=True)
+        if m != SELF_DECODE and self.drafting_measured_to_lose():
+            m = SELF_DECODE
         self.plans["self" if m == SELF_DECODE else "speculate"] += 1
         return m
 
@@ -174,7 +228,9 @@ class SpeculationPolicy:
             return self.mode == "off"
         if not self.costs.turnaround_measured:   # no drafter timed yet: nothing to weigh it by
             return False
-        return self._plan(state, m_max, speculating=False, active=max(active, self.active)) == SELF_DECODE
+        active = max(active, self.active)
+        return (self._plan(state, m_max, speculating=False, active=active) == SELF_DECODE
+                or self.drafting_measured_to_lose(active))
 
     @staticmethod
     def moved_to_self_decoding(state: SessionSpeculation) -> None:
@@ -190,7 +246,7 @@ class SpeculationPolicy:
         """Whether a session the plan moved to self-decoding should go back to a drafter."""
         if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
             return False
-        if self._plan(state, m_max, speculating=False) == SELF_DECODE:
+        if self._plan(state, m_max, speculating=False) == SELF_DECODE or self.drafting_measured_to_lose():
             return False
         state.self_decoding = False
         self.plans["resume"] += 1

@@ -11,6 +11,7 @@ cost model the test controls instead of measured timings:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import torch
 
@@ -221,3 +222,29 @@ def test_a_session_without_rounds_of_its_own_is_planned_with_every_sessions_acce
     mine = SessionSpeculation()
     policy.observe_round(mine, 0, 8)
     assert policy.acceptance(mine) == mine.acceptance.alpha < 0.7
+
+
+def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_it():
+    """The model says drafting pays (Balanced costs, 98% acceptance), but drafted rounds
+    measured at this load commit 4 tokens/s a session where self-decoding commits 7: the
+    plan self-decodes, at open and at a verdict, and no session resumes drafting. Measured
+    at another load (over 1.5x away), or on too few rounds, the measurement does not count."""
+    from sdcp_fast.core.control import SELF_DECODE
+    from sdcp_fast.verifier.speculation import MIN_RATE_ROUNDS, SessionSpeculation, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", costs=Balanced())
+    policy.active = 2
+    state = SessionSpeculation(rounds=1)
+    state.acceptance = dataclasses.replace(state.acceptance, alpha=0.98)
+    assert policy.plan(state, 8) != SELF_DECODE
+    for n in range(MIN_RATE_ROUNDS):
+        policy.observe_answer(False, 4, 1.0)         # drafted: 4 tokens a second
+        policy.observe_answer(True, 1, 1 / 7)        # self-decoded: 7 a second
+        assert policy.drafting_measured_to_lose() == (n == MIN_RATE_ROUNDS - 1)
+    assert policy.plan(state, 8) == SELF_DECODE
+    assert policy.self_decode_from_open(SessionSpeculation(), 8, 2)
+    state.self_decoding = True
+    assert not policy.resume_drafting(state, 100, 8)
+    assert not policy.drafting_measured_to_lose(active=4)   # measured at 2 sessions: not at 4
+    policy.active = 4
+    assert policy.plan(state, 8) != SELF_DECODE
