@@ -25,7 +25,7 @@ so the worker threads of one process may each hold their own share.
 
 Between the parallel regions of one call (an operator each, tens of microseconds apart)
 OpenMP's team threads should spin: a team that sleeps after every region (`OMP_WAIT_POLICY=
-PASSIVE`) pays a wake-up per region, a quarter more on the target's batched pass. Between
+PASSIVE`) pays a wake-up per region (bench/RESULTS.md, issue 38, measured it). Between
 calls (milliseconds apart) they must not: a process that spins on a core another process's
 call now holds slows that call, and an unbounded spin (`ACTIVE`) did so in serving. So
 `procs.Cluster` starts instances with a bounded spin (`procs.spin_env`: libgomp's GOMP_SPINCOUNT,

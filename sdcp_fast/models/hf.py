@@ -29,7 +29,8 @@ their K/V written into the pool in place, and attention in one SDPA call per lay
 group of like sessions (gathered from the pool into a padded batch) and per fresh prompt.
 No padding of the new tokens, and no per-session step per layer: a per-session attention
 call, and a per-session concatenation that copied each session's whole past every step,
-were a third of a 64-session pass (bench/RESULTS.md, issue 38). Models whose attention it
+made a large batch's pass cost far more than transformers' own step (bench/RESULTS.md,
+issue 38). Models whose attention it
 cannot reproduce (sliding window, soft-capping, no AttentionInterface) run one session per
 forward with their own attention. transformers' continuous-batching `PagedAttentionCache`
 was not used: it is driven by its own request scheduler and block tables, and has no crop

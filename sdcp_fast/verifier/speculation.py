@@ -14,9 +14,9 @@ machine: the policy measures
   against x = the draft tokens all active sessions ask for in a round;
 - each session's acceptance (an EWMA of a/M, as the drafter keeps it); a session with no
   drafted round of its own yet (one just opened, or self-decoding since its open) is planned
-  with the acceptance of all sessions' rounds lately (`pooled`), not a fixed prior: at 97%
-  acceptance a prior of 70% kept sessions opened under load self-decoding, where drafting
-  would have paid a third more;
+  with the acceptance of all sessions' rounds lately (`pooled`), not a fixed prior, which
+  kept sessions opened under load self-decoding where their drafters, accepted far more
+  often than the prior said, would have paid;
 
 and `control.plan_speculation` turns them into a plan per drafted round: an M (the next
 m_cap) or self-decoding. That plan models a round as the drafters' turnaround plus one pass;
@@ -25,11 +25,10 @@ also checked against what rounds really commit: the tokens a session commits per
 from one answer to the next, drafted and self-decoded (`MeasuredRate`, all sessions,
 kept with the load they were measured at). Where drafted rounds measured at about this
 load commit less than self-decoding would (measured, else one token per modelled pass),
-the session self-decodes whatever the model says: at 8 and 16 requests the model said
-drafting paid and the drafted rounds made 57 and 65 tokens/s where self-decoding made 63
-and 97 (bench/RESULTS.md, issue 38). A self-decoding session goes back to a drafter once a plan with
-its acceptance says speculating pays again (after at least `min_self_tokens`: each move
-back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
+the session self-decodes whatever the model says (bench/RESULTS.md, issue 38, has the
+loads where the model alone got it wrong). A self-decoding session goes back to a drafter
+once a plan with its acceptance says speculating pays again (after at least
+`min_self_tokens`: each move back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
 (self_load, the ladder's own use of it); where the contract does not permit it the plan's
 M still applies.
 

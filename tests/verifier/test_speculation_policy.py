@@ -230,7 +230,11 @@ def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_
     plan self-decodes, at open and at a verdict, and no session resumes drafting. Measured
     at another load (over 1.5x away), or on too few rounds, the measurement does not count."""
     from sdcp_fast.core.control import SELF_DECODE
-    from sdcp_fast.verifier.speculation import MIN_RATE_ROUNDS, SessionSpeculation, SpeculationPolicy
+    from sdcp_fast.verifier.speculation import (
+        MIN_RATE_ROUNDS,
+        SessionSpeculation,
+        SpeculationPolicy,
+    )
 
     policy = SpeculationPolicy("auto", costs=Balanced())
     policy.active = 2
