@@ -7,6 +7,11 @@ A drafter that refuses is skipped for the next candidate by load; a verifier tha
 ends the attempt (closed, fenced, or failing: the monitor decides what next). Callers hold
 the session's lock.
 
+A session-open is given up, and the next verifier tried, as soon as the registry takes the
+verifier it went to for dead (its status expired meanwhile): a verifier cut off just after
+it was picked would otherwise hold the session for the open's whole timeout and retries,
+far longer than the status TTL that already says it is gone.
+
 Every message that instructs a peer is preceded by `own.act(s)` (the session's record
 written under the checks that it is still this router's; router/ownership.py) or, between
 two messages of one step, by `own.check(s)` (the lease's local deadline), and carries the
@@ -15,6 +20,7 @@ router epoch of the record, so a peer that has heard from a newer owner refuses 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -28,6 +34,7 @@ from .sessions import RouterSession
 
 log = logging.getLogger("sdcp_fast.router")
 ATTEMPTS = 4    # drafters tried per assignment
+SILENCE_POLL_S = 0.25   # how often an open under way checks that its verifier still reports
 
 
 class Offer(enum.Enum):
@@ -56,7 +63,7 @@ class Placement:
                               router_epoch=s.router_epoch or None, logprobs=s.logprobs_ask,
                               prefill_share=s.door.get("n") if resume is None and s.door.get("n", 1) > 1 else None)
             await self.own.act(s)
-            state = await self.peers.open_session(inst.uri, msg)
+            state = await self._open_while_reporting(inst.uri, msg)
             if not isinstance(state, Refused):
                 s.verifier = inst.uri
                 s.self_decoding = state.state == int(Action.SELF_DECODE)
@@ -68,6 +75,19 @@ class Placement:
                 return True
             log.warning("session %s: %s refused session-open: %s", s.id.hex(), inst.uri, state)
             exclude = {*exclude, inst.uri}
+
+    async def _open_while_reporting(self, verifier: str, msg: SessionOpen):
+        """peers.open_session, or Refused once the verifier is taken for dead meanwhile."""
+        opening = asyncio.ensure_future(self.peers.open_session(verifier, msg))
+        try:
+            while True:
+                done, _ = await asyncio.wait({opening}, timeout=SILENCE_POLL_S)
+                if done:
+                    return opening.result()
+                if self.registry.silent(verifier):
+                    return Refused(None, "its status expired while the open was under way")
+        finally:
+            opening.cancel()   # a no-op once done
 
     async def assign(self, s: RouterSession, exclude: set[str] | frozenset[str] = frozenset(), *,
                      attempts: int = ATTEMPTS, prefer: str | None = None) -> bool:

@@ -349,3 +349,41 @@ def test_a_session_remembers_its_last_placements_only():
     for n in range(5 * HISTORY_KEPT):
         s.place("stalled", n=n)
     assert [h["n"] for h in s.info()["history"]] == list(range(4 * HISTORY_KEPT, 5 * HISTORY_KEPT))
+
+
+def test_an_open_under_way_is_given_up_once_its_verifier_goes_silent():
+    """The verifier picked for a session-open is cut off (its open never answers): once its
+    status expires the open is given up and the next verifier by load opens the session,
+    long before the open's own timeout."""
+    import asyncio
+    import time
+
+    from sdcp_fast.core.messages import Contract, SessionState
+    from sdcp_fast.router import placement
+    from sdcp_fast.router.sessions import RouterSession
+
+    reg = registry()
+    reg.report(Status(V1, ROLE_VERIFIER, 10, 0, 300))    # picked first (less load), ttl 0.3 s
+    reg.report(Status(V2, ROLE_VERIFIER, 50, 0, 60_000))
+
+    class Peers:
+        opened_at: dict[str, float] = {}
+
+        async def open_session(self, verifier, msg):
+            self.opened_at[verifier] = time.monotonic()
+            if verifier == V1:
+                await asyncio.sleep(3600)   # cut off: no answer
+            return SessionState(msg.session, msg.epoch, 0, 0, b"\0" * 32)
+
+    class Own:
+        async def act(self, s):
+            pass
+
+    contract = Contract(target=MODEL_A, tokenizer=MODEL_B, rule=1, m_max=4, max_new=8, stop=(),
+                        low_rounds=2, fallback=(Action.REDUCE,))
+    s = RouterSession(b"s" * 16, contract, (1,), "log")
+    place = placement.Placement(reg, Peers(), None, Own(), m_init=4, on_verifier_lost=None)
+    began = time.monotonic()
+    assert asyncio.run(asyncio.wait_for(place.open(s, set()), 10))
+    assert s.verifier == V2 and list(Peers.opened_at) == [V1, V2]
+    assert Peers.opened_at[V2] - began < 0.3 + 2 * placement.SILENCE_POLL_S + 0.5
