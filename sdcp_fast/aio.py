@@ -29,9 +29,7 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -161,8 +159,6 @@ class Offload:
     async def run(self, fn, *args: Any, units: int = 1) -> Any:
         if self.inline(units):
             return self.timed(units, fn, *args)
-        if self.compute:
-            return await in_compute_thread(self.timed, units, fn, *args, in_thread=True)
         return await asyncio.to_thread(self.timed, units, fn, *args, in_thread=True)
 
     def timed(self, units: int, fn, *args: Any, in_thread: bool = False) -> Any:
@@ -264,23 +260,7 @@ def _settle(future: asyncio.Future, result: Any) -> None:
 
 async def compute(fn, *args: Any) -> Any:
     """`fn(*args)` in a worker thread on the host's free cores (a prefill: always long)."""
-    return await in_compute_thread(Offload(compute=True).timed, 1, fn, *args, in_thread=True)
-
-
-_compute_executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-
-async def in_compute_thread(fn, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)` in the process's one compute thread. Why one: torch's OpenMP
-    runtime keeps a team of threads per thread that starts parallel work, so compute calls
-    spread over a pool's threads each wake a team of their own, and cold; one thread keeps
-    one team warm. A process's compute calls take turns anyway (a model's lock, the host's
-    cores)."""
-    global _compute_executor
-    if _compute_executor is None:
-        _compute_executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sdcp-compute")
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_compute_executor, functools.partial(fn, *args, **kwargs))
+    return await asyncio.to_thread(Offload(compute=True).timed, 1, fn, *args, in_thread=True)
 
 
 async def within(coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:

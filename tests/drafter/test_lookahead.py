@@ -18,18 +18,21 @@ VOCAB = 16
 
 
 class SlowCounter:
-    """A draft backend whose next token is (last + 1) mod VOCAB; each score call waits until
-    released, so a test can hold a step under way, and takes a few milliseconds, so the
-    batcher runs it in a worker thread (a call measured cheaper would run on the loop, which
-    a held gate would then block)."""
+    """A draft backend whose next token is (last + 1) mod VOCAB; each score call takes one
+    permit (`release(n)` gives n), so a test lets exactly the steps it wants run and holds
+    the next one under way, and takes a few milliseconds, so the batcher runs it in a worker
+    thread (a call measured cheaper would run on the loop, which a held step would block)."""
 
     def __init__(self):
-        self.gate = threading.Event()
+        self.permits = threading.Semaphore(0)
         self.calls = 0
+
+    def release(self, steps: int = 1000) -> None:
+        self.permits.release(steps)
 
     def score(self, items):
         self.calls += 1
-        assert self.gate.wait(10)
+        assert self.permits.acquire(timeout=10)
         time.sleep(0.003)
         rows = []
         for _, x in items:
@@ -59,10 +62,10 @@ def test_settle_outside_a_step_resolves_at_once():
             await asyncio.sleep(0.01)
             settled = await asyncio.wait_for(batcher.settle(r), 1)
             assert settled.tokens == [] and (await task) is r
-            backend.gate.set()
+            backend.release()
             await first
         finally:
-            backend.gate.set()
+            backend.release()
             await batcher.stop()
     asyncio.run(go())
 
@@ -75,23 +78,20 @@ def test_settle_in_a_step_keeps_that_steps_token():
         try:
             r = request(b"s", 6)
             task = asyncio.create_task(batcher.draft(r))
-            backend.gate.set()
-            while len(r.tokens) < 2:
-                await asyncio.sleep(0.001)
-            backend.gate.clear()
-            while id(r) not in batcher._in_step:   # the next step is under way, held
+            backend.release(2)                    # two steps run; the third is held under way
+            while len(r.tokens) < 2 or backend.calls < 3 or id(r) not in batcher._in_step:
                 await asyncio.sleep(0.001)
             have = len(r.tokens)
             settling = asyncio.create_task(batcher.settle(r))
             await asyncio.sleep(0.01)
             assert not settling.done()            # waits for the step under way, not for all 6
-            backend.gate.set()
+            backend.release()
             await asyncio.wait_for(settling, 2)
-            assert len(r.tokens) == have + 1 < 6
+            assert len(r.tokens) == have + 1 == 3
             assert r.tokens == [(k + 1) % VOCAB for k in range(len(r.tokens))]
             assert (await task) is r
         finally:
-            backend.gate.set()
+            backend.release()
             await batcher.stop()
     asyncio.run(go())
 
