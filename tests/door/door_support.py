@@ -110,10 +110,17 @@ def rewrite_ports(src: Path, dst: Path) -> dict[int, int]:
 
 
 def start_up(*args: str) -> subprocess.Popen:
-    """`sdcp-fast up ARGS` as a user starts it, in a process group of its own."""
+    """`sdcp-fast up ARGS` as a user starts it from a terminal, in a process group of its
+    own, with Ctrl-C's default action even where the test run was started with SIGINT
+    ignored (a background job of a shell without job control: the child inherits that, and
+    Python then never raises KeyboardInterrupt)."""
     return subprocess.Popen([sys.executable, "-m", "sdcp_fast.cli", "up", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def ready_line(proc: subprocess.Popen) -> str:
