@@ -17,9 +17,10 @@ It measures, in order:
 2. at each RTT (0.1 ms: the relay with no added delay, its own cost being about that), with
    the drafters drafting ahead (`draft_ahead`, the drafter prepares the next proposal during
    verification on the all-accepted verdict and throws it away otherwise) and without:
-   `--sessions` streams at once and one stream alone (the median of `--repeats` runs: one
-   short run is noisy; the repeats go round the RTTs, so that a slow minute of the shared
-   machine falls on every RTT alike); tokens/s (all streams' tokens over the wall time),
+   `--sessions` streams at once and one stream alone (the median of `--repeats` runs, and of
+   `--repeats-one` for one stream: one short run is noisy; the repeats go round the RTTs, so
+   that a slow minute of the shared machine falls on every RTT alike); tokens/s (all streams'
+   tokens over the wall time),
    inter-token latency (per stream, (last - first token) / (tokens - 1); the median over
    streams), time to first token, every output checked against the target's greedy decoding;
 3. faults during live generations, each ending with every output exact: the verifier host
@@ -32,8 +33,10 @@ It measures, in order:
    etcd members; from /proc) and the etcd cluster's append rate, for bench/fleet_sim.py.
 
 The drafters' rounds logs (m, accepted, draft and turnaround times, look-ahead drafted and
-used), the verifier's batch log (jobs, tokens, pass time, a job's time in the verifier) and
-the figures go to `--out` (JSON), which bench/fleet_sim.py calibrates from. The last line is the summary:
+used, alpha and m_cap), the draft's greedy matches of each prompt's target output by position
+(what rule 1 accepts), the verifier's batch log (jobs, tokens, pass time, a job's time in the
+verifier) and the figures go to `--out` (JSON), which bench/fleet_sim.py calibrates from. The
+last line is the summary:
 `hosts: N hosts, RTT 0.1/2/10/30 ms: 16-session tokens/s A/B/C/D (ahead) vs E/F/G/H (not
 ahead); faults K/K exact`.
 """
@@ -69,7 +72,7 @@ from sdcp_fast.models import load_backend  # noqa: E402
 
 TARGET, DRAFT = "tiny:demo-target", "tiny:demo-draft"
 ROUND_FIELDS = ("m", "accepted", "emitted", "draft_ms", "verify_ms", "ahead", "session", "drafted_ahead",
-                "turnaround_ms", "verifier_ms")
+                "turnaround_ms", "verifier_ms", "alpha", "m_cap")
 BATCH_FIELDS = ("jobs", "tokens", "pass_ms", "residence_ms")
 HOSTS = ["router", "verifier", "drafter-1", "drafter-2"]
 FAR = ["drafter-1", "drafter-2"]
@@ -219,6 +222,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy (all processes, all cores; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def process_cpu(bed: Testbed) -> dict[str, float]:
     out = {name: cpu_seconds(i.pid) for name, i in bed.cluster.instances.items() if i.alive()}
     for host, popen in bed.etcd.processes.items():
@@ -299,13 +309,16 @@ def measure(bed: Testbed, front: str, prompts: list[list[int]], max_new: int) ->
     """One run of len(prompts) streams: the streams, wall time, CPU seconds per process, the
     drafters' rounds and the verifier's batches of that run."""
     since = time.time()
-    before = process_cpu(bed)
+    before, busy = process_cpu(bed), machine_busy_s()
     started = time.perf_counter()
     streams, wall = run_streams(front, prompts, max_new)
-    after = process_cpu(bed)
+    after, busy = process_cpu(bed), machine_busy_s() - busy
     time.sleep(0.05)                  # the last lines of the logs
-    return {"streams": streams, "started": started, "wall": wall,
-            "cpu": {k: after[k] - before.get(k, 0.0) for k in after},
+    cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+    return {"streams": streams, "started": started, "wall": wall, "cpu": cpu,
+            # the machine's work outside the deployment (this client's threads included): a
+            # run the machine's other users took cores from shows here
+            "outside_cpu_s": max(0.0, busy - sum(cpu.values())),
             "rounds": rounds_since(bed, since), "batches": batches_since(bed, since)}
 
 
@@ -333,18 +346,47 @@ def summarize(reps: list[dict], reference: dict) -> dict:
             rounds.append([r["m"], r["accepted"], r["emitted"], r["draft_ms"], r["verify_ms"], int(bool(r["ahead"])),
                            sid, r.get("drafted_ahead", 0),
                            round(1000 * (r["answered_at"] - r["sent_at"]), 3) if r.get("sent_at") else None,
-                           None if resident is None else round(resident, 3)])
+                           None if resident is None else round(resident, 3), r.get("alpha"), r.get("m_cap")])
         for b in rep["batches"]:
             residence = [w + 1000 * (b["end"] - b["t"]) for w in b["waited_ms"]]
             batches.append([len(b["m"]), sum(m + 1 for m in b["m"]), round(1000 * (b["end"] - b["t"]), 3),
                             round(statistics.median(residence), 3)])
     used = [r for r in rounds if r[5]]
     return {"repeats": len(reps), "tokens": sum(len(s.tokens) for s in streams),
+            "outside_cpu_per_s": sum(rep["outside_cpu_s"] for rep in reps) / sum(rep["wall"] for rep in reps),
+            # every stream: first token, inter-token latency and last token (ms from its run's start)
+            "streams": [[round(1000 * (s.times[0] - rep["started"]), 1), round(s.itl_ms or 0.0, 3),
+                         round(1000 * (s.times[-1] - rep["started"]), 1)] for rep in reps for s in rep["streams"]
+                        if s.times],
             "wall_s": sum(rep["wall"] for rep in reps), "tokens_per_s": statistics.median(rates),
             "tokens_per_s_runs": rates, "itl_ms": statistics.median(itls) if itls else None,
             "ttft_ms": statistics.median(ttfts) if ttfts else 0.0,
             "exact": exact(streams, reference), "cpu_s": cpu,
             "lookahead_used": len(used) / max(1, len(rounds)), "rounds": rounds, "batches": batches}
+
+
+def draft_matches(draft, prompts: list[list[int]], outputs: list[list[int]]) -> list[str]:
+    """Per prompt, by position of the target's greedy output: "1" where the draft's greedy
+    token, given the target's output so far, is the target's token, else "0". Rule 1 drafts
+    greedily, so a round proposing M tokens at position c accepts the run of "1"s from c, up
+    to M: acceptance is a property of the text (bench/fleet_sim.py models it so)."""
+    import torch
+
+    ids = [f"match-{n}".encode() for n in range(len(prompts))]
+    for sid, prompt in zip(ids, prompts, strict=True):
+        draft.open(sid, prompt)
+    out = [[] for _ in prompts]
+    try:
+        for k in range(max(map(len, outputs))):
+            live = [n for n in range(len(prompts)) if k < len(outputs[n])]
+            logits = draft.score([(ids[n], []) for n in live])
+            for row, n in enumerate(live):
+                out[n].append("1" if int(torch.argmax(logits[row])) == outputs[n][k] else "0")
+                draft.commit(ids[n], [outputs[n][k]])
+    finally:
+        for sid in ids:
+            draft.release(sid)
+    return ["".join(m) for m in out]
 
 
 def main() -> int:
@@ -354,6 +396,8 @@ def main() -> int:
     parser.add_argument("--rtts", default="0.1,2,10,30", help="round trips in ms (0.1: the relay without delay)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("hosts_runs.json")))
     parser.add_argument("--repeats", type=int, default=5, help="runs per point (the median is reported)")
+    parser.add_argument("--repeats-one", type=int, default=None,
+                        help="runs per 1-session point (default 3 x --repeats: they are short, and noisier)")
     parser.add_argument("--no-faults", action="store_true")
     parser.add_argument("--target", default=TARGET, help="the target (hf:smollm2: the real pair's)")
     parser.add_argument("--draft", default=DRAFT, help="the drafters' model (twin:smollm2 with hf:smollm2)")
@@ -372,9 +416,11 @@ def main() -> int:
     prompts = [target.encode(PROMPTS[n % len(PROMPTS)] + " " * (n // len(PROMPTS))) for n in range(args.sessions)]
     outputs, alone_s = decode_alone(target, prompts, [args.max_new] * len(prompts))
     reference = {tuple(p): o for p, o in zip(prompts, outputs, strict=True)}
+    one_repeats = args.repeats_one if args.repeats_one is not None else 3 * args.repeats
     record: dict = {"target": args.target, "draft": args.draft, "round_fields": ROUND_FIELDS, "batch_fields": BATCH_FIELDS, "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.python_version()}",
                     "sessions": args.sessions, "max_new": args.max_new, "target_alone_tokens_per_s":
-                    sum(map(len, outputs)) / alone_s, "runs": [], "faults": []}
+                    sum(map(len, outputs)) / alone_s, "runs": [], "faults": [],
+                    "match": draft_matches(draft, prompts, outputs)}
     print(f"target alone (one process, {args.sessions} prompts batched): "
           f"{record['target_alone_tokens_per_s']:.0f} tokens/s", flush=True)
 
@@ -405,10 +451,13 @@ def main() -> int:
                 # repeats interleaved over the RTTs (not all of one RTT, then the next): what
                 # else the machine is doing drifts over minutes and would otherwise favour one
                 points: dict[tuple[float, int], list] = {}
-                for _ in range(args.repeats):
+                for n in range(args.repeats):
                     for rtt in rtts:
                         set_delay(bed, delays[rtt], args.loss)
-                        for count in (args.sessions, 1):
+                        # the 1-session runs spread evenly over the rounds of repeats
+                        ones = one_repeats * (n + 1) // args.repeats - one_repeats * n // args.repeats
+                        counts = [args.sessions] + [1] * ones
+                        for count in counts:
                             points.setdefault((rtt, count), []).append(measure(bed, front, prompts[:count],
                                                                                args.max_new))
                 for (rtt, count), reps in points.items():
@@ -419,7 +468,8 @@ def main() -> int:
                     print(f"RTT {rtt:>4g} ms, {'ahead' if ahead else 'not ahead':>9}, {count:2d} sessions: "
                           f"{run['tokens_per_s']:7.1f} tokens/s, ITL {run['itl_ms'] or 0:6.1f} ms, "
                           f"TTFT {run['ttft_ms']:6.1f} ms, {len(run['rounds'])} rounds "
-                          f"({run['lookahead_used']:.0%} used a look-ahead), exact {run['exact']}", flush=True)
+                          f"({run['lookahead_used']:.0%} used a look-ahead), exact {run['exact']}, "
+                          f"CPU outside the deployment {run['outside_cpu_per_s']:.2f} cores", flush=True)
             record["etcd_appends_per_s"] = etcd_append_rate(bed.commit_log)
             print(f"etcd cluster (3 members): {record['etcd_appends_per_s']:.0f} appends/s "
                   "(16 logs at once, from the client link)", flush=True)
