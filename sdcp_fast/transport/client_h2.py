@@ -13,7 +13,6 @@ import contextlib
 import logging
 import ssl
 
-import jh2.config
 import jh2.events
 import jh2.exceptions
 import jh2.settings
@@ -26,7 +25,7 @@ from .client_base import (
     request_headers,
 )
 from .compat import H2Connection
-from .h2base import ErrorCodes, H2Endpoint, error_name
+from .h2base import ErrorCodes, H2Endpoint, configuration, error_name
 from .tlsconfig import H2_ALPN, TLSConfig
 
 log = logging.getLogger("sdcp_fast.transport")
@@ -39,12 +38,7 @@ class H2ClientConnection(H2Endpoint):
     """One HTTP/2 connection to a server: requests as streams, answers to their futures."""
 
     def __init__(self, max_response: int, freed: asyncio.Event):
-        # our own fields are lowercase literals and values we built, and the answers come
-        # from a server that proved its certificate: h2 checks neither again (a field the
-        # answer gets wrong is read as a string, `:status` as an int, or the request fails)
-        super().__init__(H2Connection(jh2.config.H2Configuration(
-            client_side=True, header_encoding=None, validate_outbound_headers=False,
-            normalize_outbound_headers=False, validate_inbound_headers=False, normalize_inbound_headers=False)))
+        super().__init__(H2Connection(configuration(client_side=True)))
         self._conn.local_settings = jh2.settings.Settings(client=True, initial_values={
             jh2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._max_response = max_response
@@ -94,7 +88,7 @@ class H2ClientConnection(H2Endpoint):
 
     def _on_event(self, event: jh2.events.Event) -> None:
         if isinstance(event, jh2.events.DataReceived):
-            self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            self._credit(event)
         exchange = self._exchanges.get(event.stream_id) if isinstance(event, _STREAM_EVENTS) else None
         if exchange is None:
             self._on_connection_event(event)

@@ -6,12 +6,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import types
 
+import jh2.config
 import jh2.connection
 import jh2.errors
+import jh2.events
 import jh2.exceptions
 
 ErrorCodes = jh2.errors.ErrorCodes
+CREDIT_BATCH = 1 << 15   # connection credit for ended streams' data is returned in steps of this many bytes
+
+
+class PlainConfiguration(jh2.config.H2Configuration):
+    """jh2's configuration with its options as plain attributes: jh2 reads them several times
+    a message, each through a Python descriptor; these class attributes shadow those, so
+    the values given are stored and read as they are (our constants: no check needed)."""
+
+    client_side = header_encoding = None
+    validate_outbound_headers = normalize_outbound_headers = split_outbound_cookies = None
+    validate_inbound_headers = normalize_inbound_headers = None
+
+
+# jh2's `logger=` option: a C method that ignores its arguments (jh2 logs only to the logger
+# it is given; its default makes each of its debug calls a Python call)
+SILENT = types.SimpleNamespace(debug="".format, trace="".format)
+
+
+def configuration(*, client_side: bool) -> PlainConfiguration:
+    """Both ends' options: header fields as bytes, neither checked nor normalised by jh2 (a
+    server checks a request's fields itself, exchange.malformed; each end builds its own
+    from lowercase names and values it made; an answer comes from a server that proved its
+    certificate, and a field it gets wrong fails that request)."""
+    return PlainConfiguration(client_side=client_side, header_encoding=None, logger=SILENT,
+                              validate_outbound_headers=False, normalize_outbound_headers=False,
+                              validate_inbound_headers=False, normalize_inbound_headers=False)
 
 
 class H2Endpoint(asyncio.Protocol):
@@ -25,6 +54,7 @@ class H2Endpoint(asyncio.Protocol):
         self._writable = asyncio.Event()      # transport buffer below its high-water mark
         self._writable.set()
         self._transmit_queued = False   # a transmit waits for the end of this loop turn
+        self._uncredited = 0   # bytes of ended streams' DATA not yet credited to the connection
 
     def pause_writing(self) -> None:
         self._writable.clear()
@@ -48,6 +78,17 @@ class H2Endpoint(asyncio.Protocol):
     def _transmit_now(self) -> None:
         self._transmit_queued = False
         self.transmit()
+
+    def _credit(self, event: jh2.events.DataReceived) -> None:
+        """Flow-control credit for a DATA frame read: on its stream and the connection while
+        the stream still receives; once it ended, on the connection alone, in batches."""
+        if event.stream_ended is None:
+            self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            return
+        self._uncredited += event.flow_controlled_length
+        if self._uncredited >= CREDIT_BATCH:
+            self._conn.increment_flow_control_window(self._uncredited)
+            self._uncredited = 0
 
     def _reset(self, stream_id: int, code: int) -> None:
         with contextlib.suppress(jh2.exceptions.H2Error):

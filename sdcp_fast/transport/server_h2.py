@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable
 
-import jh2.config
 import jh2.events
 import jh2.exceptions
 import jh2.hyperframe.frame
@@ -24,7 +23,7 @@ import jh2.settings
 
 from .compat import H2StreamErrors, MalformedStream
 from .exchange import response_headers
-from .h2base import ErrorCodes, H2Endpoint
+from .h2base import ErrorCodes, H2Endpoint, configuration
 from .http import Response
 from .lifecycle import RequestLifecycle, Serving
 from .refusals import Kind, log
@@ -76,11 +75,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
 
     def __init__(self, serving: Serving, peer: object):
         RequestLifecycle.__init__(self, serving)
-        # inbound fields are validated by exchange.malformed, outbound ones built by
-        # exchange.response_headers (lowercase names, our own values): h2 need not do it again
-        H2Endpoint.__init__(self, H2StreamErrors(jh2.config.H2Configuration(
-            client_side=False, header_encoding=None, validate_inbound_headers=False,
-            normalize_inbound_headers=False, validate_outbound_headers=False, normalize_outbound_headers=False)))
+        H2Endpoint.__init__(self, H2StreamErrors(configuration(client_side=False)))
         self._peer = peer
         self._edges = FrameEdges()
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
@@ -184,7 +179,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         stream_id = event.stream_id
         self._last_activity = self._loop.time()
         if data is not None:   # credit is returned whatever happens to the bytes
-            self._conn.acknowledge_received_data(data.flow_controlled_length, stream_id)
+            self._credit(data)
         limit = self._limits.max_concurrent_streams
         if len(self._conn.streams) > limit and self._conn.open_inbound_streams > limit and sum(
                 1 for other, stream in self._conn.streams.items() if other <= stream_id and stream.open) > limit:
@@ -199,7 +194,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
     def _on_event(self, event: jh2.events.Event) -> None:
         if isinstance(event, jh2.events.DataReceived):
             stream_id = event.stream_id
-            self._conn.acknowledge_received_data(event.flow_controlled_length, stream_id)
+            self._credit(event)
             if stream_id in self._discarding:
                 self._discard(stream_id, len(event.data))
             else:
