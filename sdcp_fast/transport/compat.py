@@ -33,8 +33,7 @@ H2_CLOSED_STREAMS_KEPT = 4096
 
 
 class MalformedStream(jh2.events.Event):
-    """Our event: the request on `stream_id` was malformed (`reason`) and its stream reset
-    with PROTOCOL_ERROR; `flow_controlled_length`: DATA bytes to credit back."""
+    """Our event: `stream_id` was reset (PROTOCOL_ERROR) for `reason`; DATA bytes to credit back."""
 
     def __init__(self, stream_id: int, reason: str, flow_controlled_length: int = 0):
         self.stream_id = stream_id
@@ -42,10 +41,14 @@ class MalformedStream(jh2.events.Event):
         self.flow_controlled_length = flow_controlled_length
 
 
-class H2StreamErrors(jh2.connection.H2Connection):
-    """h2's connection where a malformed request's error stays on its stream (see above)."""
+class H2Connection(jh2.connection.H2Connection):
+    """h2's connection with the closed-stream memory bounded (no shim: a public attribute)."""
 
     MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
+
+
+class H2StreamErrors(H2Connection):
+    """h2's connection where a malformed request's error stays on its stream (see above)."""
 
     def _receive_headers_frame(self, frame):
         try:
@@ -74,12 +77,6 @@ class H2StreamErrors(jh2.connection.H2Connection):
     def _malformed(self, stream_id: int, exc: Exception, length: int):
         self.reset_stream(stream_id, ErrorCodes.PROTOCOL_ERROR)
         return [], [MalformedStream(stream_id, str(exc), length)]
-
-
-class H2Connection(jh2.connection.H2Connection):
-    """h2's connection with the closed-stream memory bounded (no shim: a public attribute)."""
-
-    MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS_KEPT
 
 
 # ---- aioquic (imported on first use: HTTP/3 is an optional extra) ------------------------

@@ -18,7 +18,7 @@ from itertools import chain
 
 from sdcp_fast.core.problems import Kind, Problem
 
-from .http import Request, Response, media_type, parse_query, precheck
+from .http import Response, media_type, parse_query, precheck
 
 HeaderList = list[tuple[bytes, bytes]]
 MAX_PATH = 2048
@@ -124,20 +124,15 @@ class IncomingRequest:
         return cls(method, path, query, content_type, max_body, head=method == "HEAD", content_length=content_length)
 
     def add_body(self, data: bytes) -> Problem | None:
-        if len(self.body) + len(data) > self.max_body:
-            return self._too_large()
-        self.body += data
-        return None
+        """413 once the body would pass the limit (the chunk is not kept), else None."""
+        problem = self.too_large(len(self.body) + len(data))
+        if problem is None:
+            self.body += data
+        return problem
 
-    def finish(self, caller: str | None) -> Request:
-        return Request(self.method, self.path, self.query, self.content_type, bytes(self.body), caller)
-
-    def whole_body_problem(self, body: bytes) -> Problem | None:
-        """413 for a whole body over the limit (what add_body would say, without the copy)."""
-        return self._too_large() if len(body) > self.max_body else None
-
-    def _too_large(self) -> Problem:
-        return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes")
+    def too_large(self, size: int) -> Problem | None:
+        """413 for a body of `size` bytes over the limit, else None."""
+        return Problem(Kind.TOO_LARGE, f"body exceeds the limit of {self.max_body} bytes") if size > self.max_body else None
 
 
 class BoundedMemo(dict):

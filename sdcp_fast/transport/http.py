@@ -111,17 +111,9 @@ def precheck(method: str, content_type: str | None, content_length: int | None, 
     return None
 
 
-async def dispatch(handler: Handler, request: Request) -> Response:
-    """Call the handler; a ProblemError becomes its document, anything else a logged 500."""
-    try:
-        return await handler.handle(request)
-    except Exception as exc:
-        return failure_response(request, exc)
-
-
 def failure_response(request: Request, exc: Exception) -> Response:
     """What an exception out of a handler answers: a ProblemError its document, anything
-    else a logged 500 (`dispatch`'s rule, for a server that awaits the handler itself)."""
+    else a logged 500."""
     if isinstance(exc, ProblemError):
         return problem_response(exc.problem)
     log.error("handler failed on %s %s from %s", request.method, request.path, request.caller, exc_info=exc)
@@ -153,12 +145,8 @@ class Authorizer:
     def __post_init__(self) -> None:
         object.__setattr__(self, "rules", {k: frozenset(v) for k, v in self.rules.items()})
 
-    def allows(self, caller: str | None, resource: str) -> bool:
-        allowed = self.rules.get(resource, _NOBODY)
-        return caller is not None and (ANY_CALLER in allowed or caller in allowed)
-
     def check(self, caller: str | None, resource: str) -> None:
-        allowed = self.rules.get(resource, _NOBODY)   # allows(), without a call per request
+        allowed = self.rules.get(resource, _NOBODY)
         if caller is None or (ANY_CALLER not in allowed and caller not in allowed):
             raise ProblemError(Problem(Kind.FORBIDDEN, f"{caller or 'anonymous'} may not use {resource}"))
 

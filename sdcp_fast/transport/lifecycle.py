@@ -1,20 +1,11 @@
-"""What one server's connections share (`Serving`: the handler, TLS, limits, refusals, the
-certificate policy, and the books the connection caps are kept by), and one request
-lifecycle for the HTTP/2 and HTTP/3 servers (`RequestLifecycle`).
-
-A connection's requests go through the same steps whatever the protocol: the client's
-certificate names the caller and the connection caps admit it; a header block is checked
-(malformed -> a stream error, 431/400/413/415 -> an answer from the transport), a body is
-awaited under `body_timeout` (408), the handler runs under `handler_timeout` (503), its
-answer is written, and misbehaviour is counted against the connection's two budgets
-(`Strikes`). An adapter feeds `RequestLifecycle` what its library reports and provides the
-wire operations below, each tolerating a stream or connection that ended meanwhile.
-
-The budgets: streams reset (or refused) before their answer (the rapid-reset attack), and
-requests refused as malformed or over a limit (400, 413, 415, 431), cost a hostile client
-almost nothing and the server a request each. Past either budget within the window the
-connection ends with ENHANCE_YOUR_CALM / H3_EXCESSIVE_LOAD and the client's identity is
-refused for `calm_penalty_s` (Serving.calm_down), so reconnecting buys no fresh budget.
+"""What one server's connections share (`Serving`), and one request lifecycle for the HTTP/2
+and HTTP/3 servers (`RequestLifecycle`): the caller named by its certificate and admitted by
+the connection caps; a header block checked (malformed: a stream error; 431/400/413/415:
+answered by the transport); the body awaited under `body_timeout` (408); the handler run
+under `handler_timeout` (503) and its answer written; misbehaviour counted against the
+connection's two budgets (`Strikes`), past either of which the connection ends and the
+caller is refused for `calm_penalty_s`. An adapter feeds in what its library reports and
+provides the wire operations, each tolerating a stream or connection that ended meanwhile.
 """
 
 from __future__ import annotations
@@ -278,17 +269,13 @@ class RequestLifecycle:
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended or body is not None)
         elif body is not None:   # the body came whole with the headers: nothing to await
-            # (`incoming` is the remembered head, left as it is: the request gets its own query)
-            problem = incoming.whole_body_problem(body)
+            problem = incoming.too_large(len(body))
             if problem is not None:
                 self._refuse(stream_id, problem, request_complete=True)
-            elif not self._mismatch(stream_id, incoming, len(body)):
-                request = Request(incoming.method, incoming.path, dict(incoming.query) if incoming.query else {},
-                                  incoming.content_type, body, self.caller)
-                self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head),
-                                                             self._loop)
+            else:
+                self._start(stream_id, incoming, body)
         elif ended:
-            self._start(stream_id, incoming)
+            self._start(stream_id, incoming, incoming.body)
         else:
             self._pending.add(stream_id, incoming)
 
@@ -302,7 +289,7 @@ class RequestLifecycle:
             self._refuse(stream_id, refusal, request_complete=ended)
         elif ended:
             self._pending.take(stream_id)
-            self._start(stream_id, incoming)
+            self._start(stream_id, incoming, incoming.body)
 
     def _on_reset(self, stream_id: int) -> bool:
         """The client cancelled a stream. Before its answer that counts towards the
@@ -364,11 +351,13 @@ class RequestLifecycle:
                              f"content-length {incoming.content_length} but a body of {size} bytes")
         return True
 
-    def _start(self, stream_id: int, incoming: IncomingRequest) -> None:
-        """The request is whole: run the handler."""
-        if not self._mismatch(stream_id, incoming, len(incoming.body)):
-            self._tasks[stream_id] = self._serving.spawn(
-                self._answer(stream_id, incoming.finish(self.caller), incoming.head), self._loop)
+    def _start(self, stream_id: int, incoming: IncomingRequest, body: bytes | bytearray) -> None:
+        """The request is whole: run the handler (`incoming` may be a remembered head, left as
+        it is: the request gets its own query)."""
+        if not self._mismatch(stream_id, incoming, len(body)):
+            request = Request(incoming.method, incoming.path, dict(incoming.query) if incoming.query else {},
+                              incoming.content_type, bytes(body), self.caller)
+            self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         """The handler's answer within `handler_timeout`, in the stream's own task: a
