@@ -38,6 +38,9 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
 	TRITON_INTERPRET=1 SDCP_REQUIRE_NATIVE=1 $(VPY) -m pytest -q
+# tests/transport on the lowest and highest jh2/aioquic/pylsqpack releases that pyproject.toml
+# admits and pip's index offers (a bound that is the installed releases was tested just above)
+	$(VPY) tests/transport/library_bounds.py --skip-installed lowest highest
 
 # Speed lives here, never in tests: each script prints what it measured side by side.
 bench: $(STAMP)
