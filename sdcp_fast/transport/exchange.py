@@ -88,6 +88,7 @@ class IncomingRequest:
     head: bool = False  # a HEAD request: the answer carries no content (RFC 9110 9.3.2)
     content_length: int | None = None   # as declared
     body: bytearray = field(default_factory=bytearray)
+    deadline: asyncio.TimerHandle | None = None   # while the body is awaited: its body_timeout
 
     @classmethod
     def from_headers(cls, headers: HeaderList, *, max_header_list: int,
@@ -198,44 +199,3 @@ def response_headers(response: Response) -> HeaderList:
     if response.headers:   # most answers carry none (no generator for them)
         headers.extend((name.lower().encode(), value.encode()) for name, value in response.headers)
     return headers
-
-
-class PendingBodies:
-    """Requests whose body is still arriving, each with a deadline: `on_overdue(stream_id)`
-    runs if the body is not complete `timeout` seconds after the headers (408)."""
-
-    def __init__(self, timeout: float, on_overdue: Callable[[int], None]):
-        self._timeout = timeout
-        self._on_overdue = on_overdue
-        self._requests: dict[int, IncomingRequest] = {}
-        self._deadlines: dict[int, asyncio.TimerHandle] = {}
-
-    def add(self, stream_id: int, incoming: IncomingRequest) -> None:
-        self._requests[stream_id] = incoming
-        self._deadlines[stream_id] = asyncio.get_running_loop().call_later(
-            self._timeout, self._overdue, stream_id)
-
-    def get(self, stream_id: int) -> IncomingRequest | None:
-        return self._requests.get(stream_id)
-
-    def take(self, stream_id: int) -> IncomingRequest | None:
-        """The stream's body is no longer awaited: forget it and its deadline."""
-        deadline = self._deadlines.pop(stream_id, None)
-        if deadline is not None:
-            deadline.cancel()
-        return self._requests.pop(stream_id, None)
-
-    def clear(self) -> None:
-        for stream_id in list(self._requests):
-            self.take(stream_id)
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def __iter__(self):
-        return iter(list(self._requests))
-
-    def _overdue(self, stream_id: int) -> None:
-        self._deadlines.pop(stream_id, None)
-        if self._requests.pop(stream_id, None) is not None:
-            self._on_overdue(stream_id)

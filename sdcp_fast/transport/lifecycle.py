@@ -23,7 +23,7 @@ from sdcp_fast.core.problems import Kind as ProblemKind
 from sdcp_fast.core.problems import Problem
 
 from .certpolicy import CertificatePolicy, CertificateRejected
-from .exchange import IncomingRequest, Malformed, PendingBodies, RequestHeads
+from .exchange import IncomingRequest, Malformed, RequestHeads
 from .http import (
     Handler,
     Request,
@@ -175,7 +175,7 @@ class RequestLifecycle:
         self.caller: str | None = None
         self._peer: object = None
         self._admitted = False
-        self._pending = PendingBodies(self._limits.body_timeout, self._body_overdue)
+        self._pending: dict[int, IncomingRequest] = {}   # requests whose body is still arriving
         self._tasks: dict[int, asyncio.Task[None]] = {}   # streams being answered
         self._reset_budget = Strikes(self._limits.max_early_resets, self._limits.early_reset_window_s)
         self._refusal_budget = Strikes(self._limits.max_refused_requests, self._limits.early_reset_window_s)
@@ -239,7 +239,8 @@ class RequestLifecycle:
             self._serving.release(self, self.caller)
         for task in self._tasks.values():
             task.cancel()
-        self._pending.clear()
+        for stream_id in list(self._pending):
+            self._take_pending(stream_id)
         self._handler_limits.close()
 
     # ---- the steps -----------------------------------------------------------------------
@@ -253,7 +254,7 @@ class RequestLifecycle:
         return bool(self._tasks or self._pending)
 
     def _owed(self, stream_id: int) -> bool:
-        return stream_id in self._tasks or self._pending.get(stream_id) is not None
+        return stream_id in self._tasks or stream_id in self._pending
 
     def _on_headers(self, stream_id: int, headers, ended: bool, body: bytes | None = None) -> None:
         """A request's header block; `ended`: no body follows; `body`: its whole body, known
@@ -277,7 +278,8 @@ class RequestLifecycle:
         elif ended:
             self._start(stream_id, incoming, incoming.body)
         else:
-            self._pending.add(stream_id, incoming)
+            incoming.deadline = self._loop.call_later(self._limits.body_timeout, self._body_overdue, stream_id)
+            self._pending[stream_id] = incoming
 
     def _on_body(self, stream_id: int, data: bytes, ended: bool) -> None:
         """Body bytes of a pending request (any other stream's are dropped)."""
@@ -288,7 +290,7 @@ class RequestLifecycle:
         if refusal is not None:
             self._refuse(stream_id, refusal, request_complete=ended)
         elif ended:
-            self._pending.take(stream_id)
+            self._take_pending(stream_id)
             self._start(stream_id, incoming, incoming.body)
 
     def _on_reset(self, stream_id: int) -> bool:
@@ -302,7 +304,7 @@ class RequestLifecycle:
         return owed
 
     def _drop_stream(self, stream_id: int) -> None:
-        self._pending.take(stream_id)
+        self._take_pending(stream_id)
         task = self._tasks.pop(stream_id, None)
         if task is not None:
             task.cancel()
@@ -314,7 +316,7 @@ class RequestLifecycle:
 
     def _refuse(self, stream_id: int, problem: Problem, *, request_complete: bool) -> None:
         """Answer from the transport, before the handler; the rest of an upload is stopped."""
-        self._pending.take(stream_id)
+        self._take_pending(stream_id)
         kind = _REFUSAL_KINDS.get(problem.status)
         if kind is not None:
             self._serving.refusals.refuse(
@@ -327,8 +329,16 @@ class RequestLifecycle:
             self._stop_upload(stream_id, False)
         self._count_refused(stream_id, problem.status)
 
+    def _take_pending(self, stream_id: int) -> None:
+        """The stream's body is no longer awaited: forget it and its deadline."""
+        incoming = self._pending.pop(stream_id, None)
+        if incoming is not None:
+            incoming.deadline.cancel()
+
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: 408, upload stopped."""
+        if self._pending.pop(stream_id, None) is None:
+            return
         self._serving.refusals.refuse(Kind.BODY_TIMEOUT, self._client,
                                       f"{self.PROTOCOL}: stream {stream_id} -> 408: body not complete within "
                                       f"{self._limits.body_timeout}s")
@@ -415,9 +425,8 @@ class RequestLifecycle:
         self._serving.refusals.refuse(kind, self._client, f"{self.PROTOCOL}: {detail}")
         self._serving.calm_down(self.caller)
         self._closing = True
-        for stream_id in list(self._tasks):
+        for stream_id in [*self._tasks, *self._pending]:
             self._drop_stream(stream_id)
-        self._pending.clear()
         self._calm_reason = kind
         self._end_connection("calm")
 
