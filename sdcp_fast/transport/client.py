@@ -96,7 +96,7 @@ class Client:
     async def _attempt(self, method: str, url: str, body: bytes | None,
                        content_type: str | None, limit: float) -> ClientResponse:
         """One try, all of it within `limit` seconds. The request may have reached the server
-        once its connection exists (`send` says sent=False itself where it certainly did not)."""
+        once its connection exists (the request says sent=False itself where it certainly did not)."""
         sent = False
         task = asyncio.current_task()
         assert task is not None, "Client requests run in a task"
@@ -105,9 +105,9 @@ class Client:
             limits = self._limits = Deadlines(task.get_loop())
         try:
             with limits.timeout(task, limit):
-                target = await self._origins.open(url)
+                connection, authority, path = await self._origins.open(url)
                 sent = True
-                return await self._origins.send(target, method, body, content_type, limit)
+                return await connection.request(method, authority, path, body, content_type)
         except TimeoutError as exc:
             raise RequestTimeout(f"no complete answer to {method} {url} within {limit}s",
                                  sent=sent) from exc

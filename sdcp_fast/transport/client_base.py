@@ -146,12 +146,6 @@ class Origins:
         origin, authority, path = split_https_url(url)
         return await self._connection(origin), authority, path
 
-    async def send(self, target, method: str, body: bytes | None, content_type: str | None,
-                   limit: float) -> ClientResponse:
-        """One exchange on `open`'s target (the caller bounds it by `limit`)."""
-        connection, authority, path = target
-        return await connection.request(method, authority, path, body, content_type)
-
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event):
         """A new connection to `origin`, within `connect_timeout` seconds."""
         raise NotImplementedError

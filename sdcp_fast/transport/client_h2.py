@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 
 import jh2.events
 import jh2.exceptions
@@ -182,28 +181,6 @@ class H2ClientConnection(H2Endpoint):
             self._transport.close()
 
 
-async def connect_h2(host: str, port: int, context: ssl.SSLContext, timeout: float, max_response: int,
-                     freed: asyncio.Event) -> H2ClientConnection:
-    """A TLS 1.3 connection with ALPN h2, our certificate presented, the server's checked
-    (ssl's hostname check against the CA), once the server's SETTINGS arrived."""
-    loop = asyncio.get_running_loop()
-    protocol: H2ClientConnection | None = None
-    try:
-        async with asyncio.timeout(timeout):
-            transport, protocol = await loop.create_connection(
-                lambda: H2ClientConnection(max_response, freed), host, port, ssl=context,
-                server_hostname=host, ssl_handshake_timeout=timeout)
-            ssl_object = transport.get_extra_info("ssl_object")
-            if ssl_object is None or ssl_object.selected_alpn_protocol() != H2_ALPN:
-                raise TransportError(f"{host}:{port} did not agree to HTTP/2 (ALPN)", sent=False)
-            await protocol.settled()
-    except BaseException:
-        if protocol is not None:   # the caller's deadline too: do not leak the socket
-            protocol.close()
-        raise
-    return protocol
-
-
 class H2Origins(Origins):
     """The HTTP/2 connections of one client, per origin."""
 
@@ -213,4 +190,21 @@ class H2Origins(Origins):
         self._max_response = max_response
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H2ClientConnection:
-        return await connect_h2(origin[0], origin[1], self._context, self._connect_timeout, self._max_response, freed)
+        """A TLS 1.3 connection with ALPN h2, our certificate presented, the server's checked
+        (ssl's hostname check against the CA), once the server's SETTINGS arrived."""
+        (host, port), timeout = origin, self._connect_timeout
+        protocol: H2ClientConnection | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                transport, protocol = await asyncio.get_running_loop().create_connection(
+                    lambda: H2ClientConnection(self._max_response, freed), host, port, ssl=self._context,
+                    server_hostname=host, ssl_handshake_timeout=timeout)
+                ssl_object = transport.get_extra_info("ssl_object")
+                if ssl_object is None or ssl_object.selected_alpn_protocol() != H2_ALPN:
+                    raise TransportError(f"{host}:{port} did not agree to HTTP/2 (ALPN)", sent=False)
+                await protocol.settled()
+        except BaseException:
+            if protocol is not None:   # the caller's deadline too: do not leak the socket
+                protocol.close()
+            raise
+        return protocol

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from pathlib import Path
 
 from aioquic.h3.connection import ErrorCode
 from aioquic.quic import events
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from .certpolicy import CertificateRejected, verify_server
@@ -165,39 +163,6 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
     retire = close
 
 
-async def connect_h3(host: str, port: int, configuration: QuicConfiguration,
-                     timeout: float, *, ca_file: str | Path, max_response: int) -> H3ClientConnection:
-    """Open a QUIC connection and finish its handshake (TLS 1.3, our certificate presented)."""
-    loop = asyncio.get_running_loop()
-    # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
-    # cancellation when its inner await finishes at the same moment (gh-86296)
-    async with asyncio.timeout(timeout):
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-    family, _, _, _, addr = infos[0]
-    connection = QuicConnection(configuration=configuration)
-    # a socket connected to the server: each datagram is sent without an address (no route
-    # lookup per send), and the kernel delivers only the server's datagrams to it
-    _, protocol = await loop.create_datagram_endpoint(
-        lambda: H3ClientConnection(connection, max_response), family=family, remote_addr=addr)
-    protocol.connected_to = addr
-    protocol.connect(addr)
-    try:
-        async with asyncio.timeout(timeout):
-            await protocol.wait_connected()
-    except BaseException:
-        protocol.close()   # the caller's deadline too: do not leak the socket
-        raise
-    leaf, chain = peer_certificates(connection)
-    try:
-        if leaf is None:
-            raise CertificateRejected(CertificateRejected.MISSING, "server sent no certificate")
-        verify_server(ca_file, leaf, chain, host)
-    except CertificateRejected as exc:
-        protocol.close()
-        raise TransportError(f"refusing server {host}:{port}: {exc}", sent=False) from exc
-    return protocol
-
-
 class H3Origins(Origins):
     """The HTTP/3 connections of one client, one per origin (QUIC flow control paces streams)."""
 
@@ -208,6 +173,32 @@ class H3Origins(Origins):
         self._max_response = max_response
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H3ClientConnection:
-        configuration = self._tls.quic_configuration(is_client=True, idle_timeout=self._idle_timeout)
-        return await connect_h3(origin[0], origin[1], configuration, self._connect_timeout,
-                                ca_file=self._tls.ca, max_response=self._max_response)
+        """A QUIC connection with its handshake done (TLS 1.3, our certificate presented)."""
+        (host, port), timeout, loop = origin, self._connect_timeout, asyncio.get_running_loop()
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the caller's
+        # cancellation when its inner await finishes at the same moment (gh-86296)
+        async with asyncio.timeout(timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        connection = QuicConnection(configuration=self._tls.quic_configuration(
+            is_client=True, idle_timeout=self._idle_timeout))
+        # a socket connected to the server: each datagram is sent without an address (no route
+        # lookup per send), and the kernel delivers only the server's datagrams to it
+        _, protocol = await loop.create_datagram_endpoint(
+            lambda: H3ClientConnection(connection, self._max_response), family=family, remote_addr=addr)
+        protocol.connected_to = addr
+        protocol.connect(addr)
+        try:
+            async with asyncio.timeout(timeout):
+                await protocol.wait_connected()
+            leaf, chain = peer_certificates(connection)
+            if leaf is None:
+                raise CertificateRejected(CertificateRejected.MISSING, "server sent no certificate")
+            verify_server(self._tls.ca, leaf, chain, host)
+        except CertificateRejected as exc:
+            protocol.close()
+            raise TransportError(f"refusing server {host}:{port}: {exc}", sent=False) from exc
+        except BaseException:
+            protocol.close()   # the caller's deadline too: do not leak the socket
+            raise
+        return protocol

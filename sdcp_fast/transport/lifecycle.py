@@ -43,7 +43,6 @@ class Serving:
 
     def __init__(self, handler: Handler, *, tls: TLSConfig, limits: Limits | None = None,
                  refusals: Refusals | None = None):
-        self.handler = handler
         self.handle = handler_entry(handler)   # what a request is awaited on
         self.tls = tls
         self.limits = limits or Limits()

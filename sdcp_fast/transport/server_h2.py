@@ -122,10 +122,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         if early:
             self.data_received(early)
 
-    # ---- asyncio.Protocol ----------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        pass  # TLSAcceptor calls start() once the handshake is done
-
+    # ---- asyncio.Protocol (connection_made is asyncio's no-op: TLSAcceptor calls start()) ----
     def data_received(self, data: bytes) -> None:
         if not self._admitted:
             if self._transport is None and sum(map(len, self._early)) + len(data) <= 1 << 20:

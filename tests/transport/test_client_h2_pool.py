@@ -98,7 +98,7 @@ def test_an_idle_connection_is_not_reused_past_its_expiry(pki):
                                 max_response=1 << 20)
             try:
                 first, _, _ = await origins.open(_url(server, "/proposals"))
-                assert (await origins.send((first, "x", "/sessions/a/output"), "GET", None, None, 5.0)).status == 200
+                assert (await first.request("GET", "x", "/sessions/a/output", None, None)).status == 200
                 again, _, _ = await origins.open(_url(server, "/proposals"))
                 assert again is first
                 await asyncio.sleep(0.25)   # past 0.9 x idle_timeout

@@ -62,9 +62,9 @@ def test_a_connection_error_raised_for_every_queued_request_keeps_no_growing_tra
 
     class BrokenConnection:
         async def open(self, url):
-            return url
+            return self, url, url
 
-        async def send(self, url, method, body, content_type, limit):
+        async def request(self, method, url, path, body, content_type):
             try:
                 await asyncio.sleep(0)
                 raise broke
