@@ -80,6 +80,3 @@ class Limits:
         if resource is None:
             return self.max_body
         return self.body_limits.get(resource, self.max_body)
-
-    def with_changes(self, **changes) -> Limits:
-        return dataclasses.replace(self, **changes) if changes else self

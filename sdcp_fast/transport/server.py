@@ -5,6 +5,7 @@ is served (aioquic is an optional extra)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from typing import Any
@@ -28,7 +29,7 @@ class Server:
                  **overrides: Any):
         if not (http2 or http3):
             raise ValueError("enable http2, http3 or both")
-        limits = (limits or Limits()).with_changes(**overrides)
+        limits = dataclasses.replace(limits or Limits(), **overrides)
         self.serving = Serving(handler, tls=tls, limits=limits, refusals=refusals)
         self.host = host
         self.tls = tls
