@@ -1,50 +1,66 @@
 """A fleet of verifiers and drafters as a discrete-event model (SimPy), calibrated from the
 costs measured in the namespace runs of bench/bench_hosts.py (issue 36).
 
-    .venv/bin/python bench/fleet_sim.py [--runs bench/hosts_runs.json] [--itl-target-ms 25]
-        [--plot bench/fleet_sim.png]
+    .venv/bin/python bench/fleet_sim.py [--runs bench/hosts_runs.json] [--also OTHER_RUNS.json]
+        [--itl-target-ms 25] [--plot bench/fleet_sim.png] [--validate-only]
 
 The model, one verifier at a time, each part the deployment's own mechanism:
-- a session's round: its drafter drafts M tokens (M drawn from the proposals measured at the
-  lowest RTT with as many sessions: the drafter's choose_m under the verifier's m_cap, taken
-  as measured rather than both controllers redone), the proposal crosses the wire (the RTT measured through the relay at that delay, half each
-  way), the roles handle it (`handle` + `hr` x the other sessions' rounds per second: the
-  HTTP request and the verdict's write-out on both sides, slower when the machine is busier;
-  handled beside the passes, as the verifier's event loop does), the next pass verifies it,
-  the verdict crosses back;
-  tokens 1..M are accepted position by position with the acceptance measured *for that
-  session* (sessions differ: some prompts are easy, and the slowest session sets the wall
-  time), and the verdict emits accepted + 1 tokens;
-- the verifier batches every proposal waiting when a pass starts (after its 1 ms batching
-  wait): a pass over n new tokens (M + 1 for each proposal) costs v0 + v1 * n + vr * the
-  other sessions' rounds per second, its commit included (the last term: on the measured
-  machine every role shares the cores, so the rest of the deployment's work, which comes per
-  round, stretches the pass; on hosts of their own vr would be 0);
+- a session's round: its drafter chooses M as sdcp_fast/drafter/session.py does (choose_m
+  over its EWMAs of acceptance and of drafting time per token, and its verify cost per M
+  learned from the model's own turnarounds, the controllers imported from the package),
+  under the m_cap the verifier's verdicts carry (core.control's ladder and load rule, as
+  core.session applies them with speculation "on"); it drafts M tokens, the proposal
+  crosses the wire (the RTT measured through the relay at that delay, half each way), the
+  roles handle it (`handle` + `hr` x R: the HTTP request and the verdict's write-out on
+  both sides, slower when the machine is busier; handled beside the passes, as the
+  verifier's event loop does; each round's time drawn from the measured spread of the
+  handling, as factors of its mean), the next pass verifies it, the verdict crosses back;
+- acceptance is the text's: rule 1 drafts greedily, so a proposal of M tokens at position c
+  of prompt k's output accepts the run of positions from c where the draft's greedy token
+  is the target's (bench_hosts records these matches per prompt and position; every
+  measured session's rounds are checked against them), and the verdict emits accepted + 1
+  tokens. Session s has prompt s, as bench_hosts gives its sessions prompts[:n];
+- R, the other sessions' rounds per second: on the measured machine every role shares the
+  cores, so the rest of the deployment's work, which comes per round, stretches a pass, a
+  drafting step and the handling; a session's rate is the run's own (the model is run
+  again at the rate its last run gave until it settles), times the other sessions active;
+- the verifier batches the proposals waiting when a pass starts (up to max_batch), waiting
+  for company as engine._gather does (its first job's batching wait; sessions of the last
+  two batches expected back within half a batch's cost): a pass over n new tokens (M + 1
+  for each proposal) costs v0 + v1 * n + vr * R, its commit included (on hosts of their
+  own vr would be 0);
 - a drafter drafts its sessions' tokens in batched steps (one token for every session that
-  wants one): a step for b sessions costs d0 + d1 * b;
+  wants one): a step costs d0 + d1 * sessions in it + dr * R;
 - drafting ahead, as sdcp_fast/drafter/session.py does it: while a proposal is out the
   drafter drafts the next one on the all-accepted verdict when the session's measured odds
-  (EWMAs of fully accepted rounds and of right guesses of the verifier's additional token)
-  say it will be used at least half the time; the verdict stops it; it is used when all M
-  were accepted and its first token was the verifier's additional one (the chance of that:
-  the acceptance at position M + 1), else thrown away (its steps were spent anyway);
+  (LookaheadOdds) say it will be used at least half the time; the verdict stops it; it is
+  used when all M were accepted and its first token is the verifier's additional one (the
+  text's match at position c + M), else thrown away (its steps were spent anyway);
 - co-located: drafting and verifying take turns on one device (one resource); split: the
   verifier's device verifies only, drafters have their own;
-- a session starts when the router has placed it, one session at a time: the verifier opens
-  it (`open_cost` of its device: prefill, first commit), the assignment crosses to the
-  drafter (one RTT), then `start` until its first round.
+- every session opens at once, as bench_hosts starts its streams: their opening work
+  (placement, commit log, prefills) shares the machine, so each is open after sessions x
+  `open_cost`; the assignment crosses to the drafter (one RTT), then `start` until its
+  first round; the first proposal meets the verifier still opening the others and takes
+  `first` longer than the later ones (which the drafter's verify cost per M remembers).
 
 Calibration, each parameter from its own measurement (printed), at the lowest RTT without
-drafting ahead: v0, v1 by least squares over the verifier's batch log (pass time against
-tokens in the pass); d0, d1 from the drafting time per token at 1 session and at the most
-sessions (per drafter); `handle` from the 1-session rounds: a round's turnaround less the
-measured RTT and its time in the verifier (batch log, joined by session and round); the
-acceptance per position of each session in the runs at the lowest RTT with as many sessions
-(the same prompts), from the drafters' rounds logs; `open_cost` and `start`
-so that the model's time to first token matches the measured one at 1 session and at the
-most sessions. Nothing is fitted to tokens/s or ITL. Validation: every measured run (each
-RTT, ahead and not, 1 and 16 sessions) simulated and compared, tokens/s and inter-token
-latency, error in percent (goal: within 15%).
+drafting ahead: v0, v1, vr by least squares over the verifier's batch log (pass time
+against tokens in the pass and the run's R); d0 and dr from the drafting time per token
+(drafting time over tokens drafted) at 1 session and at the most sessions; `handle` and
+`hr` from a round's turnaround less the measured round trip and its time in the verifier
+(batch log, joined by session and round) at 1 session and at the most; `open_cost` and
+`start` so that the model's time to first token matches the measured one at 1 session and
+at the most sessions; `first`, a first round's turnaround less the later rounds' mean, at 1
+session and at the most; `spread`, each round's handling over the mean, at the most
+sessions. Nothing is fitted to tokens/s or ITL, and M is not taken from the
+runs: it is the controllers' choice in the model. Validation: every measured run (each
+RTT, ahead and not, 1 and 16 sessions) simulated and compared, tokens/s, inter-token
+latency and mean M (the mean of VALIDATION_SEEDS runs of the model), error in percent
+(goal: within 15%), twice: with the costs calibrated
+at each RTT from that RTT's runs without drafting ahead (on the measured machine the roles'
+costs grow with the RTT: drafting per token, handling), and with the lowest RTT's costs for
+every RTT. The questions below use the lowest RTT's costs (`--also` validates other runs).
 
 Then, from the model: sessions one verifier sustains at the ITL target, split vs co-located,
 next to the bound 1 + gamma * t_d / t_v from the same calibration (gamma: tokens drafted per
@@ -69,7 +85,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sdcp_fast.drafter.session import LOOKAHEAD_MIN_P, LookaheadOdds  # noqa: E402
+from sdcp_fast.core.control import (  # noqa: E402
+    AcceptanceEstimate,
+    Counters,
+    Escalation,
+    choose_m,
+    clamp_m_init,
+    escalate,
+    is_low,
+    next_m_cap,
+)
+from sdcp_fast.core.messages import Action  # noqa: E402
+from sdcp_fast.drafter.session import LOOKAHEAD_MIN_P, LookaheadOdds, Timing  # noqa: E402
 
 try:
     import simpy
@@ -80,16 +107,20 @@ except ImportError:                 # pragma: no cover - an install without the 
 BATCH_WAIT_S = 0.001                # the verifier's max_wait_ms in the deployment (demo plan)
 COMPANY_SHARE = 0.5                 # the verifier's company_share (its default)
 TURNAROUND_ALPHA = 0.25             # sdcp_fast/verifier/engine.py's weight of a session's latest gap
-M_MAX = 8                           # the demo plan's contract
-RATE_ROUNDS = 32                    # the round rate a pass sees: over the latest this many rounds
+M_MAX = 8                           # the demo plan's contract (sdcp_fast/demo/deployment.py): m_max,
+ESCALATION = Escalation(low_rounds=4, low_ratio=0, self_load=60,   # its ladder
+                        fallback=(Action.REDUCE, Action.SWITCH, Action.SELF_DECODE))
+M_INIT = 4                          # the router's m_init (its default)
+MAX_BATCH = 64                      # the verifier's max_batch (its default): jobs per pass, and its load's scale
+VALIDATION_SEEDS = 5                # runs of the model per validated point (handling's spread is drawn)
+RATE_ITERATIONS = 6                 # runs of the model to settle a run's round rate (its own fixed point)
 STEADY = 8                          # capacity runs: generations this many times the measured ones
 
 
 @dataclass
 class Params:
-    profiles: dict                  # sessions -> per measured session: acceptance at position 1..M_MAX
+    match: list[tuple[bool, ...]]   # per prompt: the draft's greedy token equals the target's, by position
     m_values: list[int]             # M of measured proposals (reported)
-    m_by_sessions: dict             # sessions -> M of the proposals measured at that many
     d0: float                       # drafting step: d0 + d1 * sessions in the step
     d1: float                       #   + dr * the other sessions' rounds per second (s)
     dr: float
@@ -99,10 +130,12 @@ class Params:
     handle: float                   # the verifier's process per proposal, besides the pass:
     hr: float                       #   handle + hr * the other sessions' rounds per second (s)
     start: float                    # a session's opening until its first round (s)
-    open_cost: float                # the verifier's device per session opened (prefill), serial (s)
+    open_cost: float                # the machine's work per session opened, shared by those opening (s)
     rtt: float                      # the wire's round trip (s)
     ahead: bool
     colocated: bool = False
+    first: tuple = (0.0, 0.0, 1)    # a first round's extra turnaround alone, with n sessions, n (s, s, n)
+    spread: tuple = (1.0,)          # handling's measured spread: each round's over the mean (factors)
     drafters: int = 2
     rtt_of: dict = field(default_factory=dict)   # configured RTT (ms) -> measured round trip (s)
 
@@ -120,18 +153,18 @@ class Result:
     tokens_per_s: float
     itl_ms: float
     ttft_ms: float
+    mean_m: float = 0.0
+    trace: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- the model
 
 
 class Model:
-    def __init__(self, p: Params, sessions: int, max_new: int, seed: int):
+    def __init__(self, p: Params, sessions: int, max_new: int, rate: float = 0.0, seed: int = 0):
         self.p, self.sessions, self.max_new = p, sessions, max_new
         self.env = simpy.Environment()
-        self.rng = random.Random(seed)
         self.device = simpy.Resource(self.env, 1)              # the verifier's
-        self.placing = simpy.Resource(self.env, 1)             # the router places one session at a time
         self.draft_devices = [self.device if p.colocated else simpy.Resource(self.env, 1)
                               for _ in range(max(1, p.drafters))]
         self.pending: list[tuple[int, simpy.Event]] = []
@@ -144,23 +177,30 @@ class Model:
         self.finished = 0
         self.started = 0
         self.end_time = 0.0
-        self.completions: deque[float] = deque(maxlen=RATE_ROUNDS)   # the latest rounds' ends
-        self.trace: dict[str, list[float]] = {"pass": [], "jobs": [], "turnaround": [], "draft": [], "m": [],
-                                                "emitted": []}
+        self.rate = rate                    # a session's rounds per second over the run (R's unit)
+        self.rng = random.Random(seed)
+        alone, many, n = p.first
+        self.first_extra = alone + (many - alone) * (sessions - 1) / max(1, n - 1)
+        self.active_s = 0.0                 # sessions' time from open to end, summed
+        self.trace: dict[str, list] = {"pass": [], "jobs": [], "turnaround": [], "draft": [], "m": [],
+                                       "emitted": [], "ladder": [], "controls": [], "ends": []}
         self.in_pass = False
         self.answered_at: list[float | None] = [None] * sessions   # the verifier's last verdict to each
         self.turnaround: list[float | None] = [None] * sessions    # ... and the EWMA of its way back
-        near = min(p.profiles, key=lambda n: (abs(math.log(n / sessions)), n))
-        pool = p.profiles[near]
-        order = list(range(len(pool)))
-        self.rng.shuffle(order)
-        self.profile = [pool[order[s % len(order)]] for s in range(sessions)]
-        # M as measured at the lowest RTT with the nearest number of sessions: the drafter's
-        # choice (core.control.choose_m over its own EWMAs) under the verifier's m_cap, which
-        # the model takes as measured rather than redoing both controllers
-        near = min(p.m_by_sessions, key=lambda n: (abs(math.log(n / sessions)), n))
-        self.m_pool = p.m_by_sessions[near]
-
+        # session s drafts prompt s's text, as bench_hosts gives its sessions prompts[:n]; a
+        # generation longer than a measured one goes on with the next prompts' texts
+        self.match = []
+        for s in range(sessions):
+            seq: list[bool] = []
+            k = s
+            while len(seq) < max_new + M_MAX + 1:
+                seq.extend(p.match[k % len(p.match)])
+                k += 1
+            self.match.append(seq)
+        # the verifier's side of M (core.session.complete with speculation "on"): the ladder's
+        # counters and the m_cap each verdict carries
+        self.counters = [Counters() for _ in range(sessions)]
+        self.m_cap = [clamp_m_init(M_INIT, M_MAX) for _ in range(sessions)]
 
     def run(self) -> Result:
         self.env.process(self.verifier())
@@ -170,7 +210,8 @@ class Model:
             self.env.process(self.session(s))
         self.env.run()
         total = sum(self.emitted)
-        return Result(total / self.end_time, 1000 * statistics.median(self.itl), 1000 * statistics.median(self.ttft))
+        return Result(total / self.end_time, 1000 * statistics.median(self.itl), 1000 * statistics.median(self.ttft),
+                      statistics.fmean(self.trace["m"]))
 
     def draft(self, j: int, tokens: int) -> list:
         """[tokens left, event, tokens wanted]: the event fires once drafter j drafted them."""
@@ -213,12 +254,13 @@ class Model:
 
     def others_rate(self) -> float:
         """Rounds per second of the sessions other than one: what else the shared machine is
-        busy with (drafting, the router, etcd, the other processes' messages) grows with it."""
+        busy with (drafting, the router, etcd, the other processes' messages) grows with it.
+        A session's rate is the run's average, as calibrated (R of a measured run: its
+        sessions' rounds over the run), not a rate measured as the model goes: at the start
+        the machine is as busy as later (every session opening, then drafting), which a
+        rate counted over the latest rounds would miss."""
         active = self.started - self.finished
-        if active <= 1 or len(self.completions) < 2 or self.env.now <= self.completions[0]:
-            return 0.0
-        rate = (len(self.completions) - 1) / (self.env.now - self.completions[0])
-        return rate * (active - 1) / active
+        return self.rate * max(0, active - 1)
 
     def verifier(self):
         """The engine's loop (sdcp_fast/verifier/engine.py): a batch is every job waiting, and
@@ -250,7 +292,7 @@ class Model:
                     break
                 self.wake = env.event()
                 yield self.wake | env.timeout(until - env.now)
-            batch, self.pending = self.pending, []
+            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
             recent.append({job[2] for job in batch})
             self.in_pass = True
             with self.device.request() as turn:
@@ -261,70 +303,84 @@ class Model:
                 yield env.timeout(seconds)
             self.in_pass = False
             batch_s = seconds if batch_s == 0 else batch_s + 0.2 * (seconds - batch_s)
-            for m, answered, s, _, _ in batch:
+            load = min(100, round(100 * (len(self.pending) + len(batch)) / (2 * MAX_BATCH)))   # engine.load
+            for m, answered, s, _, _, at in batch:
                 self.answered_at[s] = env.now
-                answered.succeed(self.accepted(s, m))
+                a = self.accepted(s, at, m)
+                self.counters[s], action, _ = escalate(ESCALATION, self.counters[s], a, m, load)
+                self.m_cap[s] = next_m_cap(self.m_cap[s], M_MAX, action, is_low(a, m, ESCALATION.low_ratio), load)
+                if action not in (Action.CONTINUE, Action.REDUCE):
+                    self.trace["ladder"].append(action)   # (not modelled: the session carries on)
+                answered.succeed((a, self.m_cap[s]))
 
-    def accepted(self, s: int, m: int) -> int:
-        alpha = self.profile[s]
-        for k in range(m):
-            if self.rng.random() >= alpha[min(k, len(alpha) - 1)]:
-                return k
-        return m
-
-    def guess_right(self, s: int, m: int) -> bool:
-        """The verifier's additional token (position M + 1) is the draft's next one."""
-        alpha = self.profile[s]
-        return self.rng.random() < alpha[min(m, len(alpha) - 1)]
+    def accepted(self, s: int, at: int, m: int) -> int:
+        """Greedy drafting of a fixed text: the tokens accepted from position `at` are the
+        draft's run of matches with the target there, up to M."""
+        seq = self.match[s]
+        a = 0
+        while a < m and seq[at + a]:
+            a += 1
+        return a
 
     def session(self, s: int):
         p, env = self.p, self.env
         j = s % len(self.draft_devices)
         began = env.now
-        with self.placing.request() as placing:       # the router places it: the verifier opens it
-            yield placing                              # (prefill, first commit), then the drafter's
-            with self.device.request() as turn:        # assignment crosses the wire
-                yield turn
-                yield env.timeout(p.open_cost)
-            yield env.timeout(p.rtt)
+        # every session opens at once (bench_hosts starts its streams together): the opening
+        # work (placement, commit log, prefills) of all of them shares the machine, so each
+        # is open after sessions x open_cost (the verifier's batch log shows the first
+        # proposals of all sessions arriving together); the assignment crosses the wire
+        yield env.timeout(p.open_cost * self.sessions + p.rtt)
         yield env.timeout(p.start)
         self.started += 1
-        odds = LookaheadOdds()
+        opened = env.now
+        # the drafter's controllers (sdcp_fast/drafter/session.py), fed what this model times
+        odds, alpha, timing = LookaheadOdds(), AcceptanceEstimate(), Timing()
+        m_cap = clamp_m_init(M_INIT, M_MAX)
+
+        def choose() -> int:                           # DraftSession.choose
+            limit = min(M_MAX, m_cap, self.max_new - self.emitted[s])
+            return choose_m(alpha.alpha, timing.draft_per_token, timing.verify_cost.at, max(1, limit))
         ready = 0                                      # tokens of the next proposal drafted ahead
         first = last = None
         while self.emitted[s] < self.max_new:
-            limit = max(1, min(M_MAX, self.max_new - self.emitted[s]))
-            m = min(limit, self.rng.choice(self.m_pool))
+            m = choose()
+            at = self.emitted[s]
+            self.trace["controls"].append((s, m, alpha.alpha, timing.draft_per_token, timing.verify_cost.at(m)))
             building = env.now
             if ready < m:
                 yield self.draft(j, m - ready)[1]
-            self.trace["draft"].append(env.now - building)
+            draft_s = env.now - building
+            self.trace["draft"].append(draft_s)
             ahead = None
             if p.ahead and odds.hit >= LOOKAHEAD_MIN_P:
                 room = self.max_new - self.emitted[s] - m - 1
-                want = min(M_MAX, m + 1, room) + 1     # drafted on top of the proposal
+                want = min(M_MAX, m_cap + 1, choose() + 1, room) + 1   # drafted on top of the proposal
                 if want >= 2:
                     ahead = self.draft(j, want)
             sent = env.now
             yield env.timeout(p.rtt / 2)
-            yield env.timeout(p.handle + p.hr * self.others_rate())   # the request handled, the verdict written
+            spread = p.spread[self.rng.randrange(len(p.spread))]   # as measured, round by round
+            yield env.timeout(spread * (p.handle + p.hr * self.others_rate()))   # the request handled, the verdict written
+            if first is None:
+                yield env.timeout(self.first_extra)    # the first proposal meets the others' opening
             answered = env.event()
             if self.answered_at[s] is not None:        # the verifier's view of this drafter's pace
                 gap = env.now - self.answered_at[s]
                 self.turnaround[s] = gap if self.turnaround[s] is None else \
                     self.turnaround[s] + TURNAROUND_ALPHA * (gap - self.turnaround[s])
-            self.pending.append((m, answered, s, env.now, self.in_pass))
+            self.pending.append((m, answered, s, env.now, self.in_pass, at))
             if not self.wake.triggered:
                 self.wake.succeed()
-            a = yield answered
+            a, verdict_cap = yield answered
             yield env.timeout(p.rtt / 2)
             self.trace["turnaround"].append(env.now - sent)
+            timing.observe_verify(env.now - sent, m)
             emitted = min(a + 1, self.max_new - self.emitted[s])
             if first is None:
                 first = env.now
                 self.ttft.append(first - began)
             last = env.now
-            self.completions.append(last)
             self.trace["m"].append(m)
             self.trace["emitted"].append(emitted)
             self.emitted[s] += emitted
@@ -333,23 +389,40 @@ class Model:
                 self.cancel(j, ahead)                  # the verdict stops it
                 drafted = ahead[2] - ahead[0]
                 if a == m and drafted:
-                    right = self.guess_right(s, m)
+                    right = self.match[s][at + m]      # its first token: the verifier's additional one?
                     ready = drafted - 1 if right else 0
+            timing.observe_draft(draft_s, m)
+            alpha = alpha.update(a, m)
             odds.observe(a, m, right)
+            m_cap = max(1, verdict_cap)
         if last is not None and self.emitted[s] > 1 and last > first:
             self.itl.append((last - first) / (self.emitted[s] - 1))
         elif first is not None:
             self.itl.append(0.0)
         self.finished += 1
+        self.trace["ends"].append((s, env.now, self.itl[-1] if self.itl else None))
+        self.active_s += env.now - opened
         self.end_time = max(self.end_time, env.now)
         if not self.wake.triggered:
             self.wake.succeed()
 
 
-def simulate(p: Params, sessions: int, max_new: int, seeds: int = 5) -> Result:
-    results = [Model(p, sessions, max_new, seed).run() for seed in range(seeds)]
-    return Result(statistics.fmean(r.tokens_per_s for r in results), statistics.fmean(r.itl_ms for r in results),
-                  statistics.fmean(r.ttft_ms for r in results))
+def simulate(p: Params, sessions: int, max_new: int, seeds: int = 1) -> Result:
+    """The model (acceptance the measured texts', M the controllers' choice over the
+    model's own timings, handling's spread drawn as measured) at its own round rate: run
+    again with the mean of the rate assumed and the rate the run gave, until it settles;
+    then the mean of `seeds` runs at that rate."""
+    rate = 0.0
+    for n in range(RATE_ITERATIONS):
+        model = Model(p, sessions, max_new, rate)
+        result = model.run()
+        ran = len(model.trace["m"]) / model.active_s if model.active_s else 0.0
+        rate = ran if n == 0 else (rate + ran) / 2
+    results = [result] + [Model(p, sessions, max_new, rate, seed).run() for seed in range(1, seeds)]
+    out = Result(*(statistics.fmean(getattr(r, f) for r in results)
+                   for f in ("tokens_per_s", "itl_ms", "ttft_ms", "mean_m")))
+    out.trace = model.trace
+    return out
 
 
 # ---------------------------------------------------------------------- calibration
@@ -364,6 +437,33 @@ def acceptance(rounds: list[dict], top: int = M_MAX, prior: list[float] | None =
         took = sum(1 for r in rounds if r["accepted"] >= k)
         out.append(took / tried if tried else (prior[k - 1] if prior else (out[-1] if out else 0.5)))
     return out
+
+
+def consistent(match: list[tuple[bool, ...]], runs: list[dict]) -> tuple[int, int]:
+    """(sessions measured whose every round accepted exactly the run of draft matches at its
+    position in one of the prompts' texts, sessions measured): how far acceptance is a
+    property of the text alone, as the model takes it."""
+    ok = total = 0
+    for run in runs:
+        by_session: dict[int, list[dict]] = {}
+        for x in run["rounds"]:
+            by_session.setdefault(x["session"], []).append(x)
+        for rs in by_session.values():
+            total += 1
+            for seq in match:
+                at, fits = 0, True
+                for x in rs:
+                    a = 0
+                    while a < x["m"] and at + a < len(seq) and seq[at + a]:
+                        a += 1
+                    if a != x["accepted"]:
+                        fits = False
+                        break
+                    at += x["emitted"]
+                if fits:
+                    ok += 1
+                    break
+    return ok, total
 
 
 def least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]:
@@ -395,17 +495,9 @@ def calibrate(record: dict) -> tuple[Params, dict]:
         rtt_of[r["rtt_ms"]] = measured["tcp_ms"] / 1000 if measured else r["rtt_ms"] / 1000
     rounds = [x for r in runs for x in r["rounds"]]
     m_values = [x["m"] for x in rounds]
-    overall = acceptance(rounds)
-    # each session's own acceptance, from the runs at the lowest RTT with that many sessions
-    # (a run of n sessions is n prompts: a model of it draws from what those prompts gave)
-    profiles: dict[int, list[list[float]]] = {}
-    for r in runs:
-        if r["rtt_ms"] == low:
-            by_session: dict[int, list[dict]] = {}
-            for x in r["rounds"]:
-                by_session.setdefault(x["session"], []).append(x)
-            profiles.setdefault(r["sessions"], []).extend(acceptance(rs, prior=overall)
-                                                          for rs in by_session.values())
+    if "match" not in record:
+        raise SystemExit("fleet_sim: the record has no draft matches per position ('match'): run bench_hosts again")
+    match = [tuple(c == "1" for c in text) for text in record["match"]]
     # the verifier's pass: least squares over its batches, pass time against tokens in the
     # pass and the other sessions' round rate in that run (the machine's other work)
     def others(run):
@@ -420,8 +512,9 @@ def calibrate(record: dict) -> tuple[Params, dict]:
     # at the most sessions, against the other sessions' round rate: on the shared cores the
     # step waits for the rest of the deployment's work far more than it grows with its batch
     # (drafter CPU stays a fraction of a core), so that term carries the difference
-    def per_token(rs):
-        return statistics.median(x["draft_ms"] / 1000 / x["m"] for x in rs if x["m"] and not x["ahead"])
+    def per_token(rs):          # the mean: drafting time over tokens drafted, what the rounds spend
+        drafted = [x for x in rs if x["m"] and not x["ahead"]]
+        return sum(x["draft_ms"] for x in drafted) / 1000 / sum(x["m"] for x in drafted)
     t1, tn = per_token(one["rounds"]), per_token(many["rounds"])
     d0, d1 = t1, 0.0
     dr = max(0.0, (tn - t1) / max(others(many), 1e-9))
@@ -429,39 +522,62 @@ def calibrate(record: dict) -> tuple[Params, dict]:
     # the verifier, at one session (nothing else running) and at the most, where the other
     # sessions' work competes for the cores
     def handling(run):
-        return max(0.0, statistics.median(x["turnaround_ms"] / 1000 - rtt_of[low] - x["verifier_ms"] / 1000
+        return max(0.0, statistics.fmean(x["turnaround_ms"] / 1000 - rtt_of[low] - x["verifier_ms"] / 1000
                                           for x in run["rounds"] if x["verifier_ms"] is not None))
     handle = handling(one)
+    residuals = [x["turnaround_ms"] / 1000 - rtt_of[low] - x["verifier_ms"] / 1000
+                 for x in many["rounds"] if x["verifier_ms"] is not None]
+    spread = tuple(max(0.0, r) / handling(many) for r in residuals)
     hr = max(0.0, (handling(many) - handle) / max(others(many), 1e-9))
-    m_by_sessions = {r["sessions"]: [x["m"] for x in r["rounds"]] for r in base}
-    p = Params(profiles, m_values, m_by_sessions, d0, d1, dr, v0, v1, vr, handle, hr, start=0.0, open_cost=0.0, rtt=rtt_of[low], ahead=False,
+    # a session's first round: how much longer its turnaround is than its later rounds' (the
+    # first proposals meet the verifier still opening the other sessions); the drafter's
+    # verify cost keeps it as the point of the first M until that M is proposed again
+    def first_extra(run):
+        by_session: dict[int, list[float]] = {}
+        for x in run["rounds"]:
+            by_session.setdefault(x["session"], []).append(x["turnaround_ms"] / 1000)
+        later = [t for ts in by_session.values() for t in ts[1:]]
+        return max(0.0, statistics.fmean(ts[0] for ts in by_session.values()) - statistics.fmean(later))
+    first = (first_extra(one), first_extra(many), many["sessions"])
+    p = Params(match, m_values, d0, d1, dr, v0, v1, vr, handle, hr, start=0.0, open_cost=0.0, first=first, spread=spread,
+               rtt=rtt_of[low], ahead=False,
                rtt_of=rtt_of)
-    # opening: open_cost (serial, the verifier's) and start, so that the first token comes
+    # opening: open_cost (shared by the sessions opening) and start, so that the first token comes
     # when it came at 1 session and at the most sessions
     max_new = record["max_new"]
     t_one, t_many = one["ttft_ms"] / 1000, many["ttft_ms"] / 1000
     for _ in range(6):
-        s1 = simulate(p, 1, max_new, seeds=3).ttft_ms / 1000
-        sn = simulate(p, many["sessions"], max_new, seeds=3).ttft_ms / 1000
+        s1 = simulate(p, 1, max_new).ttft_ms / 1000
+        sn = simulate(p, many["sessions"], max_new).ttft_ms / 1000
         start = max(0.0, p.start + t_one - s1)
         spread_sim, spread = sn - s1, t_many - t_one
-        open_cost = max(0.0, p.open_cost + (spread - spread_sim) / max(1.0, many["sessions"] / 2))
+        open_cost = max(0.0, p.open_cost + (spread - spread_sim) / max(1.0, many["sessions"] - 1))
         p = replace(p, start=start, open_cost=open_cost)
     return p, {"batches": len(batches), "ttft_ms": (one["ttft_ms"], many["ttft_ms"]),
                "load": (others(many), statistics.fmean(b["jobs"] for b in many["batches"])),
-               "profiles": sum(map(len, profiles.values()))}
+               "consistent": consistent(match, runs)}
 
 
 # ---------------------------------------------------------------------- questions
 
 
-def validate(p: Params, record: dict) -> list[dict]:
+def calibrate_each(record: dict) -> dict[float, Params]:
+    """Costs measured at each RTT: calibrated from that RTT's runs alone (on the measured
+    machine the roles' costs change with the RTT: see validate_both)."""
+    return {rtt: calibrate(dict(record, runs=[r for r in record["runs"] if r["rtt_ms"] == rtt]))[0]
+            for rtt in sorted({r["rtt_ms"] for r in record["runs"]})}
+
+
+def validate(p: Params | dict[float, Params], record: dict) -> list[dict]:
+    """Every measured run simulated with `p` (or, a dict, the Params of its RTT)."""
     out = []
     for r in record["runs"]:
-        q = replace(p.at(r["rtt_ms"]), ahead=r["ahead"])
-        sim = simulate(q, r["sessions"], record["max_new"])
+        costs = p[r["rtt_ms"]] if isinstance(p, dict) else p
+        q = replace(costs.at(r["rtt_ms"]), ahead=r["ahead"])
+        sim = simulate(q, r["sessions"], record["max_new"], seeds=VALIDATION_SEEDS)
         out.append({"rtt_ms": r["rtt_ms"], "ahead": r["ahead"], "sessions": r["sessions"],
                     "tps": (r["tokens_per_s"], sim.tokens_per_s), "itl": (r["itl_ms"], sim.itl_ms),
+                    "m": (statistics.fmean(x["m"] for x in r["rounds"]), sim.mean_m),
                     "tps_err": 100 * (sim.tokens_per_s / r["tokens_per_s"] - 1),
                     "itl_err": 100 * (sim.itl_ms / r["itl_ms"] - 1)})
     return out
@@ -472,56 +588,101 @@ def capacity(p: Params, itl_target_ms: float, max_new: int, limit: int = 512) ->
     state: generations of STEADY x max_new tokens, so that the staggered starts weigh little."""
     max_new *= STEADY
     lo, hi = 0, 1
-    while hi <= limit and simulate(p, hi, max_new, seeds=1).itl_ms <= itl_target_ms:
+    while hi <= limit and simulate(p, hi, max_new).itl_ms <= itl_target_ms:
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if simulate(p, mid, max_new, seeds=1).itl_ms <= itl_target_ms:
+        if simulate(p, mid, max_new).itl_ms <= itl_target_ms:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", default=str(Path(__file__).with_name("hosts_runs.json")))
-    parser.add_argument("--itl-target-ms", type=float, default=25.0)
-    parser.add_argument("--plot", default=None, help="write capacity against RTT and fleet size (PNG)")
-    args = parser.parse_args()
-    record = json.loads(Path(args.runs).read_text())
-    for run in record["runs"]:       # rounds and batches stored as rows
+def load(path: str) -> dict:
+    return rows(json.loads(Path(path).read_text()))
+
+
+def rows(record: dict) -> dict:
+    """A bench_hosts record with its rounds and batches (stored as rows) as dicts, and so the
+    records of its independent repeats (`repeats`: whole bench_hosts runs kept with it)."""
+    for run in record["runs"]:
         run["rounds"] = [dict(zip(record["round_fields"], row, strict=True)) for row in run["rounds"]]
         run["batches"] = [dict(zip(record["batch_fields"], row, strict=True)) for row in run["batches"]]
-    max_new = record["max_new"]
+    for other in record.get("repeats", []):
+        rows(other)
+    return record
 
+
+def calibrated(path: str, record: dict) -> tuple[Params, dict]:
+    """Calibrate from a record, printing the calibration."""
     p, fit = calibrate(record)
-    overall = [statistics.fmean(pr[k] for prs in p.profiles.values() for pr in prs) for k in range(M_MAX)]
-    print(f"calibrated from {args.runs} ({record['machine']}): measured M mean {p.mean_m:.2f} "
-          f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position (mean of "
-          f"{fit['profiles']} sessions' own) {' '.join(f'{a:.2f}' for a in overall)}")
+    overall = acceptance([x for r in record["runs"] for x in r["rounds"]])
+    ok, total = fit["consistent"]
+    matched = [sum(seq) / len(seq) for seq in p.match]
+    print(f"calibrated from {path} ({record['machine']}): measured M mean {p.mean_m:.2f} "
+          f"(values {dict(sorted(Counter(p.m_values).items()))}), acceptance by position "
+          f"{' '.join(f'{a:.2f}' for a in overall)}; the draft's greedy token is the target's at "
+          f"{100 * min(matched):.0f}-{100 * max(matched):.0f}% of positions (per prompt), and {ok}/{total} "
+          "sessions measured accepted in every round exactly the run of matches at its position")
     print(f"  verifier pass {1e3 * p.v0:.3f} + {1e3 * p.v1:.3f} x tokens + {1e3 * p.vr:.4f} x R ms (least squares "
           f"over {fit['batches']} batches; R: the other sessions' rounds per second); drafting step {1e3 * p.d0:.3f} "
           f"+ {1e3 * p.dr:.4f} x R ms; handling a proposal {1e3 * p.handle:.3f} + {1e3 * p.hr:.4f} x R ms (turnaround "
           "less round trip and time in the verifier); "
-          f"session open {1e3 * p.open_cost:.1f} ms of the verifier, then {1e3 * p.start:.0f} ms to its first round "
-          f"(time to first token {fit['ttft_ms'][0]:.0f} and {fit['ttft_ms'][1]:.0f} ms measured); round trips "
-          + ", ".join(f"{k:g} ms -> {1e3 * v:.2f} ms" for k, v in sorted(p.rtt_of.items())))
+          f"session open {1e3 * p.open_cost:.1f} ms of the machine's work each, then {1e3 * p.start:.0f} ms to its "
+          f"first round (time to first token {fit['ttft_ms'][0]:.0f} and {fit['ttft_ms'][1]:.0f} ms measured); "
+          "round trips " + ", ".join(f"{k:g} ms -> {1e3 * v:.2f} ms" for k, v in sorted(p.rtt_of.items())))
+    return p, fit
 
-    print("\nvalidation against the namespace runs (measured -> simulated):")
-    print("| RTT ms | ahead | sessions | tokens/s | error | ITL ms | error |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
-    checks = validate(p, record)
-    for c in checks:
+
+def report_validation(path: str, p: Params, record: dict) -> None:
+    """Two validations: with the costs measured at each RTT (the model's mechanisms, M,
+    acceptance, batching and drafting ahead, predicted; the roles' costs, which on the
+    measured machine grow with the RTT, taken where they were measured), and with the
+    costs of the lowest RTT only (the other RTTs predicted)."""
+    each = validate(calibrate_each(record), record)
+    lowest = validate(p, record)
+    print(f"\nvalidation against the namespace runs of {path} (measured -> simulated; costs at each RTT, "
+          "and in the last columns the costs of the lowest RTT only):")
+    print("| RTT ms | ahead | sessions | tokens/s | error | ITL ms | error | mean M | tokens/s, ITL error "
+          "(lowest RTT's costs) | CPU outside |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for c, low, r in zip(each, lowest, record["runs"], strict=True):
+        outside = r.get("outside_cpu_per_s")
         print(f"| {c['rtt_ms']:g} | {'yes' if c['ahead'] else 'no'} | {c['sessions']} | {c['tps'][0]:.0f} -> "
               f"{c['tps'][1]:.0f} | {c['tps_err']:+.1f}% | {c['itl'][0]:.1f} -> {c['itl'][1]:.1f} | "
-              f"{c['itl_err']:+.1f}% |")
-    worst_tps = max(abs(c["tps_err"]) for c in checks)
-    worst_itl = max(abs(c["itl_err"]) for c in checks)
-    within = sum(1 for c in checks if abs(c["tps_err"]) <= 15 and abs(c["itl_err"]) <= 15)
-    print(f"validation: {within}/{len(checks)} runs within 15% on both; worst tokens/s error {worst_tps:.1f}%, "
-          f"worst ITL error {worst_itl:.1f}%")
+              f"{c['itl_err']:+.1f}% | {c['m'][0]:.2f} -> {c['m'][1]:.2f} | {low['tps_err']:+.1f}%, "
+              f"{low['itl_err']:+.1f}% | {'' if outside is None else f'{outside:.2f} cores'} |")
+    for name, checks in (("costs at each RTT", each), ("costs of the lowest RTT", lowest)):
+        worst_tps = max(abs(c["tps_err"]) for c in checks)
+        worst_itl = max(abs(c["itl_err"]) for c in checks)
+        within = sum(1 for c in checks if abs(c["tps_err"]) <= 15 and abs(c["itl_err"]) <= 15)
+        print(f"validation ({path}, {name}): {within}/{len(checks)} runs within 15% on both; worst tokens/s "
+              f"error {worst_tps:.1f}%, worst ITL error {worst_itl:.1f}%")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default=str(Path(__file__).with_name("hosts_runs.json")))
+    parser.add_argument("--also", action="append", default=[], metavar="RUNS",
+                        help="validate against another bench_hosts record too (calibrated from itself)")
+    parser.add_argument("--validate-only", action="store_true", help="stop after the validations")
+    parser.add_argument("--itl-target-ms", type=float, default=25.0)
+    parser.add_argument("--plot", default=None, help="write capacity against RTT and fleet size (PNG)")
+    args = parser.parse_args()
+    record = load(args.runs)
+    others = [(path, load(path)) for path in args.also]
+    others += [(f"{args.runs}, repeat {n + 1} ({other.get('when', '')})", other)
+               for n, other in enumerate(record.get("repeats", []))]
+    for name, other in others:
+        report_validation(name, calibrated(name, other)[0], other)
+        print()
+    max_new = record["max_new"]
+    p, fit = calibrated(args.runs, record)
+    report_validation(args.runs, p, record)
+    if args.validate_only:
+        return 0
 
     # one verifier: split vs co-located at the lowest RTT, drafters plenty
     low = min(r["rtt_ms"] for r in record["runs"]) / 1000
