@@ -31,8 +31,9 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    text), ITL p50/p99 (per request: (last token's chunk - first text) / (tokens - 1)); for the
    deployment also the verifier's /metrics deltas: draft tokens, accepted, tokens the
    verifier decoded itself (their share of the output), forward passes, mean batch, forward,
-   verify-kernel, commit-log-append and queue seconds beside the level's wall time (the
-   per-phase view of a level).
+   verify-kernel, commit-log-append and queue seconds beside the level's wall time, and the
+   cores each process used over the level (verifier, router, each drafter, the driver) and
+   those left idle (the per-phase view of a level).
 
 Outputs: a table per temperature, --json with everything, --plot (tokens/s and ITL p50
 against concurrency, one line per way). Last line (greedy; a T=0.7 line before it):
@@ -124,6 +125,7 @@ class Level:
     wall: float = 0.0  # summed over the waves
     verifier: dict[str, float] = field(default_factory=dict)   # /metrics deltas
     cpu: float = 0.0   # CPU seconds of the target's process (the baseline's own; the verifier's)
+    roles_cpu: dict[str, float] = field(default_factory=dict)   # CPU seconds per process of the level
 
     @property
     def tokens(self) -> int:
@@ -149,7 +151,8 @@ class Level:
                "tokens": self.tokens, "wall_s": self.wall, "tokens_per_s": self.rate,
                **{f"{w}_p{q}_s": self.pct(w, q) for w in ("ttft", "itl") for q in (50, 99)},
                "target_cpu_s": self.cpu or self.verifier.get("process_cpu_seconds_total", 0.0),
-               "tokens_per_target_cpu_s": self.per_cpu_second, "verifier": self.verifier}
+               "tokens_per_target_cpu_s": self.per_cpu_second, "verifier": self.verifier,
+               "roles_cpu_s": self.roles_cpu}
         if self.verifier and self.tokens:
             out["self_decoded_share"] = self.verifier.get("sdcp_self_decoded_tokens_total", 0.0) / self.tokens
         return out
@@ -261,9 +264,23 @@ async def one_request(client, model: str, text: str, max_tokens: int, temperatur
     return answer
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each named process so far (Linux /proc; {} elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 async def drive(front: str, texts: list[str], max_tokens: int, temperature: float, waves: int,
-                metrics_url: str, way: str) -> Level:
-    """`waves` waves of len(texts) streamed chat completions at once."""
+                metrics_url: str, way: str, pids: dict[str, int] | None = None) -> Level:
+    """`waves` waves of len(texts) streamed chat completions at once; `pids` (role -> process)
+    have their CPU seconds over the waves kept, beside the driver's own."""
     import httpx
     from openai import AsyncOpenAI
 
@@ -274,12 +291,16 @@ async def drive(front: str, texts: list[str], max_tokens: int, temperature: floa
         client = AsyncOpenAI(base_url=f"{front}/v1", api_key="none", http_client=http, max_retries=0)
         model = (await client.models.list()).data[0].id
         before = scrape(metrics_url)
+        pids = {**(pids or {}), "driver": os.getpid()}
+        cpu_before = cpu_seconds(pids)
         for wave in range(waves):
             started = time.perf_counter()
             level.answers += await asyncio.gather(*(
                 one_request(client, model, text, max_tokens, temperature, seed=1000 * wave + n)
                 for n, text in enumerate(texts)))
             level.wall += time.perf_counter() - started
+        cpu_after = cpu_seconds(pids)
+        level.roles_cpu = {name: cpu_after[name] - cpu_before[name] for name in cpu_after if name in cpu_before}
         after = scrape(metrics_url)
     level.verifier = {k: after[k] - before.get(k, 0.0) for k in after}
     return level
@@ -328,6 +349,18 @@ def table(results: dict, temperature: float, levels: list[int], ways: list[str])
                   f"{v.get('sdcp_forward_seconds_sum', 0):>8.2f} {v.get('sdcp_kernel_seconds_sum', 0):>8.2f} "
                   f"{v.get('sdcp_commit_log_append_seconds_sum', 0):>8.2f} "
                   f"{results[(way, temperature, c)].wall:>8.2f} {v.get('sdcp_queue_wait_seconds_sum', 0):>8.2f}")
+        print(f"CPU per level ({way}): c, cores used by each process over the level's wall time "
+              f"(CPU seconds / wall seconds), and the cores left idle of the {os.cpu_count()}")
+        for c in levels:
+            lv = results[(way, temperature, c)]
+            if not lv.roles_cpu or not lv.wall:
+                continue
+            used = {name: seconds / lv.wall for name, seconds in sorted(lv.roles_cpu.items())}
+            idle = max(0.0, (os.cpu_count() or 1) - sum(used.values()))
+            base = results[("baseline", temperature, c)]
+            alone = f"; the target alone used {base.cpu / base.wall:.2f}" if base.wall else ""
+            print(f"  {c:>3} " + " ".join(f"{name} {cores:.2f}" for name, cores in used.items())
+                  + f" idle {idle:.2f}{alone}")
 
 
 def plot(path: str, results: dict, levels: list[int], ways: list[str], temperatures: list[float]) -> None:
@@ -447,11 +480,12 @@ def main() -> int:
                                                            args.max_tokens, eos, args.drafters, args.batch_log)
             try:
                 asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
+                pids = {name: instance.pid for name, instance in cluster.instances.items()}
                 for t in temperatures:
                     for c in levels:
                         with progress(f"{mode}: {c} streamed chat completion(s) at once, T = {t:g}"):
                             level = asyncio.run(drive(front, texts[:c], args.max_tokens, t, args.repeat,
-                                                      metrics_url, mode))
+                                                      metrics_url, mode, pids))
                         results[mode, t, c] = level
                         errors = [a.error for a in level.answers if a.error]
                         print(f"  {level.rate:.1f} tokens/s, {level.tokens} tokens"
