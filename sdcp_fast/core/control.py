@@ -171,22 +171,36 @@ class VerifyCost:
     times that M's time per round for each token: on SmolLM2-135M on a CPU a pass over 6
     new tokens cost 1.6-2.2x a one-token step (bench/RESULTS.md, issue 13), i.e. 0.12-0.24
     of a step per extra token; on a GPU the measured line soon replaces the prior with a
-    near-flat one. Before any verdict, `initial` seconds flat."""
+    near-flat one. Before any verdict, `initial` seconds flat.
+
+    `forget_after`: a point not observed again within that many observations (of any M)
+    leaves the line. A rule that picks M from this line proposes only the M it picks, so a
+    point of another M is never refreshed: one slow round at M = 3 (a round that met a burst
+    of sessions opening, say) would otherwise keep the slope steep and the choice at M = 1
+    for good. Once the stale point is gone, the remaining points (or the prior, with one M
+    left) decide, and the M they pick is measured afresh."""
 
     initial: float = 0.010
     weight: float = 0.3
     prior_slope: float = 0.15
     max_rounds: float = float("inf")   # cap on a point's weight in the line: a smaller cap lets
                                        # points seen lately count as much as old ones
+    forget_after: float = float("inf")
     seen: dict[int, list[float]] = field(default_factory=dict)   # M -> [EWMA seconds, rounds]
+    last_seen: dict[int, int] = field(default_factory=dict)      # M -> observation number
+    observations: int = 0
 
     def observe(self, m: int, seconds: float) -> None:
+        self.observations += 1
+        self.last_seen[m] = self.observations
         entry = self.seen.get(m)
         if entry is None:
             self.seen[m] = [seconds, 1.0]
         else:
             entry[0] += self.weight * (seconds - entry[0])
             entry[1] = min(self.max_rounds, entry[1] + 1.0)
+        for stale in [k for k, n in self.last_seen.items() if self.observations - n >= self.forget_after]:
+            del self.seen[stale], self.last_seen[stale]
 
     def line(self) -> tuple[float, float]:
         """(base, slope) of t_v(M) = base + slope * M."""

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,14 +55,20 @@ LOOKAHEAD_MIN_P = 0.5       # draft ahead only when it is used at least as often
 Q_RETRY_LEASE_MS = 30_000   # lease of q rows published again after sdcp-q-unavailable
 
 
+# a verify-cost point of an M not proposed for as many rounds as the EWMA of the M being
+# proposed takes to replace 97% of its past leaves the line (control.VerifyCost.forget_after)
+STALE_ROUNDS = math.ceil(math.log(0.03) / math.log(1 - VerifyCost.weight))
+
+
 @dataclass
 class Timing:
     """The two costs in the M-choice rule (seconds, docs/ARCHITECTURE.md "Choosing M"): an
     EWMA of drafting one token, and the verify cost as a function of M learned from
-    verdict timing (proposal sent -> verdict received, per M proposed)."""
+    verdict timing (proposal sent -> verdict received, per M proposed), whose points of an M
+    no longer proposed are forgotten after STALE_ROUNDS rounds."""
 
     draft_per_token: float = 0.002   # drafting one token, including its cache writes
-    verify_cost: VerifyCost = field(default_factory=VerifyCost)
+    verify_cost: VerifyCost = field(default_factory=lambda: VerifyCost(forget_after=STALE_ROUNDS))
     weight: float = 0.3
     last_m: int = 1
 

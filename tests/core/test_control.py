@@ -78,6 +78,30 @@ def test_verify_cost_learns_its_line_from_round_times():
     assert noisy.line()[1] == 0.0 and noisy.at(6) == noisy.at(2)
 
 
+def test_verify_cost_forgets_a_point_its_rule_no_longer_refreshes():
+    # one slow first round at M = 3 (it met a burst of sessions opening), then rounds at the
+    # M = 1 that point made the rule choose: the steep line would keep M at 1 for good
+    stuck, forgetting = VerifyCost(), VerifyCost(forget_after=10)
+    for cost in (stuck, forgetting):
+        cost.observe(3, 0.170)
+    for cost in (stuck, forgetting):
+        for _ in range(9):
+            cost.observe(1, 0.100)
+    assert choose_m(0.8, 0.009, stuck.at, 8) == choose_m(0.8, 0.009, forgetting.at, 8) == 1
+    for cost in (stuck, forgetting):
+        cost.observe(1, 0.100)   # the tenth round since M = 3 was last seen
+    assert set(forgetting.seen) == {1} and set(stuck.seen) == {1, 3}
+    assert choose_m(0.8, 0.009, stuck.at, 8) == 1
+    # with one M left the prior slope decides, and a longer M is proposed (and measured) again
+    assert choose_m(0.8, 0.009, forgetting.at, 8) > 1
+    # a point that keeps being observed is never forgotten
+    both = VerifyCost(forget_after=3)
+    for _ in range(20):
+        both.observe(2, 0.1)
+        both.observe(4, 0.12)
+    assert set(both.seen) == {2, 4}
+
+
 def test_low_round_definition():
     assert is_low(0, 5, 0) and not is_low(1, 5, 0)
     assert is_low(1, 4, 30) and not is_low(2, 4, 50)   # 100*2 < 50*4 is false
