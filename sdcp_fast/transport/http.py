@@ -111,6 +111,15 @@ def precheck(method: str, content_type: str | None, content_length: int | None, 
     return None
 
 
+async def dispatch(handler: Handler, request: Request) -> Response:
+    """A handler's answer as the servers give it, for callers in the same process (the
+    benchmarks and tests that drive a role without sockets): `failure_response` on failure."""
+    try:
+        return await handler.handle(request)
+    except Exception as exc:
+        return failure_response(request, exc)
+
+
 def failure_response(request: Request, exc: Exception) -> Response:
     """What an exception out of a handler answers: a ProblemError its document, anything
     else a logged 500."""

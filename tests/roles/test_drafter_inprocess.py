@@ -30,8 +30,8 @@ from sdcp_fast.drafter import DrafterConfig, DrafterService, pick, sample_from
 from sdcp_fast.drafter.session import STALE_ROUNDS, DraftSession
 from sdcp_fast.models import ModelError, load_backend
 from sdcp_fast.transport import ClientResponse, Request, TransportError
+from sdcp_fast.transport.http import dispatch
 from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService
-from tests.served import served
 
 ROUTER, VERIFIER, DRAFTER = "https://router.test/", "https://verifier.test/", "https://drafter.test/"
 pytestmark = pytest.mark.timeout(60)
@@ -53,7 +53,7 @@ class LocalClient:
             raise TransportError(f"cannot connect to {url}", sent=False)
         request = Request(method, parts.path, dict(parse_qsl(parts.query)),
                           content_type if body is not None else None, body or b"", self.caller)
-        response = await served(handler, request)
+        response = await dispatch(handler, request)
         if parts.path == "/proposals":
             self.proposals += 1
             if self.lose > 0:
@@ -116,11 +116,11 @@ class Bench:
         from sdcp_fast.refs import encode_session_id
         put = await self.router_call("PUT", f"/sessions/{encode_session_id(a.session)}/drafter", a.to_cbor())
         assert put.status == 200
-        return await served(self.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+        return await dispatch(self.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
                                                     a.to_cbor(), caller))
 
     async def router_call(self, method, path, body=b""):
-        return await served(self.verifier, Request(method, path, {}, "application/sdcp+cbor", body, ROUTER))
+        return await dispatch(self.verifier, Request(method, path, {}, "application/sdcp+cbor", body, ROUTER))
 
     async def finished(self, sid: bytes, timeout: float = 20.0) -> list[int]:
         session = self.verifier.sessions[sid].machine
@@ -272,7 +272,7 @@ def test_replayed_verdict_of_another_proposal_is_adopted(tmp_path):
             for _ in range(3):
                 p = Proposal(sid, 1, session.round + 1, "https://other.test/", session.committed,
                              session.digest, (31,), Status("https://other.test/", 1, 0, 0, 1000))
-                await served(b.verifier, Request("POST", "/proposals", {}, "application/sdcp+cbor",
+                await dispatch(b.verifier, Request("POST", "/proposals", {}, "application/sdcp+cbor",
                                                    p.to_cbor(), "https://other.test/"))
             await b.assign(b.assignment(sid, contract))            # rounds 1..3 are replays
             assert await b.finished(sid) == greedy(b.target_spec, [1, 2, 3], 30)
@@ -292,7 +292,7 @@ def test_assignment_ahead_of_what_the_drafter_can_know_stops_the_session(tmp_pat
             for _ in range(REPLAY_WINDOW + 2):
                 p = Proposal(sid, 1, session.round + 1, "https://other.test/", session.committed,
                              session.digest, (0,), Status("https://other.test/", 1, 0, 0, 1000))
-                answer = await served(b.verifier, Request("POST", "/proposals", {}, "application/sdcp+cbor",
+                answer = await dispatch(b.verifier, Request("POST", "/proposals", {}, "application/sdcp+cbor",
                                                             p.to_cbor(), "https://other.test/"))
                 assert answer.status == 200
             ahead = session.committed
@@ -310,7 +310,7 @@ def test_assignments_are_checked(tmp_path):
             contract = b.contract()
             sid = await b.open(contract)
             good = b.assignment(sid, contract)
-            not_router = await served(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+            not_router = await dispatch(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
                                                            good.to_cbor(), "https://intruder.test/"))
             assert not_router.status == 403
             wrong_digest = await b.assign(good.replace(digest=bytes(32)))
@@ -339,10 +339,10 @@ def test_a_late_assignment_from_a_router_that_lost_the_session_is_refused(tmp_pa
             late = b.assignment(sid, contract, router_epoch=1, m_init=1)
             put = await b.router_call("PUT", f"/sessions/{_b64(sid)}/drafter", late.to_cbor())
             assert put.status == 409 and b"sdcp-stale-epoch" in put.body
-            post = await served(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+            post = await dispatch(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
                                                      late.to_cbor(), ROUTER))
             assert post.status == 409 and b"sdcp-stale-epoch" in post.body
-            older = await served(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+            older = await dispatch(b.drafter, Request("POST", "/assignments", {}, "application/sdcp+cbor",
                                                       late.replace(epoch=0, router_epoch=5).to_cbor(), ROUTER))
             assert older.status == 409
             assert b.draft_session(sid) is loop and loop.placed_by == (1, 2)

@@ -18,7 +18,7 @@ from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Kind, Problem
 from sdcp_fast.drafter import DrafterConfig, DrafterService
 from sdcp_fast.models import load_backend
 from sdcp_fast.transport import ClientResponse, Request, TransportError
-from tests.served import served
+from sdcp_fast.transport.http import dispatch
 
 ROUTER, VERIFIER, DRAFTER = "https://router.test/", "https://verifier.test/", "https://drafter.test/"
 pytestmark = pytest.mark.timeout(60)
@@ -83,7 +83,7 @@ class Drafter:
                           prefix_digest(contract.digest, prompt), 4)
 
     async def assign(self, a: Assignment):
-        return await served(self.service, Request("POST", "/assignments", {}, "application/sdcp+cbor",
+        return await dispatch(self.service, Request("POST", "/assignments", {}, "application/sdcp+cbor",
                                                     a.to_cbor(), ROUTER))
 
 

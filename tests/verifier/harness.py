@@ -24,8 +24,8 @@ from sdcp_fast.models import load_backend
 from sdcp_fast.models.table import write_table
 from sdcp_fast.refs import encode_session_id
 from sdcp_fast.transport import Request
+from sdcp_fast.transport.http import dispatch
 from sdcp_fast.verifier import EngineConfig, VerifierConfig, VerifierService
-from tests.served import served
 
 ROUTER = "https://router.test/"
 DRAFTER = "https://drafter-1.test/"
@@ -79,7 +79,7 @@ class Harness:
         await self.log.close()
 
     async def call(self, method, path, body=b"", caller=ROUTER, query=None, content_type="application/sdcp+cbor"):
-        return await served(self.service, Request(method, path, query or {}, content_type, body, caller))
+        return await dispatch(self.service, Request(method, path, query or {}, content_type, body, caller))
 
     def new_session_id(self) -> bytes:
         self.counter += 1
