@@ -25,7 +25,7 @@ The model, one verifier at a time, each part the deployment's own mechanism:
   drafting step and the handling; a session's rate is the run's own (the model is run
   again at the rate its last run gave until it settles), times the other sessions active;
 - the verifier batches the proposals waiting when a pass starts (up to max_batch), waiting
-  for company as engine._gather does (its first job's batching wait; sessions of the last
+  for company as the verifier's engine does (its first job's batching wait; sessions of the last
   two batches expected back within half a batch's cost): a pass over n new tokens (M + 1
   for each proposal) costs v0 + v1 * n + vr * R, its commit included (on hosts of their
   own vr would be 0);
