@@ -13,8 +13,8 @@
 
     offload = Offload()
     await offload.run(fn, *args, units=n)   # fn in a worker thread, or here when measured cheap
-    Offload(compute=True)              # ... each call on the host's free cores (cores.py)
-    await compute(fn, *args)           # a long compute call (a prefill) in a worker thread
+    Offload(compute=True)              # ... on the process's compute thread, the host's free cores
+    await compute(fn, *args)           # a long compute call (a prefill) on the compute thread
     gather = Gather(run_batch, hold=lock)   # calls arriving together served by one batch
     await gather.submit(item)
 
@@ -33,8 +33,11 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 EVENT_LOOP_VAR = "SDCP_EVENT_LOOP"   # "asyncio": asyncio's own loop even where uvloop is installed
@@ -130,6 +133,25 @@ class KeyedLock:
         return len(self._locks)
 
 
+_COMPUTE: ThreadPoolExecutor | None = None
+_COMPUTE_MADE = threading.Lock()
+
+
+def compute_executor() -> ThreadPoolExecutor:
+    """The process's one compute thread, started on first use: every compute call of the
+    process runs there, so that one thread alone keeps an OpenMP team (cores.py says why)."""
+    global _COMPUTE
+    with _COMPUTE_MADE:
+        if _COMPUTE is None:
+            _COMPUTE = ThreadPoolExecutor(1, thread_name_prefix="sdcp-compute", initializer=_compute_started)
+        return _COMPUTE
+
+
+def _compute_started() -> None:
+    from .cores import compute_thread_started  # torch: only processes that compute import it
+    compute_thread_started()
+
+
 class Offload:
     """Blocking calls of one kind (a model's forward pass, a verify launch) run in a worker
     thread so the event loop keeps serving, except those measured cheaper than the hop.
@@ -142,6 +164,10 @@ class Offload:
     runs on the event loop: the loop is held for less than a hop would have cost. The first
     call, and any call of a kind measured slow, goes to a thread; a call that grows slow
     moves itself back to threads by the same measurement.
+
+    A compute call (`compute=True`: torch work) goes to the process's compute thread, not to
+    the loop's pool, and takes the host's free cores there (cores.py); measured cheap, it runs
+    on the loop thread's own single torch thread (`cores.single_threaded_loop`).
     """
 
     def __init__(self, inline_below_s: float | None = None, alpha: float = 0.25, *,
@@ -150,7 +176,7 @@ class Offload:
             inline_below_s = float(os.environ.get("SDCP_INLINE_BELOW_US", "300")) / 1e6
         self.inline_below_s = inline_below_s
         self.alpha = alpha
-        self.compute = compute               # each call takes the host's free cores (cores.py)
+        self.compute = compute               # torch work: on the compute thread, the host's free cores
         self.per_unit: float | None = None   # seconds per unit of work, measured
 
     def inline(self, units: int) -> bool:
@@ -159,18 +185,21 @@ class Offload:
     async def run(self, fn, *args: Any, units: int = 1) -> Any:
         if self.inline(units):
             return self.timed(units, fn, *args)
+        if self.compute:
+            return await asyncio.get_running_loop().run_in_executor(
+                compute_executor(), partial(self.timed, units, fn, *args, in_thread=True))
         return await asyncio.to_thread(self.timed, units, fn, *args, in_thread=True)
 
     def timed(self, units: int, fn, *args: Any, in_thread: bool = False) -> Any:
         """`fn(*args)` here, its duration taken into the estimate (for callers that pick the
-        thread themselves). A compute call runs on the cores it takes (`cores.compute_threads`:
-        a worker thread waits for a free core, the event loop never does)."""
+        thread themselves). A compute call in a worker thread runs on the cores it takes
+        (`cores.compute_threads`, waiting for a free one); on the event loop it takes none."""
         started = time.perf_counter()
         try:
-            if not self.compute:
+            if not (self.compute and in_thread):
                 return fn(*args)
             from .cores import compute_threads  # torch: only processes that compute import it
-            with compute_threads(wait=in_thread):
+            with compute_threads(wait=True):
                 return fn(*args)
         finally:
             per_unit = (time.perf_counter() - started) / max(units, 1)
@@ -259,8 +288,9 @@ def _settle(future: asyncio.Future, result: Any) -> None:
 
 
 async def compute(fn, *args: Any) -> Any:
-    """`fn(*args)` in a worker thread on the host's free cores (a prefill: always long)."""
-    return await asyncio.to_thread(Offload(compute=True).timed, 1, fn, *args, in_thread=True)
+    """`fn(*args)` on the compute thread, on the host's free cores (a prefill: always long)."""
+    return await asyncio.get_running_loop().run_in_executor(
+        compute_executor(), partial(Offload(compute=True).timed, 1, fn, *args, in_thread=True))
 
 
 async def within(coro: Coroutine[Any, Any, Any], timeout_s: float) -> Any:

@@ -32,6 +32,15 @@ call now holds slows that call, and an unbounded spin (`ACTIVE`) did so in servi
 which torch's Linux wheels use, and LLVM/Intel OpenMP's KMP_BLOCKTIME), each a fraction of a
 millisecond, unless the environment sets a wait policy of its own.
 
+One thread of each process runs the parallel regions: OpenMP (libgomp, in torch's Linux
+wheels) keeps a team of threads for every thread that ever ran a region on more than one
+thread, and once a process's team threads outnumber its cores, libgomp cuts every team's spin
+to a throttled hundred iterations: the teams then sleep and wake between every two regions
+of a pass, which stretched the verifier's pass by a third in serving (bench/RESULTS.md,
+issue 38). So the compute calls of a process run on its one compute thread (`aio`'s), and a
+role's event loop runs torch on one thread for good (`single_threaded_loop`, before its
+first torch call); other worker threads run no torch.
+
 `SDCP_CORES=N` caps the cores this host shares (default: the cores this process may run
 on); `SDCP_CORE_SHARE=0` turns the sharing off (every call runs on the process's torch
 threads, as before); `SDCP_CORE_DIR` names the lock directory (default
@@ -149,6 +158,27 @@ def host_share() -> CoreShare | None:
         if not _SHARE_MADE:
             _SHARE, _SHARE_MADE = CoreShare.for_host(), True
         return _SHARE
+
+
+_PROCESS_THREADS: int | None = None   # torch's thread count before the loop thread was pinned
+
+
+def single_threaded_loop() -> None:
+    """Run torch on one thread, for good, in the calling thread (a role's event loop), so that
+    it never keeps an OpenMP team of its own; the compute thread keeps the process's count
+    (`compute_thread_started`). Call it before the thread's first torch call: torch sets a
+    thread's count from the process-wide one at that call, which would undo the pin."""
+    global _PROCESS_THREADS
+    _PROCESS_THREADS = torch.get_num_threads()   # the thread's first torch call: set up now
+    torch.set_num_threads(1)
+
+
+def compute_thread_started() -> None:
+    """The compute thread's set-up: the process's thread count, as it was before the loop
+    thread's pin lowered torch's process-wide count to one."""
+    count = torch.get_num_threads()   # the thread's first torch call: set up now
+    if _PROCESS_THREADS is not None and count != _PROCESS_THREADS:
+        torch.set_num_threads(_PROCESS_THREADS)
 
 
 @contextlib.contextmanager

@@ -159,7 +159,7 @@ async def open_role(cfg: InstanceConfig, metrics, address: str, health: Health, 
     /health); (built, backend, store, commit_log or None)."""
     built = Built(None, count_refusal=refusal_counter(metrics.registry))
     await status_page(address, metrics.registry, health, built)
-    backend = load_model(cfg.model)
+    backend = await aio.compute(load_model, cfg.model)   # torch's own set-up on the compute thread
     store, commit_log = await open_stores(cfg, with_log=with_log)
     built.closers.append(store.close)
     health.add("store", store_check(store))
@@ -290,6 +290,7 @@ async def build_router(cfg: InstanceConfig, tls, client, health: Health) -> Buil
 
 
 BUILDERS = {"verifier": build_verifier, "drafter": build_drafter, "router": build_router}
+COMPUTING_ROLES = ("verifier", "drafter")   # roles that run a model's passes
 
 
 # ---------------------------------------------------------------------- running
@@ -379,6 +380,9 @@ def main(args: argparse.Namespace) -> int:
         # the transport's own refusal lines are rate-limited instead (transport/refusals.py)
         logging.getLogger("quic").setLevel(max(logging.getLogger().getEffectiveLevel(), logging.WARNING))
         heap.cap_arenas()              # before the worker threads: heap.py
+        if args.role in COMPUTING_ROLES:   # torch on the loop thread: one thread (cores.py)
+            from .cores import single_threaded_loop
+            single_threaded_loop()
         return aio.run(run(args.role, cfg, Path(args.config).name))
     except (ConfigError, StartError) as exc:
         print(f"sdcp-fast serve: {exc}", file=sys.stderr)

@@ -179,10 +179,10 @@ class Engine:
         self._path_reason = f"{KERNELS_PATH_VAR} set" if os.environ.get(KERNELS_PATH_VAR) else "chosen by the device"
         self._path_logged = False   # logged with the first batch: a start that fails says nothing more
         self._dev = Device(self.device)
-        # on the CPU a small batch's launch takes less than the hop to a worker thread and
+        # on the CPU a small batch's launch takes less than the hop to the compute thread and
         # back: measured, and run on the loop when it does (Offload); a CUDA launch waits on
         # the device, so it always leaves the loop
-        self._launching = Offload() if not self._dev.is_cuda else Offload(inline_below_s=0.0)
+        self._launching = Offload(compute=True) if not self._dev.is_cuda else Offload(inline_below_s=0.0)
         prefetch = config.prefetch_q
         self._prefetch = self._dev.is_cuda if prefetch is None else prefetch
         # q rows land in buffers reused across batches (batches run one at a time)

@@ -4,11 +4,14 @@ one thread (or, in a worker thread, waits for one); a holder that dies frees its
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from sdcp_fast.cores import CoreShare
@@ -75,3 +78,55 @@ def test_a_holder_that_dies_frees_its_cores(tmp_path):
         child.wait(5)
     with CoreShare(tmp_path, 2).take(wait=False) as threads:
         assert threads == 2
+
+
+def test_every_compute_call_of_a_process_runs_on_its_one_compute_thread():
+    """OpenMP keeps a team for each thread that runs a parallel region, and more team threads
+    than cores throttle every team's spin (cores.py): so Offload's compute calls and
+    `compute()` share one thread, never the event loop's, while other offloads do not."""
+    import asyncio
+
+    from sdcp_fast.aio import Offload, compute
+
+    async def main():
+        here = threading.get_ident()
+        where = threading.get_ident
+        seen = [await Offload(compute=True, inline_below_s=0.0).run(where) for _ in range(3)]
+        seen += [await compute(where) for _ in range(3)]
+        seen.append(await Offload(compute=True, inline_below_s=0.0).run(where))
+        plain = await Offload(inline_below_s=0.0).run(threading.current_thread)
+        return here, seen, plain
+
+    here, seen, plain = asyncio.run(main())
+    assert len(set(seen)) == 1 and seen[0] != here
+    assert not plain.name.startswith("sdcp-compute")
+
+
+PINNED_LOOP = """
+import os, threading, torch
+from sdcp_fast import aio
+from sdcp_fast.cores import single_threaded_loop
+torch.set_num_threads(2)   # the process's count, whatever this machine's cores
+single_threaded_loop()
+tasks = lambda: len(os.listdir("/proc/self/task"))
+before = tasks()
+x = torch.ones(1 << 22)
+float(x.sum()); float((x * 2).sum())   # parallel-sized work on the pinned thread
+after_loop = tasks()
+pool = aio.compute_executor()
+counts = pool.submit(torch.get_num_threads).result()
+pool.submit(lambda: float((x * 3).sum())).result()
+print(torch.get_num_threads(), counts, after_loop - before, tasks() - after_loop)
+"""
+
+
+def test_the_pinned_loop_thread_keeps_no_team_and_the_compute_thread_the_process_count():
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("counts threads in /proc/self/task (Linux)")
+    out = subprocess.run([sys.executable, "-c", PINNED_LOOP], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SDCP_CORE_SHARE": "0"})
+    assert out.returncode == 0, out.stderr
+    loop_threads, compute_threads_, loop_new, compute_new = map(int, out.stdout.split())
+    assert loop_threads == 1 and compute_threads_ == 2
+    assert loop_new == 0          # the loop thread's parallel-sized work started no OpenMP thread
+    assert compute_new == 2       # the compute thread itself and the one thread of its team
