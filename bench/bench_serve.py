@@ -18,8 +18,11 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    OpenAI front door, verifier `hf:smollm2`, --drafters drafters of `real_pair.choose_draft()`
    (or --draft). Modes: `sdcp` (the verifier's speculation policy `auto`, the default
    deployment), `off` (the same deployment, the verifier decoding every session itself:
-   `speculation = "off"`), `on` (always speculate). One deployment per mode, the others
-   stopped; nothing else should run on the machine (the load average is printed).
+   `speculation = "off"`), `on` (always speculate). One deployment per mode, all started
+   before the first level (each idle while another way runs); nothing else should run on the
+   machine (the load average is printed). A level's waves alternate between the ways, wave
+   by wave (the target alone, then each mode), so that the drift of a shared machine's speed
+   weighs on every way of the level alike instead of on whichever ran in a slow minute.
    Level c sends the first c prompts at once (one wave; --repeat waves), each a streamed
    `chat.completions` request (max_tokens, temperature, stream_options.include_usage).
    The driver is the official `openai` client (AsyncOpenAI, one event loop, an httpx client
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -130,6 +134,15 @@ class Level:
     @property
     def tokens(self) -> int:
         return sum(a.tokens for a in self.answers)
+
+    def add(self, wave: Level) -> None:
+        """Another wave of the same way and level (drive's or the baseline's)."""
+        self.answers += wave.answers
+        self.wall += wave.wall
+        self.cpu += wave.cpu
+        for into, part in ((self.roles_cpu, wave.roles_cpu), (self.verifier, wave.verifier)):
+            for name, value in part.items():
+                into[name] = into.get(name, 0.0) + value
 
     @property
     def rate(self) -> float:
@@ -278,9 +291,10 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def drive(front: str, texts: list[str], max_tokens: int, temperature: float, waves: int,
-                metrics_url: str, way: str, pids: dict[str, int] | None = None) -> Level:
-    """`waves` waves of len(texts) streamed chat completions at once; `pids` (role -> process)
-    have their CPU seconds over the waves kept, beside the driver's own."""
+                metrics_url: str, way: str, pids: dict[str, int] | None = None, *, first_wave: int = 0) -> Level:
+    """`waves` waves of len(texts) streamed chat completions at once (wave numbers from
+    `first_wave`: the requests' seeds); `pids` (role -> process) have their CPU seconds over
+    the waves kept, beside the driver's own."""
     import httpx
     from openai import AsyncOpenAI
 
@@ -293,7 +307,7 @@ async def drive(front: str, texts: list[str], max_tokens: int, temperature: floa
         before = scrape(metrics_url)
         pids = {**(pids or {}), "driver": os.getpid()}
         cpu_before = cpu_seconds(pids)
-        for wave in range(waves):
+        for wave in range(first_wave, first_wave + waves):
             started = time.perf_counter()
             level.answers += await asyncio.gather(*(
                 one_request(client, model, text, max_tokens, temperature, seed=1000 * wave + n)
@@ -458,35 +472,34 @@ def main() -> int:
 
     results: dict[tuple[str, float, int], Level] = {}
     alone_batch(model, [prompts[0]], 4, eos, 0.0)   # warm-up, untimed
-    for t in temperatures:
-        torch.manual_seed(0)
-        for c in levels:
-            with progress(f"the target alone: generate(), {c} prompt(s) in one batch, T = {t:g}"):
-                level = Level("baseline", t, c)
-                for _ in range(args.repeat):
-                    cpu = time.process_time()
-                    answers = alone_batch(model, prompts[:c], args.max_tokens, eos, t)
-                    level.cpu += time.process_time() - cpu
-                    level.answers += answers
-                    level.wall += max(a.last for a in answers) - answers[0].sent
-                results[level.way, t, c] = level
-            print(f"  {level.rate:.1f} tokens/s", flush=True)
-
     different: dict[str, list[int]] = {}
     failed = 0
-    with deployment.work_directory(args.workdir) as root:
+    with deployment.work_directory(args.workdir) as root, contextlib.ExitStack() as running:
+        deployed = {}   # mode -> (front door, verifier metrics URL, role -> pid)
         for mode in modes:
             cluster, front, metrics_url = start_deployment(root, mode, draft_spec, draft_digest,
                                                            args.max_tokens, eos, args.drafters, args.batch_log)
-            try:
-                asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
-                pids = {name: instance.pid for name, instance in cluster.instances.items()}
-                for t in temperatures:
-                    for c in levels:
+            running.callback(cluster.stop)
+            asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
+            deployed[mode] = front, metrics_url, {name: i.pid for name, i in cluster.instances.items()}
+        for t in temperatures:
+            torch.manual_seed(0)
+            for c in levels:
+                for way in ("baseline", *modes):
+                    results[way, t, c] = Level(way, t, c)
+                for wave in range(args.repeat):
+                    with progress(f"the target alone: generate(), {c} prompt(s) in one batch, T = {t:g}"):
+                        cpu = time.process_time()
+                        answers = alone_batch(model, prompts[:c], args.max_tokens, eos, t)
+                        alone = Level("baseline", t, c, answers, max(a.last for a in answers) - answers[0].sent,
+                                      cpu=time.process_time() - cpu)
+                        results["baseline", t, c].add(alone)
+                    print(f"  {alone.rate:.1f} tokens/s", flush=True)
+                    for mode, (front, metrics_url, pids) in deployed.items():
                         with progress(f"{mode}: {c} streamed chat completion(s) at once, T = {t:g}"):
-                            level = asyncio.run(drive(front, texts[:c], args.max_tokens, t, args.repeat,
-                                                      metrics_url, mode, pids))
-                        results[mode, t, c] = level
+                            level = asyncio.run(drive(front, texts[:c], args.max_tokens, t, 1,
+                                                      metrics_url, mode, pids, first_wave=wave))
+                        results[mode, t, c].add(level)
                         errors = [a.error for a in level.answers if a.error]
                         print(f"  {level.rate:.1f} tokens/s, {level.tokens} tokens"
                               + (f"; {len(errors)} request(s) FAILED, e.g. {errors[0]}" if errors else ""),
@@ -496,8 +509,6 @@ def main() -> int:
                             for n, answer in enumerate(level.answers):
                                 if answer.text != reference_texts[n % c]:
                                     different.setdefault(f"{mode} c={c}", []).append(n % c + 1)
-            finally:
-                cluster.stop()
 
     print(f"\n{load()}; driver: {DRIVER}")
     ways = ["baseline", *modes]
