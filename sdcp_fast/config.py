@@ -77,6 +77,8 @@ class VerifierSection:
     speculation: str = "auto"               # auto: speculate while it commits more than self-decoding
                                             # (measured); on: always (the drafters' M under the load
                                             # rule); off: self-decode every session from its first token
+    first_token: bool = True                # auto: a speculating session's first token from its
+                                            # prefill (a self-decoded round), its drafter after it
     batch_log: str | None = None            # JSON line per verify batch (timelines, benchmarks)
     metrics: str = ""                       # host:port of GET /metrics and GET /health (empty: none)
     max_sessions: int = 4096

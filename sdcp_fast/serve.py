@@ -186,7 +186,8 @@ async def build_verifier(cfg: InstanceConfig, tls, client, health: Health) -> Bu
                                                                group_commit=v.group_commit,
                                                                company_share=v.company_share,
                                                                batch_log=v.batch_log,
-                                                               speculation=v.speculation))
+                                                               speculation=v.speculation,
+                                                               first_token=v.first_token))
     return built
 
 

@@ -235,6 +235,13 @@ class RouterService(Routed):
 
     async def post_event(self, call: Call, event: Event) -> None:
         s = self.sessions.get(event.session)
+        if s is not None and s.verifier is None and not s.done:
+            # an event can overtake its session's open answer (a verifier that commits the first
+            # token from the prefill ends that period at once): wait for the open to settle,
+            # else the event would be taken for a stranger's and the session left undrafted
+            deadline = time.monotonic() + self.config.open_timeout_s
+            while s.verifier is None and not s.done and (left := deadline - time.monotonic()) > 0:
+                await s.wait_changed(left)
         key = (event.epoch, int(event.kind), event.committed)
         if s is None or event.epoch != s.epoch or call.caller != s.verifier or key in s.seen_events:
             return                   # stale, foreign (another router's session) or a retried event

@@ -135,6 +135,8 @@ class EngineConfig:
     speculation: str = "on"           # auto | on | off: when sessions speculate (speculation.py);
                                       # the engine alone does what section 6.5 says ("on"), a
                                       # deployment's verifier plans by cost ([verifier] speculation)
+    first_token: bool = False         # auto: a speculating session's first token from its
+                                      # prefill's row, its drafter after it (speculation.py)
 
 
 @dataclass(frozen=True)
@@ -198,7 +200,7 @@ class Engine:
         self.load_override: int | None = None         # pins the reported load (tests, drills)
         self._loop = LoopTask(self._run, "verifier-engine")
         self._batch_file = open(config.batch_log, "a") if config.batch_log else None  # noqa: SIM115
-        self.policy = SpeculationPolicy(config.speculation)
+        self.policy = SpeculationPolicy(config.speculation, first_token=config.first_token)
 
     # ------------------------------------------------------------------ load
 

@@ -188,6 +188,10 @@ class VerifierService(Routed):
             self.engine.policy.started_self_decoding(served.speculation)
             log.info("session %s self-decodes from its first token", msg.session.hex())
             served.self_task = self.tasks.spawn(self._self_decode(served))
+        elif self.engine.policy.first_token_from_prefill() and session.start_self_decoding(self.engine.load):
+            # the first token from the prefill's row while the drafter is still to come
+            self.engine.policy.started_first_token(served.speculation)
+            served.self_task = self.tasks.spawn(self._self_decode(served))
         return session.state_message()
 
     async def put_drafter(self, call: Call, msg: Assignment, sid: str) -> SessionState:

@@ -40,6 +40,15 @@ A session starts self-decoding at its open when the plan says so then (`self_dec
 its first token comes from the prefill's row, with no drafter's prefill and first round to
 wait for, which under a burst of opens is most of the time to first token. The prefill
 passes are cost points like any pass (a pass over the prompts' tokens).
+
+A session the plan lets speculate gets its first token the same way where `first_token` is
+on (`first_token_from_prefill`): the prefill has already scored that token's row, so one
+self-decoded round commits it at no pass's cost, and the session goes to a drafter right
+after it (`resume_drafting`, whatever `min_self_tokens` says). Without it the first token
+waits for the drafter's prefill of the prompt, its first draft and that draft's verify pass,
+each after the one before: three times the time to first token of the target alone at one
+request (bench/RESULTS.md, issue 38). The drafter then starts one token later, from the
+assignment's committed tokens, as after any self-decoding period.
 """
 
 from __future__ import annotations
@@ -92,6 +101,7 @@ class SessionSpeculation:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     rounds: int = 0                 # drafted rounds of its own observed (0: plan with `pooled`)
     self_decoding: bool = False     # the plan moved it to self-decoding (its drafted rounds stopped)
+    first_token_only: bool = False  # self-decoding its first token only, a drafter right after
     last_self_decoded: bool = True  # its last job was self-decoded (or none yet): no turnaround to take
 
 
@@ -130,15 +140,17 @@ class SpeculationPolicy:
     """`costs`: where t(n) and g(x) come from (default `MeasuredCosts`; tests give a model)."""
 
     def __init__(self, mode: str = "auto", *, costs=None, margin: float = 0.1,
-                 min_self_tokens: int = MIN_SELF_TOKENS):
+                 min_self_tokens: int = MIN_SELF_TOKENS, first_token: bool = False):
         if mode not in MODES:
             raise ValueError(f"speculation: one of {', '.join(MODES)}, not {mode!r}")
         self.mode = mode
+        self.first_token = first_token   # auto: a speculating session's first token from its prefill
         self.costs = costs if costs is not None else MeasuredCosts()
         self.margin = margin
         self.min_self_tokens = min_self_tokens
         self.active = 1                 # sessions open at the last pass
-        self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0, "open-self": 0}   # decisions taken
+        self.plans: dict[str, int] = {"self": 0, "speculate": 0, "resume": 0, "open-self": 0,
+                                      "first-token": 0}   # decisions taken
         self.pooled = AcceptanceEstimate(weight=POOLED_WEIGHT)   # every session's rounds
         self.pooled_rounds = 0
         self.drafted_rate, self.self_rate = MeasuredRate(), MeasuredRate()
@@ -231,6 +243,16 @@ class SpeculationPolicy:
         return (self._plan(state, m_max, speculating=False, active=active) == SELF_DECODE
                 or self.drafting_measured_to_lose(active))
 
+    def first_token_from_prefill(self) -> bool:
+        """Whether a session opened to speculate (`self_decode_from_open` said no) gets its
+        first token from the prefill's row before its drafter's turn: in auto, with
+        `first_token` on. The caller marks the move (`started_first_token`)."""
+        return self.mode == "auto" and self.first_token
+
+    def started_first_token(self, state: SessionSpeculation) -> None:
+        state.self_decoding = state.first_token_only = True
+        self.plans["first-token"] += 1
+
     @staticmethod
     def moved_to_self_decoding(state: SessionSpeculation) -> None:
         state.self_decoding = True
@@ -242,7 +264,13 @@ class SpeculationPolicy:
         self.plans["open-self"] += 1
 
     def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int) -> bool:
-        """Whether a session the plan moved to self-decoding should go back to a drafter."""
+        """Whether a session the plan moved to self-decoding should go back to a drafter (one
+        that self-decodes its first token only: once that token is committed)."""
+        if state.first_token_only:
+            if self_tokens < 1:
+                return False
+            state.self_decoding = state.first_token_only = False
+            return True
         if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
             return False
         if self._plan(state, m_max, speculating=False) == SELF_DECODE or self.drafting_measured_to_lose():

@@ -252,3 +252,40 @@ def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_
     assert not policy.drafting_measured_to_lose(active=4)   # measured at 2 sessions: not at 4
     policy.active = 4
     assert policy.plan(state, 8) != SELF_DECODE
+
+
+@harness_test(timeout=60, engine_config=dataclasses.replace(AUTO, first_token=True))
+async def test_a_speculating_session_gets_its_first_token_from_the_prefill_then_a_drafter(h):
+    """With `first_token` on, a session the plan lets speculate commits its first token at
+    the open, from the prefill's row (one self-decoded round, no drafter to wait for), then
+    waits for a drafter, whose rounds start at round 2 from the committed token: the output
+    is the target's greedy decoding, every token once, the rounds consecutive."""
+    prompt, max_new = [2, 5, 1], 20
+    contract = contract_for(h.backend, max_new=max_new, low_rounds=1000, self_load=100)
+    h.service.engine.policy.costs = Costs(lambda: True)   # drafting pays
+    sid, r = await h.open(contract, prompt=prompt)
+    assert r.status == 200, r.body
+    assert SessionState.from_cbor(r.body).state == int(Action.SELF_DECODE)   # the router waits for the event
+    machine = h.service.sessions[sid].machine
+    await until(lambda: machine.state.value == "awaiting-drafter")
+    expected = greedy(h, prompt, max_new)
+    assert list(machine.output_tokens) == expected[:1] and machine.round == 1
+    assert h.service.engine.policy.plans["first-token"] == 1
+    state = SessionState.from_cbor((await h.assign(sid, contract, machine.state_message())).body)
+    m_cap = 4
+    while not machine.closed:
+        context = prompt + list(machine.output_tokens)
+        tokens = greedy(h, context, min(m_cap, max_new - len(machine.output_tokens)))
+        resp = await h.propose(sid, state, tokens)
+        assert resp.status == 200, resp.body
+        m_cap = Verdict.from_cbor(resp.body).m_cap
+        state = machine.state_message()
+    assert list(machine.output_tokens) == expected
+    records = await read_records(h.log, machine.commit_log)
+    assert [rec.round for rec in records] == list(range(1, len(records) + 1))
+    assert records[0].emitted == tuple(expected[:1]) and len(records) > 1
+    assert [t for rec in records for t in rec.emitted] == expected
+    # a contract that does not permit self-decoding: the drafter's turn from the first token
+    sid, r = await h.open(contract_for(h.backend, max_new=12), prompt=[3, 1])
+    assert SessionState.from_cbor(r.body).state is None
+    assert h.service.sessions[sid].machine.state.value == "open"
