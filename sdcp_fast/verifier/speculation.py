@@ -23,7 +23,7 @@ m_cap) or self-decoding. That plan models a round as the drafters' turnaround pl
 under load the sessions' rounds interleave and a round spans more than that. So the plan is
 also checked against what rounds really commit: the tokens a session commits per second
 from one answer to the next, drafted and self-decoded (`MeasuredRate`, all sessions,
-kept with the load they were measured at). Where drafted rounds measured at about this
+kept per band of the load they were measured at). Where drafted rounds measured at about this
 load commit less than self-decoding would (measured, else one token per modelled pass),
 the session self-decodes whatever the model says (bench/RESULTS.md, issue 38, has the
 loads where the model alone got it wrong). A self-decoding session goes back to a drafter
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -68,30 +69,40 @@ MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to 
 POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
 RATE_WEIGHT = 0.1         # a round's weight in a measured rate (after a running mean)
 MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
-LOAD_FACTOR = 1.5         # a rate counts at loads within this factor of the one it was measured at
+LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a factor)
 
 
 @dataclass
-class MeasuredRate:
-    """Tokens a session commits per second, answer to answer, for one way of decoding: an
-    EWMA over all sessions' rounds, and the sessions in play it was measured at."""
-
+class RateAtLoad:
     rate: float = 0.0
-    active: float = 0.0
     rounds: int = 0
 
+
+class MeasuredRate:
+    """Tokens a session commits per second, answer to answer, for one way of decoding: an
+    EWMA over all sessions' rounds for each band of load (the sessions in play, in bands
+    LOAD_FACTOR wide), so that a rate measured at one load is there again when that load
+    comes back: a single EWMA, moved to whatever load came last, left a verifier going from
+    one request to 8 with neither rate counting at 8 (bench/RESULTS.md, issue 38). At most
+    one band per factor of LOAD_FACTOR up to the largest load seen."""
+
+    def __init__(self) -> None:
+        self.bands: dict[int, RateAtLoad] = {}
+
+    @staticmethod
+    def band(active: float) -> int:
+        return round(math.log(max(1.0, active)) / math.log(LOAD_FACTOR))
+
     def observe(self, tokens: int, seconds: float, active: int) -> None:
-        self.rounds += 1
-        weight = max(RATE_WEIGHT, 1 / self.rounds)
-        self.rate += weight * (tokens / seconds - self.rate)
-        self.active += weight * (active - self.active)
+        measured = self.bands.setdefault(self.band(active), RateAtLoad())
+        measured.rounds += 1
+        weight = max(RATE_WEIGHT, 1 / measured.rounds)
+        measured.rate += weight * (tokens / seconds - measured.rate)
 
     def at(self, active: int) -> float | None:
-        """The rate if measured enough at a load like `active`, else None."""
-        if self.rounds < MIN_RATE_ROUNDS or self.active <= 0:
-            return None
-        ratio = active / self.active
-        return self.rate if 1 / LOAD_FACTOR <= ratio <= LOAD_FACTOR else None
+        """The rate if measured on enough rounds at a load in `active`'s band, else None."""
+        measured = self.bands.get(self.band(active))
+        return measured.rate if measured is not None and measured.rounds >= MIN_RATE_ROUNDS else None
 
 
 @dataclass

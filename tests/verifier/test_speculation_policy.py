@@ -254,6 +254,23 @@ def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_
     assert policy.plan(state, 8) != SELF_DECODE
 
 
+def test_a_rate_measured_at_one_load_counts_again_when_that_load_comes_back():
+    """Drafted rounds measured to lose at 8 sessions still count at 8 after the verifier
+    has measured both ways at 64 sessions and at one, in between."""
+    from sdcp_fast.verifier.speculation import MIN_RATE_ROUNDS, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", costs=Balanced())
+    for active, drafted, itself in ((8, 4, 7), (64, 9, 2), (1, 30, 15)):
+        policy.active = active
+        for _ in range(MIN_RATE_ROUNDS):
+            policy.observe_answer(False, drafted, 1.0)
+            policy.observe_answer(True, 1, 1 / itself)
+        assert policy.drafting_measured_to_lose() == (itself > drafted)
+    policy.active = 8
+    assert policy.drafting_measured_to_lose()
+    assert not policy.drafting_measured_to_lose(active=64) and not policy.drafting_measured_to_lose(active=1)
+
+
 @harness_test(timeout=60, engine_config=dataclasses.replace(AUTO, first_token=True))
 async def test_a_speculating_session_gets_its_first_token_from_the_prefill_then_a_drafter(h):
     """With `first_token` on, a session the plan lets speculate commits its first token at
