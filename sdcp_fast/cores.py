@@ -36,8 +36,7 @@ One thread of each process runs the parallel regions: OpenMP (libgomp, in torch'
 wheels) keeps a team of threads for every thread that ever ran a region on more than one
 thread, and once a process's team threads outnumber its cores, libgomp cuts every team's spin
 to a throttled hundred iterations: the teams then sleep and wake between every two regions
-of a pass, which stretched the verifier's pass by a third in serving (bench/RESULTS.md,
-issue 38). So the compute calls of a process run on its one compute thread (`aio`'s), and a
+of a pass (bench/RESULTS.md, issue 38, measured what that costs). So the compute calls of a process run on its one compute thread (`aio`'s), and a
 role's event loop runs torch on one thread for good (`single_threaded_loop`, before its
 first torch call); other worker threads run no torch.
 

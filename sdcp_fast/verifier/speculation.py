@@ -46,9 +46,9 @@ on (`first_token_from_prefill`): the prefill has already scored that token's row
 self-decoded round commits it at no pass's cost, and the session goes to a drafter right
 after it (`resume_drafting`, whatever `min_self_tokens` says). Without it the first token
 waits for the drafter's prefill of the prompt, its first draft and that draft's verify pass,
-each after the one before: three times the time to first token of the target alone at one
-request (bench/RESULTS.md, issue 38). The drafter then starts one token later, from the
-assignment's committed tokens, as after any self-decoding period.
+each after the one before, where the target alone needs its prefill only. The drafter then
+starts one token later, from the assignment's committed tokens, as after any self-decoding
+period.
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ class MeasuredRate:
     """Tokens a session commits per second, answer to answer, for one way of decoding: an
     EWMA over all sessions' rounds for each band of load (the sessions in play, in bands
     LOAD_FACTOR wide), so that a rate measured at one load is there again when that load
-    comes back: a single EWMA, moved to whatever load came last, left a verifier going from
-    one request to 8 with neither rate counting at 8 (bench/RESULTS.md, issue 38). At most
-    one band per factor of LOAD_FACTOR up to the largest load seen."""
+    comes back (a single EWMA follows whichever load came last, and a verifier whose load
+    moves between levels would find neither rate measured at the load it is at). At most one
+    band per factor of LOAD_FACTOR up to the largest load seen."""
 
     def __init__(self) -> None:
         self.bands: dict[int, RateAtLoad] = {}
