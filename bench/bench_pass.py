@@ -1,7 +1,8 @@
 """The verifier's decode pass at load against transformers' own batched step (issue 38):
 B sessions of the real target (`hf:smollm2`), one new token each, through the backend's
-packed ragged pass (`score`: one attention call per session and layer) and as transformers'
-bare cached forward over one `DynamicCache` of B rows (what `generate()` runs each step),
+packed ragged pass (`score`, its linear layers in their measured forms) and as transformers'
+bare cached forward over one `DynamicCache` of B rows (what `generate()` runs each step, on a
+second copy of the model with transformers' own linear layers),
 alternating the two so that load on a shared machine hits both alike.
 
     .venv/bin/python bench/bench_pass.py [--sessions 1,8,64] [--passes 6] [--threads N]
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sdcp_fast.models import load_backend  # noqa: E402
+from sdcp_fast.models.hf import library_spec  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
 
@@ -38,8 +40,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import DynamicCache  # noqa: F401 (the [hf] extra)
 
-    backend = load_backend("hf:smollm2")
-    model = backend.model
+    backend = load_backend("hf:smollm2")                        # linear layers measured
+    model = load_backend(library_spec("hf:smollm2")).model      # transformers' as shipped
     prompt = backend.encode(PROMPT)
     print(f"bench_pass: hf:smollm2, prompt {len(prompt)} tokens, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}")

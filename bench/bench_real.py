@@ -365,7 +365,7 @@ def main() -> int:
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; "
           f"{os.cpu_count()} CPUs; torch {torch.__version__}, {args.threads} threads")
     started = time.perf_counter()
-    target = HFBackend(gguf, threads=args.threads)
+    target = HFBackend(gguf, threads=args.threads, linear="library")   # generate()'s model as shipped
     print(f"target {target_spec} loaded in {time.perf_counter() - started:.1f} s "
           f"(digest {target.digest.hex()[:12]})")
     baseline_threads = args.baseline_threads or args.threads

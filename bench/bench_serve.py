@@ -438,6 +438,7 @@ def main() -> int:
 
     from sdcp_fast.config import VerifierSection
     from sdcp_fast.models import load_backend
+    from sdcp_fast.models.hf import library_spec
 
     if "speculation" not in VerifierSection.__dataclass_fields__:
         skipped = [m for m in modes if m != "sdcp"]
@@ -452,7 +453,7 @@ def main() -> int:
     print(f"bench_serve: {load()}; {os.cpu_count()} CPUs; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads (default) for generate(); driver: {DRIVER}")
     with progress(f"loading the target {TARGET}"):
-        target = load_backend(TARGET)
+        target = load_backend(library_spec(TARGET))   # generate() as the library ships it
     draft_spec = args.draft or choose_draft()[0]
     with progress(f"loading the draft {draft_spec} (for its digest)"):
         draft_digest = load_backend(draft_spec).digest.hex()

@@ -103,6 +103,7 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workd
     line and exit code 2); else SDCP_DEMO_TARGET or hf:smollm2, and `choose_draft()`."""
 
     from ..models import BackendSpecError, load_backend
+    from ..models.hf import library_spec
     from ..models.real_tokenizer import cache_dir
 
     target_spec = target or os.environ.get("SDCP_DEMO_TARGET", TARGET)
@@ -112,7 +113,7 @@ def run(*, protocol: str = "h2", prompts: int = 4, max_new: int = MAX_NEW, workd
     try:
         with progress(f"loading the target {target_spec} (the first run converts the GGUF to fp32 "
                       f"into {cache_dir()}: 30-100 s)"):
-            target_model = load_backend(target_spec)
+            target_model = load_backend(library_spec(target_spec))   # the comparisons' target alone
         with progress(f"loading the draft {draft_spec}"):
             draft_model = load_backend(draft_spec)
     except Exception as exc:   # a bad spec, a missing file or package

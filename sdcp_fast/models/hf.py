@@ -13,6 +13,9 @@ Spec options (`hf:PATH?dtype=bfloat16&device=cuda&threads=4`, unknown ones refus
   max_kv_bytes  cap on the K/V of all sessions together (default 1 GiB)
   max_seq_len   cap on one session's length (default and upper bound: the model's
                 max_position_embeddings / n_positions)
+  linear        measured (default) | library: on the CPU, each linear layer in whichever
+                of two BLAS forms measures faster (linear_forms.py), or transformers'
+                nn.Linear as shipped (its bits exactly: baselines, references)
 
 KV cache: the pages of one pool (kv_pages.py) for models the packed pass serves, else one
 transformers `DynamicCache` per session. `open` prefills the prompt; `score` computes only
@@ -63,6 +66,7 @@ GGUF use too).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +77,7 @@ import torch
 from . import hf_ragged, kvblob
 from .base import KVCapacityError, KVImportError
 from .kv_pages import PagePool
+from .linear_forms import measure_linear_forms
 from .prefix_cache import CachedSession, CachingBackend, Plan
 from .real_tokenizer import SMOLLM2, hf_tokenizer_digest, resolve_gguf
 from .spec_options import choice, positive_int, split_options
@@ -85,10 +90,19 @@ SPEC_OPTIONS = {
     "threads": positive_int,
     "max_kv_bytes": positive_int,
     "max_seq_len": positive_int,
+    "linear": choice("measured", "library"),
 }
 DEFAULT_MAX_KV_BYTES = 1 << 30
 DEFAULT_MAX_BATCH_TOKENS = 4096
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "dtype", "torch_dtype"}
+
+
+def library_spec(spec: str) -> str:
+    """An `hf:` spec with `linear=library` (transformers' own linear layers, its bits exactly):
+    the target alone as a user runs it, for baselines and references. Other specs unchanged."""
+    if not spec.startswith("hf:") or "linear=" in spec:
+        return spec
+    return f"{spec}{'&' if '?' in spec else '?'}linear=library"
 
 
 @dataclass(eq=False)
@@ -146,6 +160,7 @@ class HFBackend(CachingBackend):
         max_seq_len: int | None = None,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         ragged: bool | None = None,
+        linear: str = "measured",
     ) -> None:
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -166,6 +181,9 @@ class HFBackend(CachingBackend):
             str(path), dtype=self.dtype, local_files_only=True
         ).to(self.device)
         self.model.eval().requires_grad_(False)
+        # linear layers in the form the BLAS runs faster, measured (linear_forms.py);
+        # "library" keeps transformers' nn.Linear, bit for bit (baselines, references)
+        self.linear_forms = measure_linear_forms(self.model) if linear == "measured" else None
         self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         config = self.model.config
         text = config.get_text_config()
@@ -315,25 +333,31 @@ class HFBackend(CachingBackend):
                 s.pages += self.pool.take(need - len(s.pages))
             spans.append(hf_ragged.SpanPlan(lo, len(tokens), c.start, s.pages))
             keep += range(lo + c.keep_from, len(tokens))
-        logits = self.model(
-            input_ids=torch.tensor([tokens], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
-            sdcp_ragged=hf_ragged.paged_layout(self.pool, spans),
-        ).logits[0].float()
+        with self._timed_pass(len(tokens)):
+            logits = self.model(
+                input_ids=torch.tensor([tokens], device=self.device),
+                position_ids=torch.tensor([positions], device=self.device),
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                sdcp_ragged=hf_ragged.paged_layout(self.pool, spans),
+            ).logits[0].float()
         return list(logits.split([len(c.tokens) - c.keep_from for c in chunks]))
+
+    def _timed_pass(self, rows: int):
+        """A pass over `rows` new tokens, its linear layers' form chosen and timed."""
+        return contextlib.nullcontext() if self.linear_forms is None else self.linear_forms.pass_over(rows)
 
     def _forward_one(self, c: _Chunk) -> torch.Tensor:
         """One session through the model's own attention (models the packed pass cannot take)."""
         n = len(c.tokens)
-        out = self.model(
-            input_ids=torch.tensor([c.tokens], device=self.device),
-            position_ids=torch.arange(c.start, c.start + n, device=self.device)[None],
-            cache=c.session.cache,
-            use_cache=True,
-            logits_to_keep=torch.arange(c.keep_from, n, device=self.device),
-        )
+        with self._timed_pass(n):
+            out = self.model(
+                input_ids=torch.tensor([c.tokens], device=self.device),
+                position_ids=torch.arange(c.start, c.start + n, device=self.device)[None],
+                cache=c.session.cache,
+                use_cache=True,
+                logits_to_keep=torch.arange(c.keep_from, n, device=self.device),
+            )
         return out.logits[0].float()
 
     # -- export / import --------------------------------------------------------------------

@@ -302,9 +302,9 @@ def test_spec_options(llama_dir):
     blob = be.export_kv(b"a")
     be.import_kv(b"b", blob)  # bf16 K/V round trip
     assert be.cached_tokens(b"b") == [3, 4, 5]
-    with pytest.raises(BackendSpecError, match="known: device, dtype, max_kv_bytes, max_seq_len, threads"):
+    with pytest.raises(BackendSpecError, match="known: device, dtype, linear, max_kv_bytes, max_seq_len, threads"):
         load_backend(f"hf:{llama_dir}?dtpye=bfloat16")
-    for bad in ("dtype=float64", "threads=0", "threads=two", "max_kv_bytes=-1", "dtype", "a=1&a=2"):
+    for bad in ("dtype=float64", "linear=fast", "threads=0", "threads=two", "max_kv_bytes=-1", "dtype", "a=1&a=2"):
         with pytest.raises(BackendSpecError):
             load_backend(f"hf:{llama_dir}?{bad}")
     with pytest.raises(BackendSpecError, match=r"known: none"):

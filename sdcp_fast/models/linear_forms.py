@@ -1,0 +1,162 @@
+"""Linear layers on the CPU computed in whichever of two forms the BLAS runs faster, chosen by
+timing whole passes of the model in each.
+
+y = x W^T (+ b), x [T, in], W [out, in], can be asked of the BLAS two ways over the same
+weight storage:
+
+  * `library`: `x @ W.T`, what `torch.nn.functional.linear` asks (for one row, a
+    matrix-vector product);
+  * `weight_major`: `(W @ x.T).T`, made contiguous; one row is duplicated so that the BLAS
+    runs its matrix-matrix path, and the copy's result is dropped.
+
+Both are the same product. The BLAS picks its kernel, its packing and its threading from the
+shapes and transposes it is given, and for a decode step or a short verify pass (few rows
+against a large weight) the two requests can differ in cost by a large factor, in either
+direction depending on the BLAS build, the CPU and the row count. So nothing here is a
+constant. The unit measured is the whole pass (`FormChooser.pass_over`), not one layer's
+call: a form's cost shows partly in the calls after it (the OpenMP team it leaves awake or
+asleep, the caches it leaves warm), so a layer timed alone can look cheaper in the form
+that makes the pass dearer. Each row count runs its passes in the two forms alternately
+until each has `WARMUP` timings, then in the one with the lower median of its last
+`SAMPLES`, and once every `RECHECK` passes in the other, so that a change of load or of the
+BLAS's behaviour is followed. Row counts share a key in bands (`rows_key`), which keeps the
+table small and the warm-up short whatever the prefills' sizes.
+
+The two forms agree to fp32 rounding, not bit for bit at every shape: the BLAS may sum in
+another order. A caller that needs transformers' own bits (a reference run, a baseline)
+keeps `nn.Linear` (the `hf:` backend's `linear=library`). A call outside any pass (a
+model's own `generate`) uses the form its row count has settled on, else the library's.
+Only CPU models are measured (synchronous ops: the wall clock around a pass is its cost);
+`measure_linear_forms` leaves a model on another device untouched.
+
+Swapping uses `nn.Module.set_submodule`, so the model's classes and methods stay as the
+library ships them; each `MeasuredLinear` holds the replaced layer's own parameters (tied
+weights stay tied, state-dict names are unchanged).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+LIBRARY, WEIGHT_MAJOR = 0, 1
+FORMS = ("library", "weight_major")
+WARMUP = 5           # timed passes of each form before a row count chooses
+SAMPLES = 9          # recent passes of each form a row count keeps
+RECHECK = 200        # every RECHECK-th pass of a row count runs in the form not chosen
+EXACT_ROWS = 16      # row counts up to this are keys of their own; above, bands an eighth wide
+
+
+def rows_key(rows: int) -> int:
+    """The row count a key stands for: exact up to EXACT_ROWS, else `rows` with all but its
+    four leading bits cleared (17 -> 16, 100 -> 96, 1000 -> 960)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    low = rows.bit_length() - 4
+    return rows >> low << low
+
+
+class _Key:
+    __slots__ = ("passes", "samples", "chosen")
+
+    def __init__(self) -> None:
+        self.passes = 0
+        self.samples = (deque(maxlen=SAMPLES), deque(maxlen=SAMPLES))
+        self.chosen: int | None = None
+
+
+class FormChooser:
+    """The measured choice of form per row count, shared by the linear layers of one model.
+    Not thread-safe: a backend's passes run on one thread (its compute thread)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.current: int | None = None          # the form of the pass under way
+        self._keys: dict[int, _Key] = {}
+
+    @contextmanager
+    def pass_over(self, rows: int) -> Iterator[int]:
+        """Run one pass of the model over `rows` new tokens in the form chosen for it (yielded),
+        timed; a pass that raises is not counted."""
+        key = rows_key(rows)
+        k = self._keys.get(key)
+        if k is None:
+            k = self._keys[key] = _Key()
+        k.passes += 1
+        if k.chosen is None:
+            form = k.passes % 2                  # alternate, weight_major first
+        else:
+            form = 1 - k.chosen if k.passes % RECHECK == 0 else k.chosen
+        self.current = form
+        started = self.clock()
+        try:
+            yield form
+        finally:
+            self.current = None
+        k.samples[form].append(self.clock() - started)
+        if min(len(s) for s in k.samples) >= WARMUP:
+            medians = [statistics.median(s) for s in k.samples]
+            k.chosen = LIBRARY if medians[LIBRARY] <= medians[WEIGHT_MAJOR] else WEIGHT_MAJOR
+
+    def settled(self, rows: int) -> int:
+        """The form for a call outside any pass: the row count's choice, else the library's."""
+        k = self._keys.get(rows_key(rows))
+        return LIBRARY if k is None or k.chosen is None else k.chosen
+
+    def chosen(self) -> dict[int, str]:
+        """{row-count key: form name} for the keys that have chosen (logs, tests)."""
+        return {key: FORMS[k.chosen] for key, k in self._keys.items() if k.chosen is not None}
+
+
+def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x2 [T, in] -> [T, out] as (W @ x2.T).T; a single row is computed as two."""
+    if x2.shape[0] == 1:
+        return torch.mm(weight, torch.cat((x2, x2)).t())[:, :1].t().contiguous()
+    return torch.mm(weight, x2.t()).t().contiguous()
+
+
+class MeasuredLinear(nn.Module):
+    """`nn.Linear`'s computation with its form chosen by a `FormChooser`. Holds the layer's
+    own `weight` [out, in] and `bias` [out] or None (the same Parameter objects)."""
+
+    def __init__(self, linear: nn.Linear, chooser: FormChooser) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.chooser = chooser
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return nn.functional.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        form = self.chooser.current
+        if form is None:
+            form = self.chooser.settled(x2.shape[0])
+        if form == LIBRARY:
+            return nn.functional.linear(x, self.weight, self.bias)
+        y = weight_major(x2, self.weight)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def measure_linear_forms(model: nn.Module, chooser: FormChooser | None = None) -> FormChooser | None:
+    """Replace every `nn.Linear` of a CPU model with a `MeasuredLinear` sharing one chooser;
+    the chooser, or None for a model on another device (left as it is)."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return None
+    chooser = chooser or FormChooser()
+    names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    for name in names:
+        model.set_submodule(name, MeasuredLinear(model.get_submodule(name), chooser))
+    return chooser

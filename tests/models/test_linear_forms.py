@@ -1,0 +1,162 @@
+"""Linear layers in the form measured faster (models/linear_forms.py): both forms compute
+nn.Linear's product (fp32 tolerance 1e-5), the chooser settles on the form its clock says is
+faster per row count and follows a change, and the swap keeps the model's parameters, names
+and ties. The `hf:` backend with a tiny Llama scores the same with `linear=measured` as with
+`linear=library`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sdcp_fast.models import linear_forms as lf
+
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_both_forms_compute_the_linear_product(rows, bias):
+    torch.manual_seed(rows)
+    layer = nn.Linear(24, 40, bias=bias)
+    chooser = lf.FormChooser()
+    measured = lf.MeasuredLinear(layer, chooser)
+    x = torch.randn(3, rows, 24)
+    want = layer(x)
+    for form in (lf.LIBRARY, lf.WEIGHT_MAJOR):
+        chooser.current = form
+        got = measured(x)
+        assert got.shape == (3, rows, 40) and got.is_contiguous()
+        torch.testing.assert_close(got, want, **TOL)
+    chooser.current = None
+
+
+class FakeClock:
+    """A clock the test moves: each pass costs what `cost[form]` says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def run_passes(chooser, clock, rows, cost, n):
+    forms = []
+    for _ in range(n):
+        with chooser.pass_over(rows) as form:
+            clock.now += cost[form]
+        forms.append(form)
+    return forms
+
+
+def test_chooser_alternates_then_keeps_the_faster_form_and_rechecks():
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock)
+    cost = {lf.LIBRARY: 0.060, lf.WEIGHT_MAJOR: 0.040}
+    warm = run_passes(chooser, clock, 1, cost, 2 * lf.WARMUP)
+    assert warm == [lf.WEIGHT_MAJOR, lf.LIBRARY] * lf.WARMUP
+    assert chooser.chosen() == {1: "weight_major"}
+    steady = run_passes(chooser, clock, 1, cost, lf.RECHECK)
+    # one pass in RECHECK runs the other form; every other runs the chosen one
+    assert steady.count(lf.LIBRARY) == 1
+    # another row count decides for itself
+    run_passes(chooser, clock, 8, {lf.LIBRARY: 0.05, lf.WEIGHT_MAJOR: 0.09}, 2 * lf.WARMUP)
+    assert chooser.chosen() == {1: "weight_major", 8: "library"}
+    assert chooser.settled(8) == lf.LIBRARY and chooser.settled(3) == lf.LIBRARY
+
+
+def test_chooser_follows_a_change_of_costs():
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock)
+    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.060, lf.WEIGHT_MAJOR: 0.040}, 2 * lf.WARMUP)
+    assert chooser.chosen() == {4: "weight_major"}
+    # the machine changes: the chosen form's own new timings move its median past the other's
+    flipped = {lf.LIBRARY: 0.030, lf.WEIGHT_MAJOR: 0.080}
+    run_passes(chooser, clock, 4, flipped, lf.SAMPLES)
+    assert chooser.chosen() == {4: "library"}
+    # and back: the other form's rechecks, one in RECHECK passes, bring it back
+    run_passes(chooser, clock, 4, cost := {lf.LIBRARY: 0.090, lf.WEIGHT_MAJOR: 0.020}, lf.SAMPLES)
+    assert chooser.chosen() == {4: "weight_major"}
+    assert cost
+
+
+def test_a_failed_pass_is_not_timed():
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock)
+    with pytest.raises(RuntimeError), chooser.pass_over(3):
+        clock.now += 100.0
+        raise RuntimeError("backend failure")
+    assert chooser.current is None
+    run_passes(chooser, clock, 3, {lf.LIBRARY: 0.01, lf.WEIGHT_MAJOR: 0.02}, 2 * lf.WARMUP)
+    assert chooser.chosen() == {3: "library"}
+
+
+def test_rows_keys_are_exact_then_banded():
+    assert [lf.rows_key(n) for n in (1, 9, 16)] == [1, 9, 16]
+    assert [lf.rows_key(n) for n in (17, 18, 31, 64, 100, 1000)] == [16, 18, 30, 64, 96, 960]
+    # a band is at most an eighth of its row counts wide
+    for n in range(17, 5000):
+        assert n * 7 / 8 <= lf.rows_key(n) <= n
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16, bias=False))
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+def test_swap_keeps_parameters_names_and_ties():
+    torch.manual_seed(0)
+    model = Tied().eval()
+    names = list(model.state_dict())
+    ids = torch.randint(0, 50, (7,))
+    want = model(ids)
+    chooser = lf.measure_linear_forms(model)
+    assert chooser is not None
+    assert all(type(m) is not nn.Linear for m in model.modules())
+    assert sum(type(m) is lf.MeasuredLinear for m in model.modules()) == 3
+    assert list(model.state_dict()) == names
+    assert model.head.weight is model.embed.weight
+    for _ in range(2 * lf.WARMUP + 1):
+        with chooser.pass_over(7):
+            torch.testing.assert_close(model(ids), want, **TOL)
+    torch.testing.assert_close(model(ids), want, **TOL)      # outside a pass: the settled form
+
+
+@pytest.fixture
+def llama_dir(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from hf_helpers import save_model_dir, tiny_llama
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return save_model_dir(tiny_llama(), tmp_path / "m")
+
+
+def test_hf_backend_scores_alike_in_either_form(llama_dir):
+    from sdcp_fast.models import load_backend
+
+    measured = load_backend(f"hf:{llama_dir}")
+    library = load_backend(f"hf:{llama_dir}?linear=library")
+    assert measured.linear_forms is not None and library.linear_forms is None
+    assert any(type(m) is lf.MeasuredLinear for m in measured.model.modules())
+    assert not any(type(m) is lf.MeasuredLinear for m in library.model.modules())
+    assert measured.digest == library.digest
+    sessions = [bytes([n]) * 16 for n in range(3)]
+    for be in (measured, library):
+        for n, sid in enumerate(sessions):
+            be.open(sid, [3 + n, 4, 5, 6])
+    for step in range(2 * lf.WARMUP + 2):     # through the warm-up of the row count and past it
+        items = [(sid, [7 + (step + n) % 20] * (1 + n % 2)) for n, sid in enumerate(sessions)]
+        torch.testing.assert_close(measured.score(items), library.score(items), **TOL)
+        for sid, x in items:
+            measured.commit(sid, x)
+            library.commit(sid, x)
+    assert measured.linear_forms.chosen()     # the passes' row count has chosen
