@@ -47,8 +47,8 @@ from torch import nn
 
 LIBRARY, WEIGHT_MAJOR = 0, 1
 FORMS = ("library", "weight_major")
-WARMUP = 5           # timed passes of each form before a row count chooses
-SAMPLES = 9          # recent passes of each form a row count keeps
+WARMUP = 3           # timed passes of each form before a row count chooses
+SAMPLES = 7          # recent passes of each form a row count keeps
 RECHECK = 200        # every RECHECK-th pass of a row count runs in the form not chosen
 EXACT_ROWS = 16      # row counts up to this are keys of their own; above, bands an eighth wide
 

@@ -69,6 +69,7 @@ MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to 
 POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
 RATE_WEIGHT = 0.1         # a round's weight in a measured rate (after a running mean)
 MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
+STALE_ROUNDS = 4 * MIN_RATE_ROUNDS   # rounds of the other way, a session in play, that leave a rate stale
 LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a factor)
 
 
@@ -76,6 +77,7 @@ LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a facto
 class RateAtLoad:
     rate: float = 0.0
     rounds: int = 0
+    since: int = 0        # rounds of the other way in this band since this rate's last round
 
 
 class MeasuredRate:
@@ -84,7 +86,14 @@ class MeasuredRate:
     LOAD_FACTOR wide), so that a rate measured at one load is there again when that load
     comes back (a single EWMA follows whichever load came last, and a verifier whose load
     moves between levels would find neither rate measured at the load it is at). At most one
-    band per factor of LOAD_FACTOR up to the largest load seen."""
+    band per factor of LOAD_FACTOR up to the largest load seen.
+
+    A rate goes stale once the other way has run STALE_ROUNDS rounds a session in play in its
+    band without a round of its own: the way not taken is otherwise never measured again, so
+    a rate taken in passing conditions (the first rounds of a deployment, whose passes are
+    still being tuned; a burst of other work) would keep the sessions from it for good. A
+    stale rate does not count (the plan's model decides alone), and its next round starts it
+    afresh."""
 
     def __init__(self) -> None:
         self.bands: dict[int, RateAtLoad] = {}
@@ -93,16 +102,32 @@ class MeasuredRate:
     def band(active: float) -> int:
         return round(math.log(max(1.0, active)) / math.log(LOAD_FACTOR))
 
+    @staticmethod
+    def _stale(measured: RateAtLoad, active: int) -> bool:
+        return measured.since >= STALE_ROUNDS * max(1, active)
+
     def observe(self, tokens: int, seconds: float, active: int) -> None:
         measured = self.bands.setdefault(self.band(active), RateAtLoad())
+        if self._stale(measured, active):
+            measured.rounds = 0
+        measured.since = 0
         measured.rounds += 1
         weight = max(RATE_WEIGHT, 1 / measured.rounds)
         measured.rate += weight * (tokens / seconds - measured.rate)
 
-    def at(self, active: int) -> float | None:
-        """The rate if measured on enough rounds at a load in `active`'s band, else None."""
+    def passed_over(self, active: int) -> None:
+        """A round of the other way at this load."""
         measured = self.bands.get(self.band(active))
-        return measured.rate if measured is not None and measured.rounds >= MIN_RATE_ROUNDS else None
+        if measured is not None:
+            measured.since += 1
+
+    def at(self, active: int) -> float | None:
+        """The rate if measured on enough rounds at a load in `active`'s band and not stale,
+        else None."""
+        measured = self.bands.get(self.band(active))
+        if measured is None or measured.rounds < MIN_RATE_ROUNDS or self._stale(measured, active):
+            return None
+        return measured.rate
 
 
 @dataclass
@@ -199,7 +224,10 @@ class SpeculationPolicy:
     def observe_answer(self, self_decoded: bool, tokens: int, seconds: float) -> None:
         """A session committed `tokens` in a round `seconds` after its last answer."""
         if self.mode == "auto" and seconds > 0:
-            (self.self_rate if self_decoded else self.drafted_rate).observe(tokens, seconds, self.active)
+            way, other = ((self.self_rate, self.drafted_rate) if self_decoded
+                          else (self.drafted_rate, self.self_rate))
+            way.observe(tokens, seconds, self.active)
+            other.passed_over(self.active)
 
     def drafting_measured_to_lose(self, active: int | None = None) -> bool:
         """Drafted rounds measured at about this load commit less than self-decoding would

@@ -254,6 +254,39 @@ def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_
     assert policy.plan(state, 8) != SELF_DECODE
 
 
+def test_a_drafted_rate_left_behind_goes_stale_and_is_measured_afresh():
+    """Drafted rounds measured to lose (in passing conditions) stop counting once the
+    sessions have self-decoded STALE_ROUNDS rounds a session in play since: the plan's model
+    then lets a session draft again, and the drafted rate is measured anew from its next
+    round (a running mean, not the old EWMA), so a drafter that now wins keeps its sessions."""
+    from sdcp_fast.core.control import SELF_DECODE
+    from sdcp_fast.verifier.speculation import (
+        MIN_RATE_ROUNDS,
+        STALE_ROUNDS,
+        SessionSpeculation,
+        SpeculationPolicy,
+    )
+
+    policy = SpeculationPolicy("auto", costs=Balanced())
+    policy.active = 2
+    state = SessionSpeculation(rounds=1, self_decoding=True)
+    state.acceptance = dataclasses.replace(state.acceptance, alpha=0.98)
+    for _ in range(MIN_RATE_ROUNDS):
+        policy.observe_answer(False, 2, 1.0)         # drafted, while the passes were slow: 2 a second
+        policy.observe_answer(True, 1, 1 / 7)        # self-decoded: 7 a second
+    assert policy.drafting_measured_to_lose()
+    for _ in range(STALE_ROUNDS * 2 - 1):          # the last drafted round was followed by one
+        assert policy.drafting_measured_to_lose() and not policy.resume_drafting(state, 100, 8)
+        policy.observe_answer(True, 1, 1 / 7)
+    assert not policy.drafting_measured_to_lose()    # stale: the model decides
+    assert policy.resume_drafting(state, 100, 8)
+    for _ in range(MIN_RATE_ROUNDS):
+        policy.observe_answer(False, 12, 1.0)        # drafted now: 12 a second
+        assert not policy.drafting_measured_to_lose()
+    assert policy.drafted_rate.at(2) == 12.0         # afresh: the slow rounds are gone
+    assert policy.plan(state, 8) != SELF_DECODE
+
+
 def test_a_rate_measured_at_one_load_counts_again_when_that_load_comes_back():
     """Drafted rounds measured to lose at 8 sessions still count at 8 after the verifier
     has measured both ways at 64 sessions and at one, in between."""
