@@ -444,8 +444,11 @@ class Engine:
         """Keep the batch's split; the results are back, so every event has completed."""
         self.batch_times.append(times)
         seconds = (times.forward_ms + times.kernel_ms + times.commit_ms) / 1e3
-        self.policy.observe_pass(sum(item.job.m + 1 for item in batch), time.perf_counter() - started,
-                                 self.sessions.in_play())
+        # the tokens the pass computed: a session's first round, self-decoded, reads the row
+        # its prefill kept (no pass over it), and a pass of those alone is no cost point
+        computed = sum(0 if item.job.self_decoded and item.job.round == 1 else item.job.m + 1 for item in batch)
+        if computed:
+            self.policy.observe_pass(computed, time.perf_counter() - started, self.sessions.in_play())
         self._batch_s = seconds if self._batch_s == 0 else self._batch_s + 0.2 * (seconds - self._batch_s)
         if self._batch_file is not None:
             self._batch_file.write(json.dumps({

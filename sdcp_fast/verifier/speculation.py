@@ -9,7 +9,8 @@ the same tokens cost more verified than decoded. So nothing here is a constant t
 machine: the policy measures
 
 - the pass cost t(n) over n new tokens in a pass, from every pass the engine runs (the
-  whole pass: forward, verify, commit, answers), as a line through per-n averages;
+  whole pass: forward, verify, commit, answers), read from the passes measured near n
+  (`PassCurve`);
 - the drafters' turnaround g(x), from a verdict's answer to the session's next proposal,
   against x = the draft tokens all active sessions ask for in a round;
 - each session's acceptance (an EWMA of a/M, as the drafter keeps it); a session with no
@@ -53,6 +54,7 @@ period.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -70,6 +72,7 @@ POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
 RATE_WEIGHT = 0.1         # a round's weight in a measured rate (after a running mean)
 MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
 STALE_ROUNDS = 4 * MIN_RATE_ROUNDS   # rounds of the other way, a session in play, that leave a rate stale
+EXACT_TOKENS = 16         # passes of up to this many tokens are bands of t(n) of their own
 LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a factor)
 
 
@@ -141,34 +144,93 @@ class SessionSpeculation:
     last_self_decoded: bool = True  # its last job was self-decoded (or none yet): no turnaround to take
 
 
+class PassCurve:
+    """The pass cost t(n) over n new tokens, read from what was measured near n: an EWMA of
+    the seconds of the passes in each band of n (exact up to EXACT_TOKENS, above it bands
+    an eighth wide), each band at the mean n of its passes, and t(n) by linear
+    interpolation between the two bands around n; beyond the measured ends, along the
+    nearest two bands' line (never falling; below the smallest band no steeper than the
+    prior), and with one band, `prior_slope` of its time a token (of the time of a pass
+    over n = 0 tokens, as control.VerifyCost's prior).
+
+    Why not one line through every point: a pass's cost is not linear in n. On a CPU a few
+    tokens cost about what one does (the weights are read once either way, and the BLAS's
+    form is chosen per n: models/linear_forms.py) while hundreds cost in proportion. A line
+    through both regions misreads each, and which way depends on the passes other loads
+    left behind: the plan's cost of self-decoding 64 sessions came from passes of 1, 8 and
+    2,700 tokens as much as from passes of 64."""
+
+    def __init__(self, initial: float = 0.010, prior_slope: float = 0.15) -> None:
+        self.initial, self.prior_slope = initial, prior_slope
+        self.bands: dict[int, list[float]] = {}   # band -> [mean n, EWMA seconds, passes]
+        self._points: list[tuple[float, float]] = []   # (n, seconds) by n
+
+    @staticmethod
+    def band(n: int) -> int:
+        if n <= EXACT_TOKENS:
+            return n
+        low = n.bit_length() - 4
+        return n >> low << low
+
+    def observe(self, n: int, seconds: float) -> None:
+        entry = self.bands.setdefault(self.band(n), [float(n), seconds, 0.0])
+        entry[2] = min(POINT_WEIGHT_CAP, entry[2] + 1)
+        weight = 1 / entry[2]
+        entry[0] += weight * (n - entry[0])
+        entry[1] += weight * (seconds - entry[1])
+        self._points = sorted((x, t) for x, t, _ in self.bands.values())
+
+    @property
+    def seen(self) -> bool:
+        return bool(self._points)
+
+    def at(self, n: int) -> float:
+        points = self._points
+        if not points:
+            return self.initial
+        x0, t0 = points[0]
+        prior = self.prior_slope * t0 / (1 + self.prior_slope * x0)   # the prior's slope at the smallest
+        if len(points) == 1:
+            return max(1e-6, t0 + prior * (n - x0))
+        i = bisect.bisect_left(points, (n, -math.inf))
+        i = min(max(i, 1), len(points) - 1)          # the segment around n, or the end one
+        (x0, t0), (x1, t1) = points[i - 1], points[i]
+        slope = (t1 - t0) / (x1 - x0) if x1 > x0 else 0.0
+        if n > x1:
+            slope = max(0.0, slope)                  # beyond the largest: never falling
+        elif n < x0:                                 # below the smallest: never falling, and no
+            slope = min(max(0.0, slope), prior)      # steeper than the prior (two close, noisy
+        return max(1e-6, t0 + slope * (n - x0))      # points would put a small pass near zero)
+
+
 class MeasuredCosts:
-    """The pass cost t(n) and the drafters' turnaround g(x) as lines through what was
-    measured (control.VerifyCost), refreshed once per pass: a plan reads them per verdict."""
+    """The pass cost t(n) (`PassCurve`) and the drafters' turnaround g(x) as a line through
+    what was measured (control.VerifyCost), refreshed per observation: a plan reads them
+    per verdict."""
 
     def __init__(self) -> None:
         # prior slopes: with one point seen, a pass's cost grows by 15% of itself a token
-        # (a CPU's; a GPU's measured line soon replaces it), the turnaround is all drafting
-        self.passes = VerifyCost(initial=0.010, prior_slope=0.15, max_rounds=POINT_WEIGHT_CAP)
+        # (a CPU's; a GPU's measured curve soon replaces it), the turnaround is all drafting
+        self.passes = PassCurve(initial=0.010, prior_slope=0.15)
         self.turnarounds = VerifyCost(initial=0.010, prior_slope=1.0, max_rounds=POINT_WEIGHT_CAP)
-        self._lines = (self.passes.line(), self.turnarounds.line())
+        self._turnaround = self.turnarounds.line()
 
     def observe_pass(self, tokens: int, seconds: float) -> None:
         self.passes.observe(max(1, tokens), seconds)
-        self._lines = (self.passes.line(), self.turnarounds.line())
 
     def observe_turnaround(self, draft_tokens: int, seconds: float) -> None:
         self.turnarounds.observe(max(1, draft_tokens), seconds)
+        self._turnaround = self.turnarounds.line()
 
     @property
     def turnaround_measured(self) -> bool:
         return bool(self.turnarounds.seen)
 
     def pass_cost(self, tokens: int) -> float:
-        base, slope = self._lines[0]
-        return max(1e-6, base + slope * tokens)
+        return self.passes.at(tokens)
 
     def turnaround(self, draft_tokens: int) -> float:
-        base, slope = self._lines[1]
+        base, slope = self._turnaround
         return max(0.0, base + slope * draft_tokens)
 
 

@@ -339,3 +339,63 @@ async def test_a_speculating_session_gets_its_first_token_from_the_prefill_then_
     sid, r = await h.open(contract_for(h.backend, max_new=12), prompt=[3, 1])
     assert SessionState.from_cbor(r.body).state is None
     assert h.service.sessions[sid].machine.state.value == "open"
+
+
+# a CPU's pass costs over n new tokens (seconds): a few tokens cost about what one does, hundreds
+# cost in proportion (the shape measured on the 2-core VM, bench/RESULTS.md issue 38)
+CPU_PASSES = {1: 0.042, 2: 0.036, 6: 0.064, 8: 0.070, 48: 0.165, 64: 0.210, 384: 0.950, 2752: 5.0}
+
+
+def test_the_pass_curve_reads_each_load_from_the_passes_measured_near_it():
+    """t(n) is what was measured at n, interpolated between measured bands and extended
+    beyond them without falling; with one band, the prior slope."""
+    from sdcp_fast.verifier.speculation import PassCurve
+
+    curve = PassCurve(initial=0.010, prior_slope=0.15)
+    assert curve.at(7) == 0.010 and not curve.seen
+    curve.observe(4, 0.050)
+    assert curve.at(4) == 0.050 and curve.at(8) > 0.050 > curve.at(2)
+    curve = PassCurve()
+    for n, t in CPU_PASSES.items():
+        for _ in range(3):
+            curve.observe(n, t)
+    for n, t in CPU_PASSES.items():
+        assert abs(curve.at(n) - t) < 1e-12
+    assert abs(curve.at(216) - (0.210 + (216 - 64) * (0.950 - 0.210) / (384 - 64))) < 1e-12
+    assert curve.at(4000) > 5.0 and curve.at(3000) > 5.0
+    # passes of 65-71 tokens share the band of 64, at their mean n; an EWMA over its passes
+    curve.observe(70, 0.230)
+    assert 0.210 < curve.at(66) < 0.230
+
+
+def test_the_plan_self_decodes_under_load_and_drafts_alone_on_a_cpus_curve():
+    """With the CPU's pass curve and drafters that take 60 ms a round for one session and
+    0.7 s for 64, the plan drafts at one session and self-decodes at 64."""
+    from sdcp_fast.core.control import SELF_DECODE
+    from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto")
+    for n, t in CPU_PASSES.items():
+        policy.observe_pass(n, t, 1)
+    for x, seconds in ((5, 0.060), (40, 0.180), (320, 0.700)):
+        policy.costs.observe_turnaround(x, seconds)
+    state = SessionSpeculation(rounds=4)
+    state.acceptance = dataclasses.replace(state.acceptance, alpha=0.97)
+    policy.active = 1
+    assert policy.plan(state, 8) != SELF_DECODE
+    policy.active = 64
+    assert policy.plan(state, 8) == SELF_DECODE
+    assert policy.self_decode_from_open(SessionSpeculation(), 8, 64)
+
+
+def test_the_pass_curve_below_its_smallest_pass_is_no_steeper_than_the_prior():
+    """Two close, noisy passes (6 tokens 110 ms, 9 tokens 170 ms) do not put a one-token pass
+    near zero: below the smallest measured band the curve falls at most at the prior's slope."""
+    from sdcp_fast.verifier.speculation import PassCurve
+
+    curve = PassCurve(initial=0.010, prior_slope=0.15)
+    curve.observe(6, 0.110)
+    curve.observe(9, 0.170)
+    prior = 0.15 * 0.110 / (1 + 0.15 * 6)
+    assert abs(curve.at(1) - (0.110 - 5 * prior)) < 1e-12
+    assert curve.at(1) > 0.110 / 2
