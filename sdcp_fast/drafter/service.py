@@ -33,6 +33,7 @@ from ..models.base import ModelError
 from ..refs import draft_kv_ref, read_token_list
 from ..reports import RouterLink, router_targets
 from ..transport import Authorizer, Call, Routed, Router
+from .ahead import AheadChooser
 from .drafting import DraftBatcher
 from .metrics import Metrics
 from .session import Built, DraftSession, round_record
@@ -79,6 +80,7 @@ class DrafterService(Routed):
         self.accept = 0.7                       # EWMA of a/M, all sessions
         self.cache_mbps = 0.0                   # EWMA of observed write bandwidth
         self.lookahead_hits = 0
+        self.ahead = AheadChooser()          # whether drafting ahead pays here, measured
         self._drops_left = config.drop_verdicts
         self._assignment_locks = KeyedLock()     # one assignment handler per session at a time
         self._rounds_file = open(config.rounds_log, "a") if config.rounds_log else None  # noqa: SIM115

@@ -162,6 +162,9 @@ class DraftSession:
         self.stopped: str | None = None
         self.lookahead: DraftRequest | None = None
         self.lookahead_task: asyncio.Task | None = None
+        self.round_ahead: bool | None = None   # whether the round out now may draft ahead (ahead.py)
+        self.last_ahead: bool | None = None    # ... and the round before it
+        self.last_answer: float | None = None  # perf_counter at the last verdict
         self.reserved = 0                 # bytes of the drafter's memory budget it holds
 
     # ------------------------------------------------------------------ state
@@ -387,6 +390,7 @@ class DraftSession:
         # the look-ahead drafts on top of the old committed sequence: settle it first
         ahead = await self.take_lookahead(built, verdict)
         self.timing.observe_draft(built.draft_seconds, p.m)
+        self.time_round(len(emitted) if ours else 0)
         if ours:
             self.alpha = self.alpha.update(verdict.accepted, p.m)
             self.odds.observe(verdict.accepted, p.m, built.guess_right)
@@ -408,10 +412,12 @@ class DraftSession:
         first token drafted ahead is our guess for the verifier's additional token. Only
         when it is likely to be used (`LookaheadOdds.hit` >= LOOKAHEAD_MIN_P, measured on
         this session's rounds): otherwise the work is mostly thrown away and, on cores the
-        drafter shares, slows the others down."""
+        drafter shares, slows the others down; and only in the rounds the drafter's measured
+        choice lets draft ahead (`AheadChooser`: whether it pays here at all)."""
         self.cancel_lookahead()
         m = built.proposal.m
-        if not self.service.config.draft_ahead or self.odds.hit < LOOKAHEAD_MIN_P:
+        self.round_ahead = self.service.ahead.ahead if self.service.config.draft_ahead else None
+        if not self.round_ahead or self.odds.hit < LOOKAHEAD_MIN_P:
             return
         room = self.contract.max_new - self.committed - m - 1
         want = min(self.contract.m_max, self.m_cap + 1, self.choose() + 1, room) + 1
@@ -421,6 +427,15 @@ class DraftSession:
                                self.generator)
         self.lookahead = request
         self.lookahead_task = asyncio.get_running_loop().create_task(self.service.batcher.draft(request))
+
+    def time_round(self, tokens: int) -> None:
+        """A verdict committed `tokens` of ours: the round, answer to answer, counts for the
+        drafter's choice of drafting ahead when the round before it ran the same way."""
+        now = time.perf_counter()
+        way = self.round_ahead
+        if way is not None and way == self.last_ahead and self.last_answer is not None:
+            self.service.ahead.observe(way, now - self.last_answer, tokens)
+        self.last_answer, self.last_ahead = now, way
 
     async def take_lookahead(self, built: Built, verdict: Verdict) -> DraftRequest | None:
         """The tokens drafted ahead that the verdict leaves valid (all M accepted and the
