@@ -125,6 +125,16 @@ def choose_m(alpha: float, t_draft: float, t_verify: float | Callable[[int], flo
 SELF_DECODE = 0   # plan_speculation's answer when no M pays: the verifier decodes itself
 
 
+def size_band(n: int, exact: int = 16) -> int:
+    """The band a size falls in: `n` itself up to `exact`, else `n` with all but its four
+    leading bits cleared (17 -> 16, 100 -> 96, 1000 -> 960): bands at most an eighth wide,
+    so that a table kept per size stays small whatever sizes come."""
+    if n <= exact:
+        return n
+    low = n.bit_length() - 4
+    return n >> low << low
+
+
 def plan_speculation(alpha: float, m_limit: int, sessions: int, pass_cost: Callable[[int], float],
                      draft_gap: Callable[[int], float], *, speculating: bool = True,
                      margin: float = 0.1) -> int:

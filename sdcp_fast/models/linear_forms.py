@@ -45,6 +45,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from ..core.control import size_band
+
 LIBRARY, WEIGHT_MAJOR = 0, 1
 FORMS = ("library", "weight_major")
 WARMUP = 3           # timed passes of each form before a row count chooses
@@ -54,12 +56,8 @@ EXACT_ROWS = 16      # row counts up to this are keys of their own; above, bands
 
 
 def rows_key(rows: int) -> int:
-    """The row count a key stands for: exact up to EXACT_ROWS, else `rows` with all but its
-    four leading bits cleared (17 -> 16, 100 -> 96, 1000 -> 960)."""
-    if rows <= EXACT_ROWS:
-        return rows
-    low = rows.bit_length() - 4
-    return rows >> low << low
+    """The row count a key stands for: exact up to EXACT_ROWS, then bands an eighth wide."""
+    return size_band(rows, EXACT_ROWS)
 
 
 class _Key:

@@ -61,7 +61,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation
+from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation, size_band
 
 log = logging.getLogger("sdcp_fast.verifier.speculation")
 MODES = ("auto", "on", "off")
@@ -167,10 +167,7 @@ class PassCurve:
 
     @staticmethod
     def band(n: int) -> int:
-        if n <= EXACT_TOKENS:
-            return n
-        low = n.bit_length() - 4
-        return n >> low << low
+        return size_band(n, EXACT_TOKENS)
 
     def observe(self, n: int, seconds: float) -> None:
         entry = self.bands.setdefault(self.band(n), [float(n), seconds, 0.0])
