@@ -45,7 +45,9 @@ passes are cost points like any pass (a pass over the prompts' tokens).
 A session the plan lets speculate gets its first token the same way where `first_token` is
 on (`first_token_from_prefill`): the prefill has already scored that token's row, so one
 self-decoded round commits it at no pass's cost, and the session goes to a drafter right
-after it (`resume_drafting`, whatever `min_self_tokens` says). Without it the first token
+after it (`resume_drafting`, whatever `min_self_tokens` says) unless the plan, made again
+with the sessions in play by then, says drafting loses: under a burst the open's plan saw
+only the opens before it. Without it the first token
 waits for the drafter's prefill of the prompt, its first draft and that draft's verify pass,
 each after the one before, where the target alone needs its prefill only. The drafter then
 starts one token later, from the assignment's committed tokens, as after any self-decoding
@@ -337,9 +339,7 @@ class SpeculationPolicy:
             return self.mode == "off"
         if not self.costs.turnaround_measured:   # no drafter timed yet: nothing to weigh it by
             return False
-        active = max(active, self.active)
-        return (self._plan(state, m_max, speculating=False, active=active) == SELF_DECODE
-                or self.drafting_measured_to_lose(active))
+        return self._drafting_loses(state, m_max, max(active, self.active))
 
     def first_token_from_prefill(self) -> bool:
         """Whether a session opened to speculate (`self_decode_from_open` said no) gets its
@@ -361,18 +361,33 @@ class SpeculationPolicy:
         state.self_decoding = True
         self.plans["open-self"] += 1
 
-    def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int) -> bool:
-        """Whether a session the plan moved to self-decoding should go back to a drafter (one
-        that self-decodes its first token only: once that token is committed)."""
+    def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int,
+                        active: int | None = None) -> bool:
+        """Whether a session the plan moved to self-decoding should go back to a drafter.
+
+        One that self-decodes its first token only is planned again once that token is
+        committed, with `active` sessions in play then: the open's plan saw the load of the
+        opens before it, and where a burst of opens has since made drafting lose, the session
+        stays self-decoding (a self-decoding period like any other) instead of costing a
+        drafter its catch-up prefill only to be moved back at its first verdict."""
         if state.first_token_only:
             if self_tokens < 1:
                 return False
-            state.self_decoding = state.first_token_only = False
+            state.first_token_only = False
+            if self.costs.turnaround_measured and self._drafting_loses(state, m_max, active):
+                self.plans["self"] += 1
+                return False
+            state.self_decoding = False
             return True
         if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
             return False
-        if self._plan(state, m_max, speculating=False) == SELF_DECODE or self.drafting_measured_to_lose():
+        if self._drafting_loses(state, m_max):
             return False
         state.self_decoding = False
         self.plans["resume"] += 1
         return True
+
+    def _drafting_loses(self, state: SessionSpeculation, m_max: int, active: int | None = None) -> bool:
+        """The plan (modelled costs) or the rates measured near this load say drafting loses."""
+        return (self._plan(state, m_max, speculating=False, active=active) == SELF_DECODE
+                or self.drafting_measured_to_lose(active))

@@ -346,6 +346,47 @@ async def test_a_speculating_session_gets_its_first_token_from_the_prefill_then_
 CPU_PASSES = {1: 0.042, 2: 0.036, 6: 0.064, 8: 0.070, 48: 0.165, 64: 0.210, 384: 0.950, 2752: 5.0}
 
 
+@harness_test(timeout=60, engine_config=dataclasses.replace(AUTO, first_token=True))
+async def test_a_session_whose_load_grew_after_its_open_stays_self_decoding_after_its_first_token(h):
+    """The open's plan let the session speculate; by its first token's commit the costs say
+    drafting loses (as when a burst of opens has come in since): it stays self-decoding, no
+    drafter is asked for, and its output is the target's greedy decoding, one round a token."""
+    prompt, max_new = [4, 1, 3], 12
+    contract = contract_for(h.backend, max_new=max_new, low_rounds=1000, self_load=100)
+    policy = h.service.engine.policy
+    policy.costs = Costs(lambda: policy.plans["first-token"] == 0)   # pays until the open's move
+    sid, r = await h.open(contract, prompt=prompt)
+    assert r.status == 200, r.body
+    machine = h.service.sessions[sid].machine
+    await until(lambda: machine.closed)
+    assert policy.plans["first-token"] == 1 and policy.plans["self"] == 1
+    assert list(machine.output_tokens) == greedy(h, prompt, max_new)
+    records = await read_records(h.log, machine.commit_log)
+    assert [rec.round for rec in records] == list(range(1, max_new + 1))
+    assert all(len(rec.emitted) == 1 for rec in records)
+
+
+def test_a_first_token_session_is_planned_again_with_the_load_at_its_first_token():
+    """`resume_drafting` for a session that self-decoded its first token only: a drafter
+    where the plan at the sessions now in play says drafting pays, else self-decoding on."""
+    from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
+
+    class LoadCosts(Costs):       # drafting pays up to 4 sessions, loses beyond
+        def pass_cost(self, n):
+            return 0.010 if n <= 4 * 9 else 0.010 * n
+
+        def turnaround(self, x):
+            return 0.001 if x <= 4 * 8 else 1.0
+
+    policy = SpeculationPolicy("auto", costs=LoadCosts(), first_token=True)
+    for active, drafts in ((2, True), (64, False)):
+        state = SessionSpeculation()
+        policy.started_first_token(state)
+        assert not policy.resume_drafting(state, 0, 8, active)    # its first token is still to come
+        assert policy.resume_drafting(state, 1, 8, active) == drafts
+        assert state.self_decoding == (not drafts) and not state.first_token_only
+
+
 def test_the_pass_curve_reads_each_load_from_the_passes_measured_near_it():
     """t(n) is what was measured at n, interpolated between measured bands and extended
     beyond them without falling; with one band, the prior slope."""
