@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from sdcp_fast.core.problems import PROBLEM_MEDIA_TYPE, Problem
 
 from .http import media_type
+from .tlsconfig import TLSConfig
 
 DEFAULT_MAX_RESPONSE = 16 << 20
 # A request body at least this long announces its length (content-length), so that a server
@@ -126,16 +127,53 @@ class Exchange:
             self.future.set_exception(TransportError(str(error), sent=error.sent))
 
 
+class ClientConnection:
+    """What the origin pool reads of a connection (`usable`, `busy`, `last_used`; a subclass
+    adds `has_room`, `retire` and `close`) and its requests' exchanges by stream id. `_ready`:
+    what a new connection is awaited on before its first request."""
+
+    def __init__(self, max_response: int):
+        loop = asyncio.get_running_loop()
+        self._max_response = max_response
+        self._exchanges: dict[int, Exchange] = {}
+        self._closed: TransportError | None = None   # set once no new stream may start
+        self._ready = loop.create_future()
+        self.last_used = loop.time()
+
+    @property
+    def usable(self) -> bool:
+        return self._closed is None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._exchanges)
+
+    def _fail_all(self, error: TransportError, not_ready: Exception) -> None:
+        """No new stream may start and no exchange will be answered; `not_ready`: what
+        awaiting `_ready` raises if it was not ready yet."""
+        if self._closed is None:
+            self._closed = error
+        for exchange in self._exchanges.values():
+            exchange.fail(error)
+        if not self._ready.done():
+            self._ready.set_exception(not_ready)
+            self._ready.exception()   # retrieved: nobody may be waiting
+
+
 class Origins:
     """The connections of one client, per origin: one while its streams fit the server's
     limit, past that another (up to `max_connections`), then a request waits for a free
     stream. One connect at a time per origin. A connection idle for 0.9 x `idle_timeout` is
     retired, not reused (a server with the same idle_timeout may be closing it). A subclass
-    opens connections (`_open`), which offer usable, has_room, busy, last_used, retire, close."""
+    opens `ClientConnection`s (`_open`)."""
 
-    def __init__(self, *, connect_timeout: float, idle_timeout: float, max_connections: int):
+    def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int,
+                 max_connections: int = 1):
+        self._tls = tls
         self._connect_timeout = connect_timeout
+        self._idle_timeout = idle_timeout
         self._expiry = 0.9 * idle_timeout
+        self._max_response = max_response
         self._max_connections = max_connections
         self._pools: dict[tuple[str, int], list] = {}
         self._freed: dict[tuple[str, int], asyncio.Event] = {}   # set when a stream or a connect ends

@@ -17,6 +17,7 @@ import jh2.exceptions
 import jh2.settings
 
 from .client_base import (
+    ClientConnection,
     ClientResponse,
     Exchange,
     Origins,
@@ -33,33 +34,20 @@ _STREAM_EVENTS = (jh2.events.DataReceived, jh2.events.ResponseReceived, jh2.even
                   jh2.events.StreamReset)
 
 
-class H2ClientConnection(H2Endpoint):
-    """One HTTP/2 connection to a server: requests as streams, answers to their futures."""
+class H2ClientConnection(H2Endpoint, ClientConnection):
+    """One HTTP/2 connection to a server: requests as streams, answers to their futures;
+    ready once the server's first SETTINGS came."""
 
     def __init__(self, max_response: int, freed: asyncio.Event):
-        super().__init__(H2Connection(configuration(client_side=True)))
+        H2Endpoint.__init__(self, H2Connection(configuration(client_side=True)))
+        ClientConnection.__init__(self, max_response)
         self._conn.local_settings = jh2.settings.Settings(client=True, initial_values={
             jh2.settings.SettingCodes.ENABLE_PUSH: 0})
-        self._max_response = max_response
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
-        self._exchanges: dict[int, Exchange] = {}
-        self._settled = self._loop.create_future()   # the server's first SETTINGS
-        self._closed: TransportError | None = None   # set once no new stream may start
-        self._goaway_last: int | None = None
-        self.last_used = self._loop.time()
-
-    # ---- state the origin pool reads ------------------------------------------------------
-    @property
-    def usable(self) -> bool:
-        return self._closed is None
 
     @property
     def has_room(self) -> bool:
         return len(self._exchanges) < self._conn.remote_settings.max_concurrent_streams
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._exchanges)
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -72,7 +60,7 @@ class H2ClientConnection(H2Endpoint):
             events = self._conn.receive_data(data)
         except jh2.exceptions.ProtocolError as exc:
             self.transmit()   # h2 has queued a GOAWAY
-            self._fail_all(TransportError(f"HTTP/2 protocol error from the server: {exc}", sent=True))
+            self._lost(TransportError(f"HTTP/2 protocol error from the server: {exc}", sent=True))
             self._transport.close()
             return
         for event in events:
@@ -81,7 +69,7 @@ class H2ClientConnection(H2Endpoint):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        self._fail_all(TransportError(f"HTTP/2 connection lost{f': {exc}' if exc else ''}", sent=True))
+        self._lost(TransportError(f"HTTP/2 connection lost{f': {exc}' if exc else ''}", sent=True))
         self._window_open.set()
         self._writable.set()
 
@@ -105,28 +93,28 @@ class H2ClientConnection(H2Endpoint):
 
     def _on_connection_event(self, event: jh2.events.Event) -> None:
         if isinstance(event, jh2.events.RemoteSettingsChanged):
-            if not self._settled.done():
-                self._settled.set_result(None)
+            if not self._ready.done():
+                self._ready.set_result(None)
             self._window_open.set()
         elif isinstance(event, jh2.events.WindowUpdated):
             self._window_open.set()
         elif isinstance(event, jh2.events.ConnectionTerminated):
             # GOAWAY: streams above last_stream_id were not processed and may go elsewhere;
             # those at or below it are still answered, until the server closes
-            self._goaway_last = event.last_stream_id or 0
+            last = event.last_stream_id or 0
             detail = f"HTTP/2 GOAWAY from the server ({error_name(event.error_code)})"
             self._closed = TransportError(detail, sent=False)
             for stream_id, exchange in list(self._exchanges.items()):
-                if stream_id > self._goaway_last:
+                if stream_id > last:
                     exchange.fail(self._closed)
-            if not self._settled.done():
-                self._settled.set_exception(TransportError(detail, sent=False))
+            if not self._ready.done():
+                self._ready.set_exception(TransportError(detail, sent=False))
             self._freed.set()
 
     # ---- requests -------------------------------------------------------------------------
     async def settled(self) -> None:
         """Wait for the server's SETTINGS: it admitted us, and its limits are known."""
-        await self._settled
+        await self._ready
 
     async def request(self, method: str, authority: str, path: str, body: bytes | None,
                       content_type: str | None) -> ClientResponse:
@@ -156,13 +144,8 @@ class H2ClientConnection(H2Endpoint):
             if self._closed is not None and not self._exchanges:
                 self.close()   # after a GOAWAY: the last answer is in
 
-    def _fail_all(self, error: TransportError) -> None:
-        if self._closed is None:
-            self._closed = error
-        for exchange in self._exchanges.values():
-            exchange.fail(error)
-        if not self._settled.done():
-            self._settled.set_exception(TransportError(str(error), sent=error.sent))
+    def _lost(self, error: TransportError) -> None:
+        self._fail_all(error, TransportError(str(error), sent=error.sent))
         self._freed.set()
 
     def retire(self) -> None:
@@ -184,10 +167,9 @@ class H2ClientConnection(H2Endpoint):
 class H2Origins(Origins):
     """The HTTP/2 connections of one client, per origin."""
 
-    def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
-        super().__init__(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_connections=MAX_CONNECTIONS)
+    def __init__(self, tls: TLSConfig, **options):
+        super().__init__(tls, max_connections=MAX_CONNECTIONS, **options)
         self._context = tls.client_ssl_context()
-        self._max_response = max_response
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H2ClientConnection:
         """A TLS 1.3 connection with ALPN h2, our certificate presented, the server's checked

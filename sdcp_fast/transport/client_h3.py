@@ -14,6 +14,7 @@ from aioquic.quic.connection import QuicConnection
 from .certpolicy import CertificateRejected, verify_server
 from .client_base import (
     DEFAULT_MAX_RESPONSE,
+    ClientConnection,
     ClientResponse,
     Exchange,
     Origins,
@@ -22,35 +23,22 @@ from .client_base import (
 )
 from .compat import peer_certificates
 from .h3 import Data, H3Error, H3Streams, Headers, QuicDriver
-from .tlsconfig import TLSConfig
 
 CRYPTO_ERROR_RANGE = range(0x100, 0x200)  # QUIC CRYPTO_ERROR + TLS alert (RFC 9001 4.8)
 MAX_ANSWER_FIELDS = 1 << 16   # the field-section size our client advertises for answers
 
 
-class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
+class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver, ClientConnection):
     """One QUIC connection to a server (its socket connected to it once `connected_to` is
-    set), requests as streams, answers to their futures."""
+    set), requests as streams, answers to their futures; ready once the handshake is done."""
 
     def __init__(self, quic: QuicConnection, max_response: int = DEFAULT_MAX_RESPONSE):
         QuicDriver.__init__(self, quic, self._sendto)
-        self._max_response = max_response
+        ClientConnection.__init__(self, max_response)
         self._h3: H3Streams | None = None
-        self._exchanges: dict[int, Exchange] = {}
-        self._terminated: TransportError | None = None
         self._datagram_transport: asyncio.DatagramTransport | None = None
         self.connected_to = None
-        self._connected = self._loop.create_future()
-        self.last_used = self._loop.time()
         self.has_room = True   # QUIC's stream limit and flow control pace the streams
-
-    @property
-    def usable(self) -> bool:
-        return self._terminated is None
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._exchanges)
 
     def connection_made(self, transport) -> None:
         self._datagram_transport = transport
@@ -69,13 +57,13 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
         self.transmit()
 
     async def wait_connected(self) -> None:
-        await asyncio.shield(self._connected)
+        await asyncio.shield(self._ready)
 
     async def request(self, method: str, authority: str, target: str, body: bytes | None,
                       content_type: str | None) -> ClientResponse:
         """One exchange; the caller bounds it (Client's attempt does, connecting included)."""
-        if self._terminated is not None:
-            raise TransportError(str(self._terminated), sent=False)
+        if self._closed is not None:
+            raise TransportError(str(self._closed), sent=False)
         stream_id = self.quic.get_next_available_stream_id()
         exchange = Exchange(self._loop.create_future(), self._max_response)
         self._exchanges[stream_id] = exchange
@@ -94,7 +82,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
             self.last_used = self._loop.time()
 
     def _cancel(self, stream_id: int) -> None:
-        if self._terminated is not None:   # nothing left to tell the server
+        if self._closed is not None:   # nothing left to tell the server
             return
         with contextlib.suppress(Exception):
             self.quic.reset_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
@@ -112,20 +100,16 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
                 exchange.fail(TransportError(f"stream reset by server ({event.error_code:#x})", sent=sent))
         elif isinstance(event, events.HandshakeCompleted):
             self._h3 = H3Streams(self.quic, is_client=True, max_field_section_size=MAX_ANSWER_FIELDS)
-            if not self._connected.done():
-                self._connected.set_result(None)
+            if not self._ready.done():
+                self._ready.set_result(None)
         elif isinstance(event, events.ConnectionTerminated):
             # A TLS alert (a transport close, frame_type set) means the handshake or the
             # certificate was refused: no request was processed. Application closes (H3
             # codes) carry no frame type.
             refused = event.frame_type is not None and event.error_code in CRYPTO_ERROR_RANGE
-            self._terminated = TransportError(
+            error = TransportError(
                 f"HTTP/3 connection closed ({event.error_code:#x}: {event.reason_phrase})", sent=not refused)
-            for exchange in self._exchanges.values():
-                exchange.fail(self._terminated)
-            if not self._connected.done():
-                self._connected.set_exception(ConnectionError(str(self._terminated)))
-                self._connected.exception()   # retrieved: nobody may be waiting
+            self._fail_all(error, ConnectionError(str(error)))
             self.stop_timer()
 
     def _on_stream_data(self, stream_id: int, data: bytes, ended: bool) -> None:
@@ -153,7 +137,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
 
     def close(self) -> None:
         """CONNECTION_CLOSE (unless the connection is over already), then the socket."""
-        if self._terminated is None:
+        if self._closed is None:
             self.quic.close()
             self.transmit()
         self.stop_timer()   # nothing may be sent once the socket is closed
@@ -165,12 +149,6 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver):
 
 class H3Origins(Origins):
     """The HTTP/3 connections of one client, one per origin (QUIC flow control paces streams)."""
-
-    def __init__(self, tls: TLSConfig, *, connect_timeout: float, idle_timeout: float, max_response: int):
-        super().__init__(connect_timeout=connect_timeout, idle_timeout=idle_timeout, max_connections=1)
-        self._tls = tls
-        self._idle_timeout = idle_timeout
-        self._max_response = max_response
 
     async def _open(self, origin: tuple[str, int], freed: asyncio.Event) -> H3ClientConnection:
         """A QUIC connection with its handshake done (TLS 1.3, our certificate presented)."""

@@ -155,9 +155,10 @@ class BoundedMemo(dict):
 
 class RequestHeads:
     """`IncomingRequest.from_headers` for one server, remembered by the header fields (a
-    session sends the same fields with each of its proposals). A request gets a fresh
-    `IncomingRequest` (its body and query its own); a refusal (`Problem`, `Malformed`) is
-    worked out each time. Bounded: `REMEMBER` header lists of at most `REMEMBER_SIZE` bytes."""
+    session sends the same fields with each of its proposals): a remembered head is shared,
+    not to be changed (a request whose body is awaited gets a copy of its own); a refusal
+    (`Problem`, `Malformed`) is worked out each time. Bounded: `REMEMBER` header lists of at
+    most `REMEMBER_SIZE` bytes."""
 
     REMEMBER = 512
     REMEMBER_SIZE = 1024
@@ -167,16 +168,7 @@ class RequestHeads:
         self._body_limit = body_limit
         self._known: BoundedMemo = BoundedMemo(self.REMEMBER)
 
-    def incoming(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
-        head = self.head(headers)
-        if head.__class__ is not IncomingRequest:
-            return head
-        return IncomingRequest(head.method, head.path, dict(head.query) if head.query else {},
-                               head.content_type, head.max_body, head.head, head.content_length)
-
     def head(self, headers: HeaderList) -> IncomingRequest | Problem | Malformed:
-        """What `incoming` gives, but a request's remembered head itself, not a copy: not
-        to be changed (for IncomingRequest.whole, which leaves it as it is)."""
         key = tuple(headers)
         head = self._known.get(key)
         if head is None:

@@ -11,6 +11,7 @@ provides the wire operations, each tolerating a stream or connection that ended 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -139,9 +140,9 @@ class Serving:
             await asyncio.wait(list(self._tasks), timeout=grace)
 
 
-# answers that say the request itself was bad: a well-behaved client does not send them
-REFUSED_STATUSES = frozenset({400, 413, 415, 431})
-_REFUSAL_KINDS = {413: Kind.BODY_TOO_LARGE, 415: Kind.MEDIA_TYPE, 431: Kind.HEADERS_TOO_LARGE}
+# answers that say the request itself was bad (a well-behaved client does not send them),
+# with the refusal kind each is counted as (400: logged only)
+REFUSED_STATUSES = {400: None, 413: Kind.BODY_TOO_LARGE, 415: Kind.MEDIA_TYPE, 431: Kind.HEADERS_TOO_LARGE}
 
 
 @dataclass
@@ -217,13 +218,12 @@ class RequestLifecycle:
             self.caller = check(certificate)
         except CertificateRejected as exc:
             self._rejected = exc
-            self._serving.refusals.refuse(Kind.CERTIFICATE, self._peer,
-                                          f"{self.PROTOCOL}: refused client {self._peer}: {exc}")
+            self._count_refusal(Kind.CERTIFICATE, f"refused client {self._peer}: {exc}")
             return Kind.CERTIFICATE
         refusal = self._serving.admit(self, self.caller)
         if refusal is not None:
             kind, self._refusal = refusal
-            self._serving.refusals.refuse(kind, self.caller, f"{self.PROTOCOL}: {self._refusal}")
+            self._count_refusal(kind, self._refusal)
             return kind
         self._admitted = True
         log.debug("%s: connection from %s as %s", self.PROTOCOL, self._peer, self.caller)
@@ -247,13 +247,14 @@ class RequestLifecycle:
     def _client(self) -> object:
         return self.caller or self._peer
 
+    def _count_refusal(self, kind: str, detail: str) -> None:
+        """A refusal counted against the caller (its address before it is known)."""
+        self._serving.refusals.refuse(kind, self._client, f"{self.PROTOCOL}: {detail}")
+
     @property
     def busy(self) -> bool:
         """Answers still to send (a graceful stop waits for these)."""
         return bool(self._tasks or self._pending)
-
-    def _owed(self, stream_id: int) -> bool:
-        return stream_id in self._tasks or stream_id in self._pending
 
     def _on_headers(self, stream_id: int, headers, ended: bool, body: bytes | None = None) -> None:
         """A request's header block; `ended`: no body follows; `body`: its whole body, known
@@ -261,23 +262,21 @@ class RequestLifecycle:
         if self._closing:
             self._reset(stream_id, self.UNPROCESSED)
             return
-        heads = self._serving.request_heads
-        incoming = heads.incoming(headers) if body is None else heads.head(headers)
+        incoming = self._serving.request_heads.head(headers)
         if isinstance(incoming, Malformed):
             self._reset(stream_id, self.MALFORMED)
             self._stream_refused(stream_id, Kind.MALFORMED, incoming.reason)
         elif isinstance(incoming, Problem):
             self._refuse(stream_id, incoming, request_complete=ended or body is not None)
-        elif body is not None:   # the body came whole with the headers: nothing to await
-            problem = incoming.too_large(len(body))
+        elif body is not None or ended:   # the request is whole: nothing to await
+            problem = None if body is None else incoming.too_large(len(body))
             if problem is not None:
                 self._refuse(stream_id, problem, request_complete=True)
             else:
-                self._start(stream_id, incoming, body)
-        elif ended:
-            self._start(stream_id, incoming, incoming.body)
-        else:
-            incoming.deadline = self._loop.call_later(self._limits.body_timeout, self._body_overdue, stream_id)
+                self._start(stream_id, incoming, b"" if body is None else body)
+        else:   # a request of its own (the head is shared): its body, its deadline
+            incoming = dataclasses.replace(incoming, body=bytearray(), deadline=self._loop.call_later(
+                self._limits.body_timeout, self._body_overdue, stream_id))
             self._pending[stream_id] = incoming
 
     def _on_body(self, stream_id: int, data: bytes, ended: bool) -> None:
@@ -296,30 +295,30 @@ class RequestLifecycle:
         """The client cancelled a stream. Before its answer that counts towards the
         rapid-reset budget: opening and resetting streams costs the client nothing and the
         server a request each. True when an answer was owed."""
-        owed = self._owed(stream_id)
-        self._drop_stream(stream_id)
+        owed = self._drop_stream(stream_id)
         if owed:
             self._count_early_reset(stream_id, "reset by the client before its answer")
         return owed
 
-    def _drop_stream(self, stream_id: int) -> None:
-        self._take_pending(stream_id)
+    def _drop_stream(self, stream_id: int) -> bool:
+        """Nothing more for the stream: its body not awaited, its answer cancelled; True
+        when an answer was owed."""
         task = self._tasks.pop(stream_id, None)
         if task is not None:
             task.cancel()
+        return self._take_pending(stream_id) or task is not None
 
     def _stream_refused(self, stream_id: int, kind: str, detail: str) -> None:
         """A stream ended by a stream error of ours: logged, and an early reset."""
-        self._serving.refusals.refuse(kind, self._client, f"{self.PROTOCOL}: stream {stream_id}: {detail}")
+        self._count_refusal(kind, f"stream {stream_id}: {detail}")
         self._count_early_reset(stream_id, detail)
 
     def _refuse(self, stream_id: int, problem: Problem, *, request_complete: bool) -> None:
         """Answer from the transport, before the handler; the rest of an upload is stopped."""
         self._take_pending(stream_id)
-        kind = _REFUSAL_KINDS.get(problem.status)
+        kind = REFUSED_STATUSES.get(problem.status)
         if kind is not None:
-            self._serving.refusals.refuse(
-                kind, self._client, f"{self.PROTOCOL}: stream {stream_id} -> {problem.status} {problem.detail}")
+            self._count_refusal(kind, f"stream {stream_id} -> {problem.status} {problem.detail}")
         else:
             log.info("%s: stream %d from %s -> %d %s", self.PROTOCOL, stream_id, self.caller,
                      problem.status, problem.detail)
@@ -328,19 +327,20 @@ class RequestLifecycle:
             self._stop_upload(stream_id, False)
         self._count_refused(stream_id, problem.status)
 
-    def _take_pending(self, stream_id: int) -> None:
-        """The stream's body is no longer awaited: forget it and its deadline."""
+    def _take_pending(self, stream_id: int) -> bool:
+        """The stream's body is no longer awaited: forget it and its deadline; False when
+        none was."""
         incoming = self._pending.pop(stream_id, None)
         if incoming is not None:
             incoming.deadline.cancel()
+        return incoming is not None
 
     def _body_overdue(self, stream_id: int) -> None:
         """The body is still incomplete `body_timeout` after the headers: 408, upload stopped."""
-        if self._pending.pop(stream_id, None) is None:
+        if not self._take_pending(stream_id):
             return
-        self._serving.refusals.refuse(Kind.BODY_TIMEOUT, self._client,
-                                      f"{self.PROTOCOL}: stream {stream_id} -> 408: body not complete within "
-                                      f"{self._limits.body_timeout}s")
+        self._count_refusal(Kind.BODY_TIMEOUT,
+                            f"stream {stream_id} -> 408: body not complete within {self._limits.body_timeout}s")
         self._write_now(stream_id, body_timeout_response(self._limits.body_timeout))
         self._stop_upload(stream_id, True)
 
@@ -421,7 +421,7 @@ class RequestLifecycle:
         reason) and refuse the client for `calm_penalty_s`."""
         if self._calm_reason:
             return
-        self._serving.refusals.refuse(kind, self._client, f"{self.PROTOCOL}: {detail}")
+        self._count_refusal(kind, detail)
         self._serving.calm_down(self.caller)
         self._closing = True
         for stream_id in [*self._tasks, *self._pending]:
@@ -435,5 +435,4 @@ class RequestLifecycle:
         """Graceful close: refuse new requests (safe to retry), answer the ones in flight, then
         end the connection (HTTP/2: no GOAWAY before that; some clients fail open streams on one)."""
         self._closing = True
-        if not self._tasks:
-            self._end_connection("done")
+        self._answered()

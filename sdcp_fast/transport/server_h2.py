@@ -116,7 +116,8 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             return
         limit = jh2.hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
         transport.write(self._conn.data_to_send() + limit.serialize())
-        self._arm_idle_timer()
+        self._last_activity = self._loop.time()
+        self._idle_timer = self._loop.call_later(limits.idle_timeout, self._idle_check)
         self._arm_header_timer()
         early, self._early = b"".join(self._early), []
         if early:
@@ -134,7 +135,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             self._preface_seen = self._preface_seen or bool(events)
         except jh2.exceptions.ProtocolError as exc:
             kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, jh2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
-            self._serving.refusals.refuse(kind, self._client, f"h2: connection error: {exc}")
+            self._count_refusal(kind, f"connection error: {exc}")
             if kind == Kind.HEADERS_TOO_LARGE:
                 # a header block far over the advertised size: HPACK decoded a full budget
                 # of it before giving up, which a client must not get again at once
@@ -241,8 +242,8 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         """The content as flow control allows; one that gets no credit for `send_timeout` is
         cut off (RST_STREAM CANCEL)."""
         if await self._send_rest(stream_id, rest, self._limits.send_timeout) == "stalled":
-            self._serving.refusals.refuse(Kind.FLOW_STALLED, self._client,
-                                          f"h2: stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
+            self._count_refusal(Kind.FLOW_STALLED,
+                                f"stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
             self._reset(stream_id, ErrorCodes.CANCEL)
 
     def _stop_upload(self, stream_id: int, overdue: bool) -> None:
@@ -277,25 +278,19 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         if not self._edges.partial:
             return
         what = "a frame" if self._preface_seen else "the client preface"
-        self._serving.refusals.refuse(Kind.HEADER_TIMEOUT, self._client,
-                                      f"h2: {what} not complete within {self._limits.header_timeout}s")
+        self._count_refusal(Kind.HEADER_TIMEOUT, f"{what} not complete within {self._limits.header_timeout}s")
         self._closing = True
         self._close_transport()
 
-    def _arm_idle_timer(self) -> None:
-        """One timer per connection, re-armed only when it fires (not per packet)."""
-        self._last_activity = self._loop.time()
-        self._idle_timer = self._loop.call_later(self._limits.idle_timeout, self._idle_check)
-
     def _idle_check(self) -> None:
         """Idle means no stream: bytes alone (PINGs, a trickled frame) do not keep a
-        connection open."""
+        connection open. One timer per connection, re-armed only when it fires (not per packet)."""
         idle_for = self._loop.time() - self._last_activity
         if self.busy or idle_for < self._limits.idle_timeout:
             remaining = self._limits.idle_timeout - idle_for
             self._idle_timer = self._loop.call_later(max(remaining, 0.05), self._idle_check)
             return
-        self._serving.refusals.refuse(Kind.IDLE, self._client, f"h2: idle for {self._limits.idle_timeout}s: closing")
+        self._count_refusal(Kind.IDLE, f"idle for {self._limits.idle_timeout}s: closing")
         self.goaway()
 
     def _close_transport(self) -> None:

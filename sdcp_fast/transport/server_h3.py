@@ -120,7 +120,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             self._peer = addr
             if not self._serving.may_connect(addr[0]):
                 # dropped before any handshake work: the datagram is not even parsed
-                self._serving.refusals.refuse(Kind.CONNECTION_RATE, addr, "h3: new connections too fast")
+                self._count_refusal(Kind.CONNECTION_RATE, "new connections too fast")
                 self._serving.handshake_ended(self)
                 self._handshake_timer.cancel()
                 self._listener.forget(self)
@@ -163,8 +163,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             self._h3 = H3Streams(self.quic, is_client=False, max_field_section_size=self._limits.max_header_list)
 
     def _handshake_overdue(self) -> None:
-        self._serving.refusals.refuse(Kind.HANDSHAKE_TIMEOUT, self._peer,
-                                      f"h3: handshake not done within {self._limits.handshake_timeout}s")
+        self._count_refusal(Kind.HANDSHAKE_TIMEOUT, f"handshake not done within {self._limits.handshake_timeout}s")
         self._drop()
 
     def _drop(self) -> None:
@@ -188,13 +187,12 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             if event.error_code == CRYPTO_ERROR + AlertDescription.decrypt_error:
                 # the one signature a server checks is the client's CertificateVerify
                 kind, reason = Kind.CERTIFICATE, "CertificateVerify signature does not match the certificate"
-            self._serving.refusals.refuse(kind, self._peer, f"h3: refused client {self._peer}: {reason}")
+            self._count_refusal(kind, f"refused client {self._peer}: {reason}")
         elif event.error_code == packet.QuicErrorCode.STREAM_LIMIT_ERROR:
-            self._serving.refusals.refuse(Kind.STREAM_LIMIT, self.caller,
-                                          f"h3: more than {self._limits.max_concurrent_streams} streams "
-                                          f"opened: closed ({event.reason_phrase})")
+            self._count_refusal(Kind.STREAM_LIMIT, f"more than {self._limits.max_concurrent_streams} streams "
+                                                   f"opened: closed ({event.reason_phrase})")
         elif event.reason_phrase == "Idle timeout":  # aioquic's own close
-            self._serving.refusals.refuse(Kind.IDLE, self.caller, f"h3: idle for {self._limits.idle_timeout}s: closed")
+            self._count_refusal(Kind.IDLE, f"idle for {self._limits.idle_timeout}s: closed")
         else:
             log.debug("h3: connection from %s (%s) closed: %s", self._peer, self.caller,
                       event.reason_phrase or f"code {event.error_code:#x}")
@@ -240,8 +238,8 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         reset it (it holds a stream of the client's limit and up to a header block)."""
         if self._awaiting_headers.pop(stream_id, None) is None:
             return
-        self._serving.refusals.refuse(Kind.HEADER_TIMEOUT, self._client,
-                                      f"h3: stream {stream_id}: headers not complete within {self._limits.header_timeout}s")
+        self._count_refusal(Kind.HEADER_TIMEOUT,
+                            f"stream {stream_id}: headers not complete within {self._limits.header_timeout}s")
         self._reset(stream_id, ErrorCode.H3_REQUEST_INCOMPLETE)
 
     # ---- the wire operations of the lifecycle --------------------------------------------
@@ -298,8 +296,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         flow-control credit): reset the stream, freeing what it holds."""
         if self._ended or not compat.unsent(self.quic, stream_id):
             return
-        self._serving.refusals.refuse(Kind.FLOW_STALLED, self._client,
-                                      f"h3: stream {stream_id}: not delivered within {self._limits.send_timeout}s")
+        self._count_refusal(Kind.FLOW_STALLED, f"stream {stream_id}: not delivered within {self._limits.send_timeout}s")
         self._reset(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
 
     # ---- closing -------------------------------------------------------------------------
