@@ -5,9 +5,6 @@ mutual TLS); this adapter is for clients and scrapers.
     server = await serve_web(handler, host="127.0.0.1", port=0, tls=None | TLSConfig)
     server.port; await server.stop()
 
-    class WebHandler(Protocol):
-        async def handle(self, request: WebRequest) -> WebResponse | StreamingResponse
-
 `WebRequest`: the whole body, at most `max_body` bytes (413), read within `read_timeout_s`
 (408). A `StreamingResponse` sends its chunks as they come and stops when the client goes
 away; a handler still working then is cancelled; an exception out of it is a logged 500.

@@ -62,10 +62,15 @@ def instance_file_name(uri: str) -> str:
 
 
 def _signed(subject: x509.Name, key: ec.EllipticCurvePrivateKey, issuer: x509.Name,
-            signer: ec.EllipticCurvePrivateKey, not_before: dt.datetime, not_after: dt.datetime, *,
-            ca: bool, extensions: list[x509.ExtensionType]) -> x509.Certificate:
-    """A certificate for `key` signed by `signer`: basic constraints and key usage critical
-    (a CA signs certificates, a leaf only signatures), a subject key identifier, `extensions`."""
+            signer: ec.EllipticCurvePrivateKey, days: int, not_before: dt.datetime | None = None,
+            not_after: dt.datetime | None = None, *, ca: bool,
+            extensions: tuple[x509.ExtensionType, ...] = ()) -> x509.Certificate:
+    """A certificate for `key` signed by `signer`, valid `days` from 5 minutes ago (clock skew)
+    unless `not_before`/`not_after` say otherwise: basic constraints and key usage critical (a
+    CA signs certificates, a leaf only signatures), a subject key identifier, `extensions`."""
+    now = dt.datetime.now(dt.UTC)
+    not_before = not_before or now - dt.timedelta(minutes=5)
+    not_after = not_after or now + dt.timedelta(days=days)
     builder = (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -91,9 +96,7 @@ def _signed(subject: x509.Name, key: ec.EllipticCurvePrivateKey, issuer: x509.Na
 def make_ca(common_name: str = "sdcp-fast CA", *, days: int = 3650) -> CertificateAuthority:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    now = _now()
-    cert = _signed(name, key, name, key, now - dt.timedelta(minutes=5), now + dt.timedelta(days=days),
-                   ca=True, extensions=[])
+    cert = _signed(name, key, name, key, days, ca=True)
     return CertificateAuthority(cert, key)
 
 
@@ -111,16 +114,14 @@ def make_instance_cert(
     if urlsplit(uri).scheme != "https" or not host:
         raise ValueError(f"instance URI must be https://HOST[:PORT]/...: {uri!r}")
     key = key or ec.generate_private_key(ec.SECP256R1())
-    now = _now()
     names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(uri)]
     names += [x509.DNSName(dns) for dns in dict.fromkeys([host, *LOOPBACK_DNS]) if not _is_ip(dns)]
     names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys([host, *LOOPBACK_IPS]) if _is_ip(ip)]
     cert = _signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]), key, ca.cert.subject, ca.key,
-                   not_before or now - dt.timedelta(minutes=5), not_after or now + dt.timedelta(days=days),
-                   ca=False, extensions=[
+                   days, not_before, not_after, ca=False, extensions=(
                        x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                        x509.SubjectAlternativeName(names),
-                       x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key())])
+                       x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key())))
     return cert, key
 
 
@@ -183,7 +184,3 @@ def _is_ip(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _now() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)

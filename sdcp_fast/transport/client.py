@@ -17,7 +17,6 @@ the same bytes (deterministic encoding).
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
 from typing import Generic, Literal, TypeVar
 
@@ -26,10 +25,8 @@ from sdcp_fast.core.problems import Problem, ProblemError
 
 from .client_base import DEFAULT_MAX_RESPONSE, ClientResponse, RequestTimeout, TransportError
 from .client_h2 import H2Origins
-from .http import SDCP_MEDIA_TYPE, Message
+from .http import SDCP_MEDIA_TYPE, Message, log
 from .tlsconfig import TLSConfig
-
-log = logging.getLogger("sdcp_fast.transport")
 
 
 class Client:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 
 import jh2.events
 import jh2.exceptions
@@ -28,7 +27,6 @@ from .compat import H2Connection
 from .h2base import ErrorCodes, H2Endpoint, configuration, error_name
 from .tlsconfig import H2_ALPN, TLSConfig
 
-log = logging.getLogger("sdcp_fast.transport")
 MAX_CONNECTIONS = 16   # per origin
 _STREAM_EVENTS = (jh2.events.DataReceived, jh2.events.ResponseReceived, jh2.events.StreamEnded,
                   jh2.events.StreamReset)

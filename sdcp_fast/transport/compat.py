@@ -1,19 +1,6 @@
-"""Where the transport's libraries lack a public API SDCP needs: one shim each, naming the
-upstream issue it waits for; the only module allowed a library's private names
+"""Where the transport's libraries lack a public API SDCP needs: one shim each, its docstring
+naming the upstream issue it waits for; the only module allowed a library's private names
 (tests/transport/test_public_apis.py). A shim goes once its issue is resolved in range.
-
-- `H2StreamErrors` (jh2; h2 the same): RFC 9113 8.1.1 makes a malformed request (a
-  content-length that is not a number, that conflicts with another, or that the body does
-  not match) a *stream* error; h2 raises a connection error and sends GOAWAY, ending every
-  other stream on the connection. Upstream: python-hyper/h2 issue 114 (content-length
-  policing); the stream-error variant is not filed yet (the proposal: bench/RESULTS.md).
-- `client_certificate_quic`, `peer_certificates` (aioquic): a QUIC server cannot ask for a
-  client certificate through aioquic's public API (the flag is "for test purposes only":
-  aioquic issue 541), and neither end can read the peer's certificate.
-- `set_max_streams_bidi` (aioquic): the initial MAX_STREAMS a server announces is fixed at
-  128, with no QuicConfiguration member (not filed upstream yet).
-- `unsent` (aioquic): whether a stream's data still waits for flow-control credit; aioquic
-  has no public look-up of a stream's send state (not filed upstream yet).
 """
 
 from __future__ import annotations
@@ -48,7 +35,12 @@ class H2Connection(jh2.connection.H2Connection):
 
 
 class H2StreamErrors(H2Connection):
-    """h2's connection where a malformed request's error stays on its stream (see above)."""
+    """h2's connection where a malformed request's error stays on its stream (jh2; h2 the
+    same): RFC 9113 8.1.1 makes a malformed request (a content-length that is not a number,
+    that conflicts with another, or that the body does not match) a *stream* error; h2 raises
+    a connection error and sends GOAWAY, ending every other stream on the connection.
+    Upstream: python-hyper/h2 issue 114 (content-length policing); the stream-error variant is
+    not filed yet (the proposal: bench/RESULTS.md)."""
 
     def _receive_headers_frame(self, frame):
         try:
@@ -83,10 +75,11 @@ class H2StreamErrors(H2Connection):
 
 @functools.cache
 def client_certificate_quic() -> type:
-    """aioquic's QuicConnection whose server TLS context asks for a client certificate
-    (aioquic issue 541). aioquic then requires the client's CertificateVerify (proof of
-    possession) but accepts an empty Certificate and checks no chain: server_h3.py applies
-    the certificate policy once the handshake completes, and refuses a connection without one."""
+    """aioquic's QuicConnection whose server TLS context asks for a client certificate (its
+    public API cannot: the flag is "for test purposes only", aioquic issue 541). aioquic then
+    requires the client's CertificateVerify (proof of possession) but accepts an empty
+    Certificate and checks no chain: server_h3.py applies the certificate policy once the
+    handshake completes, and refuses a connection without one."""
     from aioquic.quic.connection import QuicConnection
 
     class ClientCertificateQuic(QuicConnection):
@@ -108,7 +101,8 @@ def peer_certificates(quic) -> tuple[Any, list[Any]]:
 
 
 def set_max_streams_bidi(quic, count: int) -> None:
-    """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram.
+    """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram
+    (aioquic fixes it at 128, with no QuicConfiguration member; not filed upstream yet).
     `sent` too: aioquic raises the limit per closed stream only once the new value is ahead
     of what it believes was announced."""
     streams = quic._local_max_streams_bidi
@@ -117,6 +111,7 @@ def set_max_streams_bidi(quic, count: int) -> None:
 
 def unsent(quic, stream_id: int) -> bool:
     """Whether data written on `stream_id` still waits to be sent (flow control), the stream
-    neither finished nor reset (aioquic has no public look-up of a stream's send state)."""
+    neither finished nor reset (aioquic has no public look-up of a stream's send state; not
+    filed upstream yet)."""
     stream = quic._streams.get(stream_id)
     return stream is not None and not stream.sender.buffer_is_empty and not stream.sender.is_finished

@@ -149,9 +149,6 @@ class BoundedMemo(dict):
             self.clear()
         self[key] = value
 
-    def forget(self, key) -> None:
-        self.pop(key, None)
-
 
 class RequestHeads:
     """`IncomingRequest.from_headers` for one server, remembered by the header fields (a

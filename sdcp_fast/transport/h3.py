@@ -190,7 +190,7 @@ class H3Streams:
             return self._receive_uni(stream_id, data)
         if stream_id in self._refused:
             if ended:
-                self._refused.forget(stream_id)
+                self._refused.pop(stream_id, None)
             return []
         stream = self._streams.get(stream_id)
         if stream is None:

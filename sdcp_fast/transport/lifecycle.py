@@ -236,10 +236,8 @@ class RequestLifecycle:
         """The connection is gone: it no longer counts, and nothing is owed any more."""
         if self._admitted:
             self._serving.release(self, self.caller)
-        for task in self._tasks.values():
-            task.cancel()
-        for stream_id in list(self._pending):
-            self._take_pending(stream_id)
+        for stream_id in [*self._tasks, *self._pending]:
+            self._drop_stream(stream_id)
         self._handler_limits.close()
 
     # ---- the steps -----------------------------------------------------------------------

@@ -76,7 +76,5 @@ class Limits:
             raise ValueError("max_concurrent_streams, max_connections and max_handshakes must be >= 1")
 
     def body_limit(self, resource: str | None) -> int:
-        """The body limit of a resource class (`max_body` when it has no entry)."""
-        if resource is None:
-            return self.max_body
+        """The body limit of a resource class (`max_body` when it has no entry, or is None)."""
         return self.body_limits.get(resource, self.max_body)

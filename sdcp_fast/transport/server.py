@@ -6,19 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import socket
 from typing import Any
 
-from .http import Handler
+from .http import Handler, log
 from .lifecycle import Serving
 from .limits import Limits
 from .listener_h2 import TCPListener
 from .refusals import Refusals
 from .server_h2 import H2ServerProtocol
 from .tlsconfig import TLSConfig
-
-log = logging.getLogger("sdcp_fast.transport")
 
 
 class Server:

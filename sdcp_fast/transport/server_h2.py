@@ -1,13 +1,10 @@
 """HTTP/2 (RFC 9113) on jh2's public API, held to the limits against hostile clients.
 
 `H2ServerProtocol` takes a connection from listener_h2.py once its TLS handshake is done and
-runs it through the request lifecycle (lifecycle.py). A malformed request resets its own
-stream (PROTOCOL_ERROR; compat.H2StreamErrors for the content-length cases h2 checks); a
-stream over SETTINGS_MAX_CONCURRENT_STREAMS is refused alone (REFUSED_STREAM, RFC 9113 5.1.2:
-h2 would make it a connection error, so the limit is advertised in a SETTINGS frame of our
-own and enforced here); the preface and any frame begun must arrive whole within
-`header_timeout` (`FrameEdges`); a response stalled by flow control past `send_timeout` is
-reset; a connection with no stream for `idle_timeout` is closed.
+runs it through the request lifecycle (lifecycle.py); compat.H2StreamErrors keeps the
+content-length cases h2 checks stream errors. A stream over SETTINGS_MAX_CONCURRENT_STREAMS
+is refused alone (REFUSED_STREAM, RFC 9113 5.1.2: h2 would make it a connection error, so
+the limit is advertised in a SETTINGS frame of our own and enforced here).
 """
 
 from __future__ import annotations

@@ -5,9 +5,7 @@ same limits as HTTP/2 (limits.py) through the same request lifecycle (lifecycle.
 `H3ServerProtocol` asks for a client certificate and announces MAX_STREAMS
 `max_concurrent_streams` (beyond it: STREAM_LIMIT_ERROR, RFC 9000 4.6); the handshake must
 finish within `handshake_timeout`; a refused certificate closes the connection with its TLS
-alert. Per stream: the header block must be whole within `header_timeout` of the stream's
-first byte; HEADERS over `max_header_list` is answered 431 once its length is known; a
-response still not sent `send_timeout` after it was written is reset.
+alert; HEADERS over `max_header_list` is answered 431 once its length is known (h3.TooLarge).
 """
 
 from __future__ import annotations
@@ -234,8 +232,8 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             timer.cancel()
 
     def _headers_overdue(self, stream_id: int) -> None:
-        """A request stream whose header block is still incomplete after header_timeout:
-        reset it (it holds a stream of the client's limit and up to a header block)."""
+        """A request stream whose header block is still incomplete `header_timeout` after its
+        first byte: reset it (it holds a stream of the client's limit and up to a header block)."""
         if self._awaiting_headers.pop(stream_id, None) is None:
             return
         self._count_refusal(Kind.HEADER_TIMEOUT,
