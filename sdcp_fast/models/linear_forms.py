@@ -16,8 +16,9 @@ direction depending on the BLAS build, the CPU and the row count. So nothing her
 constant. The unit measured is the whole pass (`FormChooser.pass_over`), not one layer's
 call: a form's cost shows partly in the calls after it (the OpenMP team it leaves awake or
 asleep, the caches it leaves warm), so a layer timed alone can look cheaper in the form
-that makes the pass dearer. Each row count runs its passes in the two forms alternately
-until each has `WARMUP` timings, then in the one with the lower median of its last
+that makes the pass dearer. Each row count runs its passes in the two forms alternately,
+the library's first (a row count seen once, as most prefills' are, runs as the library
+would run it), until each has `WARMUP` timings, then in the one with the lower median of its last
 `SAMPLES`, and once every `RECHECK` passes in the other, so that a change of load or of the
 BLAS's behaviour is followed. Row counts share a key in bands (`rows_key`), which keeps the
 table small and the warm-up short whatever the prefills' sizes.
@@ -88,7 +89,7 @@ class FormChooser:
             k = self._keys[key] = _Key()
         k.passes += 1
         if k.chosen is None:
-            form = k.passes % 2                  # alternate, weight_major first
+            form = 1 - k.passes % 2              # alternate, the library's first
         else:
             form = 1 - k.chosen if k.passes % RECHECK == 0 else k.chosen
         self.current = form

@@ -56,7 +56,7 @@ def test_chooser_alternates_then_keeps_the_faster_form_and_rechecks():
     chooser = lf.FormChooser(clock=clock)
     cost = {lf.LIBRARY: 0.060, lf.WEIGHT_MAJOR: 0.040}
     warm = run_passes(chooser, clock, 1, cost, 2 * lf.WARMUP)
-    assert warm == [lf.WEIGHT_MAJOR, lf.LIBRARY] * lf.WARMUP
+    assert warm == [lf.LIBRARY, lf.WEIGHT_MAJOR] * lf.WARMUP
     assert chooser.chosen() == {1: "weight_major"}
     steady = run_passes(chooser, clock, 1, cost, lf.RECHECK)
     # one pass in RECHECK runs the other form; every other runs the chosen one
