@@ -201,13 +201,13 @@ class _Config(Config):
         return context
 
 
+@dataclass
 class WebServer:
     """A running `serve_web`: `port` is the bound port; `await stop()` ends it."""
 
-    def __init__(self, port: int, task: asyncio.Task, shutdown: asyncio.Event):
-        self.port = port
-        self._task = task
-        self._shutdown = shutdown
+    port: int
+    _task: asyncio.Task
+    _shutdown: asyncio.Event
 
     async def stop(self, grace: float = 2.0) -> None:
         self._shutdown.set()

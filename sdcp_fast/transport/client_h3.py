@@ -47,10 +47,8 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver, ClientConnection)
         self.receive(data, addr)
 
     def _sendto(self, data: bytes, addr) -> None:
-        if self.connected_to is not None:
-            self._datagram_transport.sendto(data)   # no address: no route look-up per send
-        else:
-            self._datagram_transport.sendto(data, addr)
+        # once connected, no address: no route look-up per send
+        self._datagram_transport.sendto(data, None if self.connected_to is not None else addr)
 
     def connect(self, addr) -> None:
         self.quic.connect(addr, now=self._loop.time())

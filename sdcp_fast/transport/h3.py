@@ -93,10 +93,8 @@ class QuicDriver:
         self.transmit()
 
     def _process_events(self) -> None:
-        event = self.quic.next_event()
-        while event is not None:
+        while (event := self.quic.next_event()) is not None:
             self.quic_event(event)
-            event = self.quic.next_event()
 
     def stop_timer(self) -> None:
         """The connection is over: no timer, no queued transmit."""
@@ -159,6 +157,7 @@ class H3Streams:
         self._streams: dict[int, _Stream] = {}
         self._uni_types: dict[int, int | None] = {}   # the peer's unidirectional streams
         self._refused = BoundedMemo(REFUSED_KEPT)
+        self._control = b""   # an incomplete frame of the peer's control stream
         settings = b"".join(encode_uint_var(k) + encode_uint_var(v) for k, v in (
             (QPACK_MAX_TABLE_CAPACITY, 0), (QPACK_BLOCKED_STREAMS, 0),
             (MAX_FIELD_SECTION_SIZE, max_field_section_size)))
@@ -262,8 +261,6 @@ class H3Streams:
                 return []   # the type is one octet for every stream we read
             self._uni_types[stream_id] = kind
             buffer = data[at:]
-            if kind == CONTROL_STREAM:
-                self._control = b""
         if kind != CONTROL_STREAM:
             return []   # QPACK streams (no table: nothing to read), pushes, unknown types
         buffer = self._control + buffer
@@ -282,5 +279,3 @@ class H3Streams:
                 events.append(GoAway(varint(payload, 0)[0]))
         self._control = buffer[at:]
         return events
-
-    _control = b""

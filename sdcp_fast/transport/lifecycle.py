@@ -45,7 +45,6 @@ class Serving:
     def __init__(self, handler: Handler, *, tls: TLSConfig, limits: Limits | None = None,
                  refusals: Refusals | None = None):
         self.handle = handler_entry(handler)   # what a request is awaited on
-        self.tls = tls
         self.limits = limits or Limits()
         self.refusals = refusals or Refusals()
         self.ssl_context = tls.server_ssl_context()
@@ -180,6 +179,9 @@ class RequestLifecycle:
         self._reset_budget = Strikes(self._limits.max_early_resets, self._limits.early_reset_window_s)
         self._refusal_budget = Strikes(self._limits.max_refused_requests, self._limits.early_reset_window_s)
         self._closing = False
+        self._calm_reason = ""   # the refusal kind that ended the connection, once one did
+        self._rejected: CertificateRejected | None = None   # set by _admit
+        self._refusal = ""   # the detail of a refused admission
         self._loop = asyncio.get_running_loop()
         self._handler_limits = Deadlines(self._loop)   # the handler time limit of each request
 
@@ -228,9 +230,6 @@ class RequestLifecycle:
         self._admitted = True
         log.debug("%s: connection from %s as %s", self.PROTOCOL, self._peer, self.caller)
         return None
-
-    _rejected: CertificateRejected | None = None
-    _refusal = ""
 
     def _connection_over(self) -> None:
         """The connection is gone: it no longer counts, and nothing is owed any more."""
@@ -348,23 +347,18 @@ class RequestLifecycle:
         if rest is not None:
             self._serving.spawn(rest, self._loop)
 
-    def _mismatch(self, stream_id: int, incoming: IncomingRequest, size: int) -> bool:
-        """A body that breaks the declared content-length (RFC 9113 8.1.1, RFC 9114 4.1.2):
-        the request is malformed, a stream error."""
-        if incoming.content_length is None or incoming.head or incoming.content_length == size:
-            return False
-        self._reset(stream_id, self.MALFORMED)
-        self._stream_refused(stream_id, Kind.MALFORMED,
-                             f"content-length {incoming.content_length} but a body of {size} bytes")
-        return True
-
     def _start(self, stream_id: int, incoming: IncomingRequest, body: bytes | bytearray) -> None:
         """The request is whole: run the handler (`incoming` may be a remembered head, left as
-        it is: the request gets its own query)."""
-        if not self._mismatch(stream_id, incoming, len(body)):
-            request = Request(incoming.method, incoming.path, dict(incoming.query) if incoming.query else {},
-                              incoming.content_type, bytes(body), self.caller)
-            self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
+        it is: the request gets its own query), unless its body breaks the declared
+        content-length (RFC 9113 8.1.1, RFC 9114 4.1.2): malformed, a stream error."""
+        length = incoming.content_length
+        if length is not None and not incoming.head and length != len(body):
+            self._reset(stream_id, self.MALFORMED)
+            self._stream_refused(stream_id, Kind.MALFORMED, f"content-length {length} but a body of {len(body)} bytes")
+            return
+        request = Request(incoming.method, incoming.path, dict(incoming.query) if incoming.query else {},
+                          incoming.content_type, bytes(body), self.caller)
+        self._tasks[stream_id] = self._serving.spawn(self._answer(stream_id, request, incoming.head), self._loop)
 
     async def _answer(self, stream_id: int, request: Request, head: bool) -> None:
         """The handler's answer within `handler_timeout`, in the stream's own task: a
@@ -426,8 +420,6 @@ class RequestLifecycle:
             self._drop_stream(stream_id)
         self._calm_reason = kind
         self._end_connection("calm")
-
-    _calm_reason = ""
 
     def goaway(self) -> None:
         """Graceful close: refuse new requests (safe to retry), answer the ones in flight, then

@@ -207,19 +207,19 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
             if not events and not ended:   # its header block must be whole within header_timeout
                 self._awaiting_headers[stream_id] = self._loop.call_later(
                     self._limits.header_timeout, self._headers_overdue, stream_id)
+        elif events:   # a header block, or what follows one: the headers are no longer awaited
+            self._headers_arrived(stream_id)
         if len(events) == 2 and events[0].__class__ is Headers and events[1].__class__ is Data \
                 and events[1].ended and not events[0].ended:
-            self._headers_arrived(stream_id)   # a whole request: its body known with its headers
+            # a whole request: its body known with its headers
             self._on_headers(stream_id, events[0].headers, False, events[1].data)
             return
         for event in events:
             if event.__class__ is Data:
                 self._on_body(stream_id, event.data, event.ended)
             elif event.__class__ is Headers:
-                self._headers_arrived(stream_id)
                 self._on_headers(stream_id, event.headers, event.ended)
             elif event.__class__ is TooLarge:
-                self._headers_arrived(stream_id)
                 self._refuse(stream_id, Problem(ProblemKind.HEADERS_TOO_LARGE,
                                                 f"HEADERS frame of {event.size} bytes exceeds the limit of "
                                                 f"{self._limits.max_header_list}"), request_complete=ended)
