@@ -5,12 +5,12 @@ is out) saves the next round its drafting when the guess holds. What it costs de
 where the drafter runs: on a host of its own it costs nothing the verifier feels, but on
 cores it shares with the verifier, the steps it runs during the verifier's pass take cores
 from that pass, and the verdict then waits for the step under way (`settle`). Which one wins
-is a property of the deployment, so it is measured, not assumed: the drafter's rounds run in
-blocks of `BLOCK` rounds with drafting ahead allowed or not, each block timed as seconds a
-committed token, answer to answer (so the saved drafting, the slower pass and the settle
-all count); the two ways alternate until each has `WARMUP` blocks, then the one with the
-lower median of its last `SAMPLES` runs, and the other once every `RECHECK` blocks so that a
-change of load or of placement is followed.
+is a property of the deployment, so it is measured, not assumed: the drafter's rounds run
+in blocks of `BLOCK` rounds with drafting ahead allowed or not, each block timed as seconds
+a committed token, answer to answer (so the saved drafting, the slower pass and the settle
+all count), and `core.choice.TwoWayChooser` picks the way of the next block (`WARMUP`
+blocks of each, then the lower median of the last `SAMPLES`, the other every `RECHECK`-th)
+so that a change of load or of placement is followed.
 
 A round is counted only when the round before it, in the same session, ran the same way: a
 round's drafting is saved or not by the way its predecessor ran.
@@ -18,8 +18,7 @@ round's drafting is saved or not by the way its predecessor ran.
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
+from ..core.choice import TwoWayChooser
 
 BLOCK = 4          # rounds a block
 WARMUP = 3         # blocks of each way before the drafter chooses
@@ -32,13 +31,23 @@ class AheadChooser:
     `observe` takes each counted round's answer-to-answer seconds and committed tokens."""
 
     def __init__(self) -> None:
-        self.ahead = True                 # the first block drafts ahead (the protocol's usual way)
-        self.blocks = 0                   # blocks completed
-        self.chosen: bool | None = None
-        self.samples: dict[bool, deque[float]] = {True: deque(maxlen=SAMPLES), False: deque(maxlen=SAMPLES)}
+        # the first block drafts ahead (the protocol's usual way)
+        self.choice = TwoWayChooser(True, warmup=WARMUP, samples=SAMPLES, recheck=RECHECK)
         self._rounds = 0
         self._seconds = 0.0
         self._tokens = 0
+
+    @property
+    def ahead(self) -> bool:
+        return bool(self.choice.way)
+
+    @property
+    def chosen(self) -> bool | None:
+        return None if self.choice.chosen is None else bool(self.choice.chosen)
+
+    @property
+    def samples(self):
+        return self.choice.samples
 
     def observe(self, ahead: bool, seconds: float, tokens: int) -> None:
         if ahead != self.ahead or tokens <= 0 or seconds <= 0:
@@ -48,12 +57,5 @@ class AheadChooser:
         self._tokens += tokens
         if self._rounds < BLOCK:
             return
-        self.samples[self.ahead].append(self._seconds / self._tokens)
+        self.choice.observe(ahead, self._seconds / self._tokens)
         self._rounds, self._seconds, self._tokens = 0, 0.0, 0
-        self.blocks += 1
-        if min(len(s) for s in self.samples.values()) >= WARMUP:
-            self.chosen = statistics.median(self.samples[True]) <= statistics.median(self.samples[False])
-        if self.chosen is None:
-            self.ahead = not self.ahead
-        else:
-            self.ahead = (not self.chosen) if self.blocks % RECHECK == 0 else self.chosen

@@ -37,15 +37,14 @@ weights stay tied, state-dict names are unchanged).
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from ..core.choice import TwoWayChooser
 from ..core.control import size_band
 
 LIBRARY, WEIGHT_MAJOR = 0, 1
@@ -61,13 +60,8 @@ def rows_key(rows: int) -> int:
     return size_band(rows, EXACT_ROWS)
 
 
-class _Key:
-    __slots__ = ("passes", "samples", "chosen")
-
-    def __init__(self) -> None:
-        self.passes = 0
-        self.samples = (deque(maxlen=SAMPLES), deque(maxlen=SAMPLES))
-        self.chosen: int | None = None
+def _choice() -> TwoWayChooser:
+    return TwoWayChooser(LIBRARY, warmup=WARMUP, samples=SAMPLES, recheck=RECHECK)
 
 
 class FormChooser:
@@ -77,40 +71,32 @@ class FormChooser:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.current: int | None = None          # the form of the pass under way
-        self._keys: dict[int, _Key] = {}
+        self._keys: dict[int, TwoWayChooser] = {}
 
     @contextmanager
     def pass_over(self, rows: int) -> Iterator[int]:
         """Run one pass of the model over `rows` new tokens in the form chosen for it (yielded),
         timed; a pass that raises is not counted."""
         key = rows_key(rows)
-        k = self._keys.get(key)
-        if k is None:
-            k = self._keys[key] = _Key()
-        k.passes += 1
-        if k.chosen is None:
-            form = 1 - k.passes % 2              # alternate, the library's first
-        else:
-            form = 1 - k.chosen if k.passes % RECHECK == 0 else k.chosen
-        self.current = form
+        choice = self._keys.get(key)
+        if choice is None:
+            choice = self._keys[key] = _choice()
+        form = self.current = choice.way
         started = self.clock()
         try:
             yield form
         finally:
             self.current = None
-        k.samples[form].append(self.clock() - started)
-        if min(len(s) for s in k.samples) >= WARMUP:
-            medians = [statistics.median(s) for s in k.samples]
-            k.chosen = LIBRARY if medians[LIBRARY] <= medians[WEIGHT_MAJOR] else WEIGHT_MAJOR
+        choice.observe(form, self.clock() - started)
 
     def settled(self, rows: int) -> int:
         """The form for a call outside any pass: the row count's choice, else the library's."""
-        k = self._keys.get(rows_key(rows))
-        return LIBRARY if k is None or k.chosen is None else k.chosen
+        choice = self._keys.get(rows_key(rows))
+        return LIBRARY if choice is None or choice.chosen is None else choice.chosen
 
     def chosen(self) -> dict[int, str]:
         """{row-count key: form name} for the keys that have chosen (logs, tests)."""
-        return {key: FORMS[k.chosen] for key, k in self._keys.items() if k.chosen is not None}
+        return {key: FORMS[c.chosen] for key, c in self._keys.items() if c.chosen is not None}
 
 
 def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
