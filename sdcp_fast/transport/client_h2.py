@@ -9,7 +9,6 @@ RFC 9113 8.7 and 6.8); a reset or a lost connection after the request went out m
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import jh2.events
 import jh2.exceptions
@@ -155,11 +154,7 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
         """GOAWAY, then close (requests still on it fail)."""
         if self._closed is None:
             self._closed = TransportError("HTTP/2 connection closed by this client", sent=False)
-        if self._transport is not None and not self._transport.is_closing():
-            with contextlib.suppress(jh2.exceptions.H2Error):
-                self._conn.close_connection()
-            self.transmit()
-            self._transport.close()
+        self._goaway_and_close()
 
 
 class H2Origins(Origins):

@@ -53,7 +53,7 @@ class H2Endpoint(asyncio.Protocol):
         self._window_open = asyncio.Event()   # flow-control credit arrived
         self._writable = asyncio.Event()      # transport buffer below its high-water mark
         self._writable.set()
-        self._transmit_queued = False   # a transmit waits for the end of this loop turn
+        self._transmit_queued = False   # a transmit waits for the end of this loop turn (or ran since)
         self._uncredited = 0   # bytes of ended streams' DATA not yet credited to the connection
 
     def pause_writing(self) -> None:
@@ -64,6 +64,7 @@ class H2Endpoint(asyncio.Protocol):
 
     def transmit(self) -> None:
         """Write what jh2 has queued."""
+        self._transmit_queued = False
         data = self._conn.data_to_send()
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
@@ -73,11 +74,17 @@ class H2Endpoint(asyncio.Protocol):
         one after another in one turn, leave in one write)."""
         if not self._transmit_queued:
             self._transmit_queued = True
-            self._loop.call_soon(self._transmit_now)
+            self._loop.call_soon(self.transmit)
 
-    def _transmit_now(self) -> None:
-        self._transmit_queued = False
+    def _goaway_and_close(self, code: int = ErrorCodes.NO_ERROR, reason: bytes | None = None) -> None:
+        """GOAWAY with `code` and `reason`, what is queued, then the close (unless the
+        connection is closing already)."""
+        if self._transport is None or self._transport.is_closing():
+            return
+        with contextlib.suppress(jh2.exceptions.H2Error):   # already closed by the peer's GOAWAY
+            self._conn.close_connection(code, additional_data=reason)
         self.transmit()
+        self._transport.close()
 
     def _credit(self, event: jh2.events.DataReceived) -> None:
         """Flow-control credit for a DATA frame read: on its stream and the connection while

@@ -272,9 +272,8 @@ class RequestLifecycle:
             else:
                 self._start(stream_id, incoming, b"" if body is None else body)
         else:   # a request of its own (the head is shared): its body, its deadline
-            incoming = dataclasses.replace(incoming, body=bytearray(), deadline=self._loop.call_later(
+            self._pending[stream_id] = dataclasses.replace(incoming, body=bytearray(), deadline=self._loop.call_later(
                 self._limits.body_timeout, self._body_overdue, stream_id))
-            self._pending[stream_id] = incoming
 
     def _on_body(self, stream_id: int, data: bytes, ended: bool) -> None:
         """Body bytes of a pending request (any other stream's are dropped)."""

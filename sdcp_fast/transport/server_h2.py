@@ -107,9 +107,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         self._conn.initiate_connection()
         if refusal is not None:
             code = ErrorCodes.NO_ERROR if refusal == Kind.CONNECTIONS else ErrorCodes.ENHANCE_YOUR_CALM
-            self._conn.close_connection(code, additional_data=self._refusal.encode())
-            self.transmit()
-            transport.close()
+            self._goaway_and_close(code, self._refusal.encode())
             return
         limit = jh2.hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
         transport.write(self._conn.data_to_send() + limit.serialize())
@@ -138,7 +136,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
                 # of it before giving up, which a client must not get again at once
                 self._serving.calm_down(self.caller)
             self.transmit()  # h2 has queued a GOAWAY
-            self._close_transport()
+            self._transport.close()
             return
         index, count = 0, len(events)
         while index < count and not self._transport.is_closing():
@@ -250,13 +248,10 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             self._discarding[stream_id] = DISCARD_LIMIT
 
     def _end_connection(self, kind: str) -> None:
-        if self._transport is None or self._transport.is_closing():
-            return
-        code = ErrorCodes.ENHANCE_YOUR_CALM if kind == "calm" else ErrorCodes.NO_ERROR
-        with contextlib.suppress(jh2.exceptions.ProtocolError):   # already closed by the peer's GOAWAY
-            self._conn.close_connection(code, additional_data=self._calm_reason.encode() if kind == "calm" else None)
-        self.transmit()
-        self._transport.close()
+        if kind == "calm":
+            self._goaway_and_close(ErrorCodes.ENHANCE_YOUR_CALM, self._calm_reason.encode())
+        else:
+            self._goaway_and_close()
 
     # ---- housekeeping --------------------------------------------------------------------
     def _arm_header_timer(self) -> None:
@@ -277,7 +272,7 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         what = "a frame" if self._preface_seen else "the client preface"
         self._count_refusal(Kind.HEADER_TIMEOUT, f"{what} not complete within {self._limits.header_timeout}s")
         self._closing = True
-        self._close_transport()
+        self._transport.close()
 
     def _idle_check(self) -> None:
         """Idle means no stream: bytes alone (PINGs, a trickled frame) do not keep a
@@ -289,10 +284,6 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             return
         self._count_refusal(Kind.IDLE, f"idle for {self._limits.idle_timeout}s: closing")
         self.goaway()
-
-    def _close_transport(self) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.close()
 
     def abort(self) -> None:
         if self._transport is not None:
