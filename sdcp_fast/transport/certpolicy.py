@@ -34,7 +34,6 @@ class CertificateRejected(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
-        self.detail = detail
 
 
 def uri_identity(cert: x509.Certificate) -> str:

@@ -115,7 +115,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver, ClientConnection)
         try:
             events = self._h3.receive(stream_id, data, ended)
         except H3Error as exc:
-            self.quic.close(error_code=exc.code, reason_phrase=exc.reason)
+            self.quic.close(error_code=exc.code, reason_phrase=str(exc))
             self.transmit()
             return
         if exchange is None or exchange.future.done():

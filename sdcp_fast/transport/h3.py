@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import pylsqpack
 from aioquic.buffer import encode_uint_var
-from aioquic.h3.connection import ErrorCode, FrameUnexpected
+from aioquic.h3.connection import ErrorCode
 from aioquic.quic.connection import QuicConnection
 
 from .exchange import BoundedMemo
@@ -110,7 +110,6 @@ class H3Error(Exception):
     def __init__(self, code: int, reason: str):
         super().__init__(reason)
         self.code = code
-        self.reason = reason
 
 
 # what `H3Streams.receive` reports
@@ -173,14 +172,6 @@ class H3Streams:
         if body:
             data += frame(DATA, body)
         self.quic.send_stream_data(stream_id, data, end_stream)
-
-    def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
-        """More of a body; FrameUnexpected once the stream can no longer send (the peer
-        stopped it with STOP_SENDING, or it was reset)."""
-        try:
-            self.quic.send_stream_data(stream_id, frame(DATA, data) if data else b"", end_stream)
-        except (ValueError, RuntimeError) as exc:
-            raise FrameUnexpected(f"DATA on stream {stream_id}: {exc}") from exc
 
     # ---- receiving -----------------------------------------------------------------------
     def receive(self, stream_id: int, data: bytes, ended: bool) -> list:

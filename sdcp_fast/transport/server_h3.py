@@ -200,7 +200,7 @@ class H3ServerProtocol(RequestLifecycle, QuicDriver):
         try:
             events = self._h3.receive(stream_id, data, ended)
         except H3Error as exc:
-            self._close(exc.code, exc.reason)
+            self._close(exc.code, str(exc))
             return
         if stream_id % 4 == 0 and stream_id > self._highest_stream:   # a new request stream
             self._highest_stream = stream_id

@@ -14,7 +14,6 @@ import cbor2
 import httpx
 import pytest
 from aioquic import tls
-from aioquic.h3.connection import FrameUnexpected
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from cryptography import x509
@@ -260,6 +259,7 @@ async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
                       headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> ClientResponse:
     """POST with exactly these headers (e.g. no content-length) and the body in several DATA frames."""
     from sdcp_fast.transport.client_base import Exchange
+    from sdcp_fast.transport.h3 import DATA, frame
 
     loop = asyncio.get_running_loop()
     connection = QuicConnection(configuration=configuration)
@@ -278,8 +278,9 @@ async def h3_raw_post(port: int, configuration: QuicConfiguration, path: str,
         protocol.transmit()   # the headers leave now, before the body
         for index, chunk in enumerate(chunks):
             try:
-                protocol._h3.send_data(stream_id, chunk, end_stream=index == len(chunks) - 1)
-            except FrameUnexpected:  # the server sent STOP_SENDING: the upload is over
+                connection.send_stream_data(stream_id, frame(DATA, chunk) if chunk else b"",
+                                            end_stream=index == len(chunks) - 1)
+            except (ValueError, RuntimeError):  # the server sent STOP_SENDING: the upload is over
                 break
             protocol.transmit()
             await asyncio.sleep(0.01)
