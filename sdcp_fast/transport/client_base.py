@@ -133,12 +133,12 @@ class ClientConnection:
     what a new connection is awaited on before its first request."""
 
     def __init__(self, max_response: int):
-        loop = asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         self._max_response = max_response
         self._exchanges: dict[int, Exchange] = {}
         self._closed: TransportError | None = None   # set once no new stream may start
-        self._ready = loop.create_future()
-        self.last_used = loop.time()
+        self._ready = self._loop.create_future()
+        self.last_used = self._loop.time()
 
     @property
     def usable(self) -> bool:
@@ -147,6 +147,11 @@ class ClientConnection:
     @property
     def busy(self) -> bool:
         return bool(self._exchanges)
+
+    def _exchange(self, stream_id: int) -> Exchange:
+        """A new request's exchange, kept by its stream id."""
+        exchange = self._exchanges[stream_id] = Exchange(self._loop.create_future(), self._max_response)
+        return exchange
 
     def _fail_all(self, error: TransportError, not_ready: Exception) -> None:
         """No new stream may start and no exchange will be answered; `not_ready`: what

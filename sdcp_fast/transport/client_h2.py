@@ -14,14 +14,7 @@ import jh2.events
 import jh2.exceptions
 import jh2.settings
 
-from .client_base import (
-    ClientConnection,
-    ClientResponse,
-    Exchange,
-    Origins,
-    TransportError,
-    request_headers,
-)
+from .client_base import ClientConnection, ClientResponse, Origins, TransportError, request_headers
 from .compat import H2Connection
 from .h2base import ErrorCodes, H2Endpoint, configuration, error_name
 from .tlsconfig import H2_ALPN, TLSConfig
@@ -123,9 +116,8 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
                                       body or b"")
         except jh2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
             raise TransportError(f"HTTP/2 stream not opened: {exc}", sent=False) from exc
-        exchange = Exchange(self._loop.create_future(), self._max_response)
+        exchange = self._exchange(stream_id)
         exchange.sent_all = not rest
-        self._exchanges[stream_id] = exchange
         try:
             if rest:
                 exchange.sent_all = await self._send_rest(stream_id, rest, None, exchange.future) == "sent"

@@ -16,7 +16,6 @@ from .client_base import (
     DEFAULT_MAX_RESPONSE,
     ClientConnection,
     ClientResponse,
-    Exchange,
     Origins,
     TransportError,
     request_headers,
@@ -63,8 +62,7 @@ class H3ClientConnection(asyncio.DatagramProtocol, QuicDriver, ClientConnection)
         if self._closed is not None:
             raise TransportError(str(self._closed), sent=False)
         stream_id = self.quic.get_next_available_stream_id()
-        exchange = Exchange(self._loop.create_future(), self._max_response)
-        self._exchanges[stream_id] = exchange
+        exchange = self._exchange(stream_id)
         self._h3.send(stream_id, request_headers(method, authority, target, body, content_type), body or b"")
         if len(self._exchanges) == 1:
             self.transmit()
