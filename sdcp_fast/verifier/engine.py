@@ -530,6 +530,7 @@ class Engine:
             item.served.wake()
             verdicts.append((item, RoundResult(verdict=verdict, settled=True)))
         self.metrics.hold_rounds(rounds)
+        self.policy.observe_committed(sum(accepted + 1 for _, accepted, _ in rounds), self.sessions.in_play())
 
     def _settle(self, item: _Queued, position: int, appended: str) -> bool:
         """What the log said of one job's append: True when the round is on record (the

@@ -27,7 +27,11 @@ from one answer to the next, drafted and self-decoded (`MeasuredRate`, all sessi
 kept per band of the load they were measured at). Where drafted rounds measured at about this
 load commit less than self-decoding would (measured, else one token per modelled pass),
 the session self-decodes whatever the model says (bench/RESULTS.md, issue 38, has the
-loads where the model alone got it wrong). A self-decoding session goes back to a drafter
+loads where the model alone got it wrong). Both read costs in the conditions of the way
+being run (a pass timed while drafters share its cores costs more than with them idle,
+and a way never run at a load is never measured there), so above them the verifier runs
+blocks of both ways at each band of load, the plan's and every session self-decoding, and
+keeps the one that commits more (`WayAtLoad`). A self-decoding session goes back to a drafter
 once a plan with its acceptance says speculating pays again (after at least
 `min_self_tokens`: each move back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
 (self_load, the ladder's own use of it); where the contract does not permit it the plan's
@@ -63,6 +67,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from ..core.choice import TwoWayChooser
 from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation, size_band
 
 log = logging.getLogger("sdcp_fast.verifier.speculation")
@@ -76,6 +81,10 @@ MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
 STALE_ROUNDS = 4 * MIN_RATE_ROUNDS   # rounds of the other way, a session in play, that leave a rate stale
 EXACT_TOKENS = 16         # passes of up to this many tokens are bands of t(n) of their own
 LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a factor)
+SELF, PLAN = 0, 1         # the ways at a load: every session self-decoding / as the plan says
+WAY_BLOCK_TOKENS = 6      # committed tokens a session in play: one block of one way
+WAY_SETTLE_TOKENS = 2     # ... and, after a change of way or of load, before a block's clock starts
+WAY_WARMUP, WAY_SAMPLES, WAY_RECHECK = 2, 5, 20   # core.choice.TwoWayChooser's, per band of load
 
 
 @dataclass
@@ -133,6 +142,63 @@ class MeasuredRate:
         if measured is None or measured.rounds < MIN_RATE_ROUNDS or self._stale(measured, active):
             return None
         return measured.rate
+
+
+class WayAtLoad:
+    """Whether speculating, as the plan has it, commits more than every session decoding by
+    itself, measured for each band of load (`MeasuredRate.band`) by running both.
+
+    The plan's model and the per-session rates each read costs in the conditions of the way
+    being run: a pass timed while drafters share its cores costs more than the same pass
+    with the drafters idle, and a way that is never run at a load is never measured there.
+    So the verifier runs blocks of each way in turn (`core.choice.TwoWayChooser` per band):
+    a block is `WAY_BLOCK_TOKENS` committed tokens a session in play, timed from the end of
+    a pass to the end of the pass that completes it, as seconds a committed token of the
+    whole verifier (every cost counts: drafting, catch-up prefills, the slower passes),
+    after `WAY_SETTLE_TOKENS` a session that let the sessions move to the new way. A change
+    of band starts afresh (settle, then a block); blocks of one band keep their samples
+    while other loads come and go."""
+
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
+        self.choices: dict[int, TwoWayChooser] = {}
+        self.band: int | None = None
+        self.way = PLAN
+        self._settle = 0.0          # tokens to commit before the block's clock starts
+        self._started: float | None = None
+        self._tokens = 0
+
+    def observe(self, tokens: int, active: int) -> None:
+        """A pass committed `tokens` with `active` sessions in play."""
+        now = self.clock()
+        band = MeasuredRate.band(active)
+        choice = self.choices.get(band)
+        if choice is None:
+            choice = self.choices[band] = TwoWayChooser(PLAN, warmup=WAY_WARMUP, samples=WAY_SAMPLES,
+                                                        recheck=WAY_RECHECK)
+        if band != self.band or choice.way != self.way:
+            self._begin(band, choice.way, active)
+        if self._started is None:
+            self._settle -= tokens
+            if self._settle <= 0:
+                self._started, self._tokens = now, 0
+            return
+        self._tokens += tokens
+        if self._tokens >= WAY_BLOCK_TOKENS * max(1, active):
+            choice.observe(self.way, (now - self._started) / self._tokens)
+            if choice.way != self.way:
+                self._begin(band, choice.way, active)
+            else:
+                self._started, self._tokens = now, 0
+
+    def _begin(self, band: int, way: int, active: int) -> None:
+        self.band, self.way = band, way
+        self._settle, self._started = WAY_SETTLE_TOKENS * max(1, active), None
+
+    def chosen(self) -> dict[int, str]:
+        """{band of load: way} for the bands that have chosen (logs, tests)."""
+        return {band: ("plan", "self")[c.chosen == SELF] for band, c in self.choices.items()
+                if c.chosen is not None}
 
 
 @dataclass
@@ -251,6 +317,7 @@ class SpeculationPolicy:
         self.pooled = AcceptanceEstimate(weight=POOLED_WEIGHT)   # every session's rounds
         self.pooled_rounds = 0
         self.drafted_rate, self.self_rate = MeasuredRate(), MeasuredRate()
+        self.ways = WayAtLoad()
         self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
@@ -265,8 +332,19 @@ class SpeculationPolicy:
                 self._logged = now
                 t, g, s = self.costs.pass_cost, self.costs.turnaround, self.active
                 log.info("speculation plan: %d sessions; a pass over 1 token a session %.0f ms, over 5 "
-                         "%.0f ms; drafters' turnaround for 4 a session %.0f ms; plans so far %s", s,
-                         1e3 * t(s), 1e3 * t(5 * s), 1e3 * g(4 * s), self.plans)
+                         "%.0f ms; drafters' turnaround for 4 a session %.0f ms; plans so far %s; "
+                         "way now %s, chosen by band of load %s", s, 1e3 * t(s), 1e3 * t(5 * s),
+                         1e3 * g(4 * s), self.plans, ("self", "plan")[self.ways.way], self.ways.chosen())
+
+    def observe_committed(self, tokens: int, active: int) -> None:
+        """A pass committed `tokens` (every session's), `active` sessions in play."""
+        if self.mode == "auto":
+            self.ways.observe(tokens, active)
+
+    @property
+    def all_self_decode(self) -> bool:
+        """In auto, the measured way at this load is every session decoding by itself."""
+        return self.mode == "auto" and self.ways.way == SELF
 
     def observe_turnaround(self, m: int, seconds: float) -> None:
         """A session's drafter came back with M tokens `seconds` after the last verdict:
@@ -318,7 +396,9 @@ class SpeculationPolicy:
         (mode "on")."""
         if self.mode == "on":
             return None
-        if self.mode == "off":
+        if self.mode == "off" or self.all_self_decode:
+            if self.mode == "auto":
+                self.plans["self"] += 1
             return SELF_DECODE
         m = self._plan(state, m_max, speculating=True)
         if m != SELF_DECODE and self.drafting_measured_to_lose():
@@ -337,6 +417,8 @@ class SpeculationPolicy:
         move (`started_self_decoding`)."""
         if self.mode != "auto":
             return self.mode == "off"
+        if self.all_self_decode:
+            return True
         if not self.costs.turnaround_measured:   # no drafter timed yet: nothing to weigh it by
             return False
         return self._drafting_loses(state, m_max, max(active, self.active))
@@ -374,14 +456,15 @@ class SpeculationPolicy:
             if self_tokens < 1:
                 return False
             state.first_token_only = False
-            if self.costs.turnaround_measured and self._drafting_loses(state, m_max, active):
+            if self.all_self_decode or (self.costs.turnaround_measured
+                                        and self._drafting_loses(state, m_max, active)):
                 self.plans["self"] += 1
                 return False
             state.self_decoding = False
             return True
         if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
             return False
-        if self._drafting_loses(state, m_max):
+        if self.all_self_decode or self._drafting_loses(state, m_max):
             return False
         state.self_decoding = False
         self.plans["resume"] += 1

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from sdcp_fast.commits import read_records
+from sdcp_fast.core.control import SELF_DECODE
 from sdcp_fast.core.messages import Action, Sampling, SessionState, Verdict
 from sdcp_fast.verifier import EngineConfig
 from tests.verifier.harness import Harness, contract_for, harness_test
@@ -45,6 +46,18 @@ class Costs:
         return 0.001 if self.speculate() else 1.0
 
     turnaround_measured = True
+
+
+class PlanWay:
+    """In place of the measured `WayAtLoad`: always the plan's way (tests of the plan)."""
+
+    way = 1
+
+    def observe(self, tokens, active):
+        pass
+
+    def chosen(self):
+        return {}
 
 
 def greedy(h: Harness, prompt: list[int], n: int) -> list[int]:
@@ -171,6 +184,7 @@ async def self_decoded_from_open(h: Harness, contract, prompt, max_new):
 async def test_a_session_opened_where_drafting_loses_self_decodes_from_its_first_token(h):
     contract = contract_for(h.backend, max_new=12, self_load=100)
     h.service.engine.policy.costs = Costs(lambda: False)
+    h.service.engine.policy.ways = PlanWay()   # the model's plan decides, not the measured ways
     await self_decoded_from_open(h, contract, [1, 2, 3], 12)
     assert h.service.engine.policy.plans["open-self"] == 1
     h.service.engine.policy.costs = Costs(lambda: True)   # where drafting pays: a drafter's turn
@@ -440,3 +454,64 @@ def test_the_pass_curve_below_its_smallest_pass_is_no_steeper_than_the_prior():
     prior = 0.15 * 0.110 / (1 + 0.15 * 6)
     assert abs(curve.at(1) - (0.110 - 5 * prior)) < 1e-12
     assert curve.at(1) > 0.110 / 2
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def drive_ways(ways, clock, active: int, seconds_a_token: dict[int, float], passes: int) -> list[int]:
+    """Passes of one token a session; each costs what the way under way costs a token."""
+    seen = []
+    for _ in range(passes):
+        seen.append(ways.way)
+        clock.now += seconds_a_token[ways.way] * active
+        ways.observe(active, active)
+    return seen
+
+
+def test_the_measured_ways_keep_the_one_that_commits_more_at_each_load():
+    """`WayAtLoad`: blocks of both ways at a band of load, settle tokens not timed, the
+    cheaper way kept, its choice per band (8 sessions: self-decoding; one: the plan's), and
+    the way not chosen run again once every WAY_RECHECK blocks."""
+    from sdcp_fast.verifier.speculation import (
+        PLAN,
+        SELF,
+        WAY_BLOCK_TOKENS,
+        WAY_RECHECK,
+        WAY_SETTLE_TOKENS,
+        WAY_WARMUP,
+        WayAtLoad,
+    )
+
+    clock = FakeClock()
+    ways = WayAtLoad(clock=clock)
+    per_block = WAY_SETTLE_TOKENS + WAY_BLOCK_TOKENS   # passes a block with its settle, 1 token a session
+    seen = drive_ways(ways, clock, 8, {PLAN: 0.030, SELF: 0.010}, 2 * WAY_WARMUP * per_block)
+    assert seen[0] == PLAN and seen[per_block] == SELF     # the plan's way first, then the other
+    assert ways.chosen() == {ways.band: "self"} and ways.way == SELF
+    at_8 = ways.band
+    seen = drive_ways(ways, clock, 1, {PLAN: 0.020, SELF: 0.050}, 2 * WAY_WARMUP * per_block)
+    assert ways.chosen() == {at_8: "self", ways.band: "plan"} and ways.way == PLAN
+    seen = drive_ways(ways, clock, 8, {PLAN: 0.030, SELF: 0.010}, (WAY_RECHECK + 2) * per_block)
+    assert ways.way == SELF and 0 < seen.count(PLAN) <= 2 * per_block   # one recheck block (and its settle)
+
+
+def test_where_the_measured_way_is_self_decoding_every_decision_self_decodes():
+    from sdcp_fast.verifier.speculation import SELF, SessionSpeculation, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", costs=Costs(lambda: True), first_token=True)   # the model: drafting pays
+    state = SessionSpeculation(rounds=3)
+    assert policy.plan(state, 8) != SELF_DECODE and not policy.self_decode_from_open(state, 8, 1)
+    policy.ways.way = SELF
+    assert policy.all_self_decode
+    assert policy.plan(state, 8) == SELF_DECODE and policy.self_decode_from_open(state, 8, 1)
+    policy.started_first_token(state)
+    assert not policy.resume_drafting(state, 1, 8, 1) and state.self_decoding
+    assert not policy.resume_drafting(state, 100, 8, 1)
+    policy.ways.way = 1 - SELF
+    assert policy.resume_drafting(state, 100, 8, 1)
