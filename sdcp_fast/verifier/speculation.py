@@ -82,9 +82,10 @@ STALE_ROUNDS = 4 * MIN_RATE_ROUNDS   # rounds of the other way, a session in pla
 EXACT_TOKENS = 16         # passes of up to this many tokens are bands of t(n) of their own
 LOAD_FACTOR = 1.5         # the width of a measured rate's band of load (a factor)
 SELF, PLAN = 0, 1         # the ways at a load: every session self-decoding / as the plan says
-WAY_BLOCK_TOKENS = 6      # committed tokens a session in play: one block of one way
-WAY_SETTLE_TOKENS = 2     # ... and, after a change of way or of load, before a block's clock starts
-WAY_WARMUP, WAY_SAMPLES, WAY_RECHECK = 2, 5, 20   # core.choice.TwoWayChooser's, per band of load
+WAY_BLOCK_TOKENS = 8      # committed tokens a session in play: one block of one way
+WAY_SETTLE_TOKENS = 4     # ... and, after a change of way or of load, before a block's clock starts
+WAY_WARMUP, WAY_SAMPLES, WAY_RECHECK = 3, 7, 20   # core.choice.TwoWayChooser's, per band of load
+WAY_MIN_SESSIONS = 2      # fewer in play: the plan and its per-session rates decide alone
 
 
 @dataclass
@@ -157,7 +158,12 @@ class WayAtLoad:
     whole verifier (every cost counts: drafting, catch-up prefills, the slower passes),
     after `WAY_SETTLE_TOKENS` a session that let the sessions move to the new way. A change
     of band starts afresh (settle, then a block); blocks of one band keep their samples
-    while other loads come and go."""
+    while other loads come and go.
+
+    With one session in play nothing is run but the plan's way: a self-decoding pass then
+    shares its cores with no drafting, so the pass cost and the two per-session rates are
+    measured in their own conditions already, and a block of the other way would cost
+    that session a drafter's catch-up prefill at each change for nothing the rates lack."""
 
     def __init__(self, clock=time.perf_counter) -> None:
         self.clock = clock
@@ -172,6 +178,9 @@ class WayAtLoad:
         """A pass committed `tokens` with `active` sessions in play."""
         now = self.clock()
         band = MeasuredRate.band(active)
+        if active < WAY_MIN_SESSIONS:
+            self.band, self.way, self._started = band, PLAN, None
+            return
         choice = self.choices.get(band)
         if choice is None:
             choice = self.choices[band] = TwoWayChooser(PLAN, warmup=WAY_WARMUP, samples=WAY_SAMPLES,

@@ -476,8 +476,9 @@ def drive_ways(ways, clock, active: int, seconds_a_token: dict[int, float], pass
 
 def test_the_measured_ways_keep_the_one_that_commits_more_at_each_load():
     """`WayAtLoad`: blocks of both ways at a band of load, settle tokens not timed, the
-    cheaper way kept, its choice per band (8 sessions: self-decoding; one: the plan's), and
-    the way not chosen run again once every WAY_RECHECK blocks."""
+    cheaper way kept, its choice per band (8 sessions: self-decoding; 3: the plan's), the
+    way not chosen run again once every WAY_RECHECK blocks, and with one session in play
+    the plan's way alone."""
     from sdcp_fast.verifier.speculation import (
         PLAN,
         SELF,
@@ -495,8 +496,11 @@ def test_the_measured_ways_keep_the_one_that_commits_more_at_each_load():
     assert seen[0] == PLAN and seen[per_block] == SELF     # the plan's way first, then the other
     assert ways.chosen() == {ways.band: "self"} and ways.way == SELF
     at_8 = ways.band
-    seen = drive_ways(ways, clock, 1, {PLAN: 0.020, SELF: 0.050}, 2 * WAY_WARMUP * per_block)
+    seen = drive_ways(ways, clock, 3, {PLAN: 0.020, SELF: 0.050}, 2 * WAY_WARMUP * per_block)
     assert ways.chosen() == {at_8: "self", ways.band: "plan"} and ways.way == PLAN
+    # one session in play: the plan's way, nothing measured
+    assert drive_ways(ways, clock, 1, {PLAN: 0.020, SELF: 0.001}, 3 * per_block) == [PLAN] * 3 * per_block
+    assert len(ways.choices) == 2
     seen = drive_ways(ways, clock, 8, {PLAN: 0.030, SELF: 0.010}, (WAY_RECHECK + 2) * per_block)
     assert ways.way == SELF and 0 < seen.count(PLAN) <= 2 * per_block   # one recheck block (and its settle)
 
@@ -507,6 +511,8 @@ def test_where_the_measured_way_is_self_decoding_every_decision_self_decodes():
     policy = SpeculationPolicy("auto", costs=Costs(lambda: True), first_token=True)   # the model: drafting pays
     state = SessionSpeculation(rounds=3)
     assert policy.plan(state, 8) != SELF_DECODE and not policy.self_decode_from_open(state, 8, 1)
+    policy.observe_committed(1, 1)
+    assert not policy.all_self_decode   # one session in play: the plan's way
     policy.ways.way = SELF
     assert policy.all_self_decode
     assert policy.plan(state, 8) == SELF_DECODE and policy.self_decode_from_open(state, 8, 1)
