@@ -243,7 +243,6 @@ def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_
     measured at this load commit 4 tokens/s a session where self-decoding commits 7: the
     plan self-decodes, at open and at a verdict, and no session resumes drafting. Measured
     at another load (over 1.5x away), or on too few rounds, the measurement does not count."""
-    from sdcp_fast.core.control import SELF_DECODE
     from sdcp_fast.verifier.speculation import (
         MIN_RATE_ROUNDS,
         SessionSpeculation,
@@ -273,7 +272,6 @@ def test_a_drafted_rate_left_behind_goes_stale_and_is_measured_afresh():
     sessions have self-decoded STALE_ROUNDS rounds a session in play since: the plan's model
     then lets a session draft again, and the drafted rate is measured anew from its next
     round (a running mean, not the old EWMA), so a drafter that now wins keeps its sessions."""
-    from sdcp_fast.core.control import SELF_DECODE
     from sdcp_fast.verifier.speculation import (
         MIN_RATE_ROUNDS,
         STALE_ROUNDS,
@@ -426,7 +424,6 @@ def test_the_pass_curve_reads_each_load_from_the_passes_measured_near_it():
 def test_the_plan_self_decodes_under_load_and_drafts_alone_on_a_cpus_curve():
     """With the CPU's pass curve and drafters that take 60 ms a round for one session and
     0.7 s for 64, the plan drafts at one session and self-decodes at 64."""
-    from sdcp_fast.core.control import SELF_DECODE
     from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
 
     policy = SpeculationPolicy("auto")
