@@ -7,7 +7,7 @@
 namespace sdcp {
 
 // Bumped whenever a schema or its meaning changes: kernels/native.py refuses a stale build.
-constexpr int64_t kNativeVersion = 2;
+constexpr int64_t kNativeVersion = 3;
 
 }  // namespace sdcp
 
@@ -26,4 +26,13 @@ TORCH_LIBRARY(sdcp, m) {
       "target_probs(Tensor logits, Tensor temperature_milli, Tensor top_k, Tensor top_p_milli) "
       "-> Tensor");
   m.def("native_version() -> int", []() -> int64_t { return sdcp::kNativeVersion; });
+  // the OpenMP version the op was compiled with (0: none, and every at::parallel_for in it
+  // runs serially in the calling thread whatever torch's thread count)
+  m.def("openmp() -> int", []() -> int64_t {
+#ifdef _OPENMP
+    return _OPENMP;
+#else
+    return 0;
+#endif
+  });
 }

@@ -51,7 +51,7 @@ from .batch import (
 )
 
 LIBRARY = "sdcp_fast.kernels._native"
-VERSION = 2  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+VERSION = 3  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
 
 log = logging.getLogger("sdcp_fast.kernels")
 
@@ -82,6 +82,12 @@ def available() -> bool:
     if reason is not None:
         _say_unavailable_once(reason)
     return reason is None
+
+
+def openmp() -> int:
+    """The OpenMP version the op was built with, 0 for none (then its row and matrix loops
+    run on the calling thread alone, whatever torch's thread count; the op must be available)."""
+    return int(torch.ops.sdcp.openmp())
 
 
 def capability() -> str:
