@@ -27,6 +27,11 @@ target_probs tensors:
     temperature_milli, top_k, top_p_milli [rows] int64  ->  p [rows, V] fp32
     (a row with NaN, +inf or no finite logit gives a NaN row)
 
+rows_linear tensors (a linear layer without bias, for the few rows of a verify pass or a
+decode step: csrc/cpu/twin_cpu.cpp; its reference is `torch.nn.functional.linear`):
+    x [n, in] fp32, weight [out, in] fp32, both contiguous, in a multiple of ROWS_LINEAR_COLUMNS
+    -> y [n, out] fp32 = x @ weight.T (summed in its own order: fp32 rounding, not bit for bit)
+
 Without the built library (no compiler when the package was installed, or an isolated build)
 `available()` is False, the dispatcher uses kernels/cpu.py, and a warning says so once.
 SDCP_NATIVE_ISA=scalar makes the op use its portable loops, =avx2 its AVX2 ones on an
@@ -51,7 +56,9 @@ from .batch import (
 )
 
 LIBRARY = "sdcp_fast.kernels._native"
-VERSION = 3  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+VERSION = 4  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+
+ROWS_LINEAR_COLUMNS = 32  # csrc/cpu/twin.h kTwinCols
 
 log = logging.getLogger("sdcp_fast.kernels")
 
@@ -125,6 +132,24 @@ def verify_packed(batch: PackedBatch) -> PackedResult:
     except ValueError as exc:  # the op's input checks (TORCH_CHECK_VALUE)
         raise VerifyInputError(str(exc).splitlines()[0]) from exc
     return PackedResult(packed)
+
+
+def rows_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rows_linear` takes these tensors as they are (else the caller uses the library)."""
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and x.dim() == 2 and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and weight.shape[1] % ROWS_LINEAR_COLUMNS == 0
+            and weight.is_contiguous())
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, in] @ weight[out, in].T through `torch.ops.sdcp.rows_linear` (fp32, CPU; x is made
+    contiguous); ValueError for tensors it does not take (`rows_linear_fits`)."""
+    if not rows_linear_fits(x, weight):
+        raise ValueError(f"rows_linear: fp32 CPU x [n, in] and contiguous weight [out, in] with in a "
+                         f"multiple of {ROWS_LINEAR_COLUMNS}, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    return torch.ops.sdcp.rows_linear(x.contiguous(), weight)
 
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace sdcp::cpu {
 
@@ -21,12 +22,21 @@ struct QMatrix {
   int64_t rows = 0, cols = 0, groups = 1;
 };
 
+// An fp32 matrix, row o, column i at w[o * cols + i] (a linear layer's weight as torch keeps it).
+struct FMatrix {
+  const float* w = nullptr;
+  int64_t rows = 0, cols = 0;
+};
+
 struct TwinLoops {
   const char* name;
   // Y[r * y_stride + o] = sum_i X[r * x_stride + i] * weight(o, i), for r < n and o in
   // [o_begin, o_end): each weight row is read from memory once per call whatever n is.
   void (*matmul)(const float* X, int64_t n, int64_t x_stride, const QMatrix& m, int64_t o_begin,
                  int64_t o_end, float* Y, int64_t y_stride);
+  // the same product over an fp32 matrix (the `rows_linear` op, twin_cpu.cpp)
+  void (*matmul_f32)(const float* X, int64_t n, int64_t x_stride, const FMatrix& m, int64_t o_begin,
+                     int64_t o_end, float* Y, int64_t y_stride);
   // Attention of the G query heads q[g * dh ..] (one token) that share one K/V head, over its
   // positions 0..n_pos-1 (K, V: [n_pos, dh] rows): out[g * dh ..] = softmax(q K^T * scale) V.
   // scores: room for G * n_pos floats.

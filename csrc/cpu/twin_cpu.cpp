@@ -303,9 +303,41 @@ class TwinModel : public torch::CustomClassHolder {
   }
 };
 
+// y [n, out] = x [n, in] W^T for an fp32 weight W [out, in] as torch keeps it (a linear layer
+// without its bias): the twin's register tiles over fp32 weights, every weight row read from
+// memory once per call for up to 8 rows of x, threads (the calling thread's torch threads) over
+// blocks of output rows. For a few rows against a large weight (a verify pass of M + 1 tokens,
+// a decode step of a few sessions) the BLAS's matrix-matrix path can cost far more than its
+// matrix-vector path does for one row; sdcp_fast/models/linear_forms.py measures, pass by pass,
+// whether this or the BLAS is faster on the machine at hand.
+at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "rows_linear: CPU tensors only");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+                    "rows_linear: fp32 tensors only, got ", x.scalar_type(), " and ",
+                    weight.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+                    "rows_linear: x [n, in] and weight [out, in] expected, got ", x.sizes(), " and ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(x.is_contiguous() && weight.is_contiguous(), "rows_linear: contiguous tensors only");
+  TORCH_CHECK_VALUE(weight.size(1) % kTwinCols == 0, "rows_linear: in must be a multiple of ", kTwinCols);
+  const int64_t n = x.size(0), out = weight.size(0), in = weight.size(1);
+  at::Tensor y = at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return y;
+  const TwinLoops& k = choose_twin_loops();
+  const FMatrix m{weight.data_ptr<float>(), out, in};
+  const float* X = x.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  constexpr int64_t kRowsPerTask = 64;
+  split(divide_up(out, kRowsPerTask), at::get_num_threads(), [&](int64_t begin, int64_t end) {
+    k.matmul_f32(X, n, in, m, begin * kRowsPerTask, std::min(end * kRowsPerTask, out), Y, out);
+  });
+  return y;
+}
+
 }  // namespace sdcp::cpu
 
 TORCH_LIBRARY_FRAGMENT(sdcp, m) {
+  m.def("rows_linear(Tensor x, Tensor weight) -> Tensor", &sdcp::cpu::rows_linear);
   m.class_<sdcp::cpu::TwinModel>("TwinModel")
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
       .def("forward", &sdcp::cpu::TwinModel::forward)

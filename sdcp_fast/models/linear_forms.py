@@ -1,30 +1,32 @@
-"""Linear layers on the CPU computed in whichever of two forms the BLAS runs faster, chosen by
-timing whole passes of the model in each.
+"""Linear layers on the CPU computed in whichever of two forms runs faster, chosen by timing
+whole passes of the model in each.
 
-y = x W^T (+ b), x [T, in], W [out, in], can be asked of the BLAS two ways over the same
-weight storage:
+y = x W^T (+ b), x [T, in], W [out, in], is computed in one of two forms over the same weight
+storage:
 
   * `library`: `x @ W.T`, what `torch.nn.functional.linear` asks (for one row, a
     matrix-vector product);
-  * `weight_major`: `(W @ x.T).T`, made contiguous; one row is duplicated so that the BLAS
-    runs its matrix-matrix path, and the copy's result is dropped.
+  * the second form, for passes of at most STREAMED_ROWS rows:
+    - `streamed` where the native op is built (`kernels.native.rows_linear`, csrc/): each
+      weight row read from memory once for up to 8 rows, as one sequential stream per thread;
+    - else `weight_major`: `(W @ x.T).T` asked of the BLAS, made contiguous; one row is
+      duplicated so that the BLAS runs its matrix-matrix path, and the copy's result is dropped.
 
-Both are the same product. The BLAS picks its kernel, its packing and its threading from the
-shapes and transposes it is given, and for a decode step or a short verify pass (few rows
-against a large weight) the two requests can differ in cost by a large factor, in either
-direction depending on the BLAS build, the CPU and the row count. So nothing here is a
-constant. The unit measured is the whole pass (`FormChooser.pass_over`), not one layer's
+All are the same product. The BLAS picks its kernel, its packing and its threading from the
+shapes it is given: for one row a matrix-vector product that streams the weight, for a few
+rows (a verify pass of M + 1 tokens, a decode step of a few sessions) a matrix-matrix path
+that can cost far more, or not, depending on the BLAS build, the CPU and the row count. So
+nothing here is a constant. The unit measured is the whole pass (`FormChooser.pass_over`), not one layer's
 call: a form's cost shows partly in the calls after it (the OpenMP team it leaves awake or
 asleep, the caches it leaves warm), so a layer timed alone can look cheaper in the form
 that makes the pass dearer. Each row count runs its passes in the two forms alternately,
 the library's first (a row count seen once, as most prefills' are, runs as the library
 would run it), until each has `WARMUP` timings, then in the one with the lower median of its last
 `SAMPLES`, and once every `RECHECK` passes in the other, so that a change of load or of the
-BLAS's behaviour is followed. Row counts share a key in bands (`rows_key`), which keeps the
+machine's behaviour is followed. Row counts share a key in bands (`rows_key`), which keeps the
 table small and the warm-up short whatever the prefills' sizes.
 
-The two forms agree to fp32 rounding, not bit for bit at every shape: the BLAS may sum in
-another order. A caller that needs transformers' own bits (a reference run, a baseline)
+The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own order. A caller that needs transformers' own bits (a reference run, a baseline)
 keeps `nn.Linear` (the `hf:` backend's `linear=library`). A call outside any pass (a
 model's own `generate`) uses the form its row count has settled on, else the library's.
 Only CPU models are measured (synchronous ops: the wall clock around a pass is its cost);
@@ -45,10 +47,11 @@ import torch
 from torch import nn
 
 from ..core.choice import TwoWayChooser
+from ..kernels import native
 from ..core.control import size_band
 
-LIBRARY, WEIGHT_MAJOR = 0, 1
-FORMS = ("library", "weight_major")
+LIBRARY, SECOND = 0, 1
+STREAMED_ROWS = 16   # the second form serves passes of at most this many rows (the library's above)
 WARMUP = 3           # timed passes of each form before a row count chooses
 SAMPLES = 7          # recent passes of each form a row count keeps
 RECHECK = 200        # every RECHECK-th pass of a row count runs in the form not chosen
@@ -60,6 +63,11 @@ def rows_key(rows: int) -> int:
     return size_band(rows, EXACT_ROWS)
 
 
+def streamed_available() -> bool:
+    """Whether the native op's `rows_linear` is built (else the second form is weight_major)."""
+    return native.unavailable_reason() is None
+
+
 def _choice() -> TwoWayChooser:
     return TwoWayChooser(LIBRARY, warmup=WARMUP, samples=SAMPLES, recheck=RECHECK)
 
@@ -68,8 +76,11 @@ class FormChooser:
     """The measured choice of form per row count, shared by the linear layers of one model.
     Not thread-safe: a backend's passes run on one thread (its compute thread)."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, *,
+                 streamed: bool | None = None) -> None:
         self.clock = clock
+        self.streamed = streamed_available() if streamed is None else streamed
+        self.forms = ("library", "streamed" if self.streamed else "weight_major")
         self.current: int | None = None          # the form of the pass under way
         self._keys: dict[int, TwoWayChooser] = {}
 
@@ -77,6 +88,13 @@ class FormChooser:
     def pass_over(self, rows: int) -> Iterator[int]:
         """Run one pass of the model over `rows` new tokens in the form chosen for it (yielded),
         timed; a pass that raises is not counted."""
+        if rows > STREAMED_ROWS:   # the library's form alone: nothing to choose or time
+            self.current = LIBRARY
+            try:
+                yield LIBRARY
+            finally:
+                self.current = None
+            return
         key = rows_key(rows)
         choice = self._keys.get(key)
         if choice is None:
@@ -96,7 +114,7 @@ class FormChooser:
 
     def chosen(self) -> dict[int, str]:
         """{row-count key: form name} for the keys that have chosen (logs, tests)."""
-        return {key: FORMS[c.chosen] for key, c in self._keys.items() if c.chosen is not None}
+        return {key: self.forms[c.chosen] for key, c in self._keys.items() if c.chosen is not None}
 
 
 def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -121,12 +139,16 @@ class MeasuredLinear(nn.Module):
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
         form = self.chooser.current
         if form is None:
-            form = self.chooser.settled(x2.shape[0])
-        if form == LIBRARY:
+            form = self.chooser.settled(rows)
+        if form == LIBRARY or rows > STREAMED_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
-        y = weight_major(x2, self.weight)
+        if self.chooser.streamed and native.rows_linear_fits(x2, self.weight):
+            y = native.rows_linear(x2, self.weight)
+        else:
+            y = weight_major(x2, self.weight)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -342,3 +342,43 @@ def test_bad_packed_batches_raise_before_any_read():
     for change in layouts:
         with pytest.raises(VerifyInputError):
             native.verify_packed(dataclasses.replace(good, **change))
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_linear_is_the_linear_product_on_every_loop(monkeypatch, isa, threads):
+    """Against its reference (`F.linear`, in float64): every row count a tile takes alone or
+    splits (1..17), output widths off the tile and task sizes, every instruction set."""
+    with_env(monkeypatch, {"SDCP_NATIVE_ISA": isa})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17):
+            for out, width in ((1, 32), (67, 96), (130, 64)):
+                x = torch.randn(rows, width, generator=gen)
+                w = torch.randn(out, width, generator=gen)
+                got = native.rows_linear(x, w)
+                want = torch.nn.functional.linear(x.double(), w.double())
+                assert got.dtype == torch.float32 and got.shape == (rows, out)
+                torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+        # a strided x is copied, not misread
+        x = torch.randn(64, 6, generator=gen).t()
+        w = torch.randn(10, 64, generator=gen)
+        torch.testing.assert_close(native.rows_linear(x, w).double(),
+                                   torch.nn.functional.linear(x.double(), w.double()), atol=1e-4, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_rows_linear_refuses_what_it_does_not_take():
+    w = torch.randn(8, 64)
+    for x, weight in ((torch.randn(2, 64).double(), w), (torch.randn(2, 48), torch.randn(8, 48)),
+                      (torch.randn(2, 32), w), (torch.randn(2, 64), w.t().contiguous().t()),
+                      (torch.randn(2, 2, 64), w)):
+        assert not native.rows_linear_fits(x, weight)
+        with pytest.raises(ValueError):
+            native.rows_linear(x, weight)
+    # the op's own checks stand behind the launcher's
+    with pytest.raises(ValueError):
+        torch.ops.sdcp.rows_linear(torch.randn(2, 48), torch.randn(8, 48))

@@ -15,16 +15,20 @@ from sdcp_fast.models import linear_forms as lf
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 130])
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 17, 130])
 @pytest.mark.parametrize("bias", [False, True])
-def test_both_forms_compute_the_linear_product(rows, bias):
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("width", [24, 64])   # 24: not a multiple of the native op's 32 columns
+def test_both_forms_compute_the_linear_product(rows, bias, streamed, width):
+    if streamed and not lf.streamed_available():
+        pytest.skip("the native op is not built")
     torch.manual_seed(rows)
-    layer = nn.Linear(24, 40, bias=bias)
-    chooser = lf.FormChooser()
+    layer = nn.Linear(width, 40, bias=bias)
+    chooser = lf.FormChooser(streamed=streamed)
     measured = lf.MeasuredLinear(layer, chooser)
-    x = torch.randn(3, rows, 24)
+    x = torch.randn(3, rows, width)
     want = layer(x)
-    for form in (lf.LIBRARY, lf.WEIGHT_MAJOR):
+    for form in (lf.LIBRARY, lf.SECOND):
         chooser.current = form
         got = measured(x)
         assert got.shape == (3, rows, 40) and got.is_contiguous()
@@ -53,32 +57,41 @@ def run_passes(chooser, clock, rows, cost, n):
 
 def test_chooser_alternates_then_keeps_the_faster_form_and_rechecks():
     clock = FakeClock()
-    chooser = lf.FormChooser(clock=clock)
-    cost = {lf.LIBRARY: 0.060, lf.WEIGHT_MAJOR: 0.040}
+    chooser = lf.FormChooser(clock=clock, streamed=False)
+    cost = {lf.LIBRARY: 0.060, lf.SECOND: 0.040}
     warm = run_passes(chooser, clock, 1, cost, 2 * lf.WARMUP)
-    assert warm == [lf.LIBRARY, lf.WEIGHT_MAJOR] * lf.WARMUP
+    assert warm == [lf.LIBRARY, lf.SECOND] * lf.WARMUP
     assert chooser.chosen() == {1: "weight_major"}
     steady = run_passes(chooser, clock, 1, cost, lf.RECHECK)
     # one pass in RECHECK runs the other form; every other runs the chosen one
     assert steady.count(lf.LIBRARY) == 1
     # another row count decides for itself
-    run_passes(chooser, clock, 8, {lf.LIBRARY: 0.05, lf.WEIGHT_MAJOR: 0.09}, 2 * lf.WARMUP)
+    run_passes(chooser, clock, 8, {lf.LIBRARY: 0.05, lf.SECOND: 0.09}, 2 * lf.WARMUP)
     assert chooser.chosen() == {1: "weight_major", 8: "library"}
     assert chooser.settled(8) == lf.LIBRARY and chooser.settled(3) == lf.LIBRARY
 
 
 def test_chooser_follows_a_change_of_costs():
     clock = FakeClock()
-    chooser = lf.FormChooser(clock=clock)
-    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.060, lf.WEIGHT_MAJOR: 0.040}, 2 * lf.WARMUP)
-    assert chooser.chosen() == {4: "weight_major"}
+    chooser = lf.FormChooser(clock=clock, streamed=True)
+    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.060, lf.SECOND: 0.040}, 2 * lf.WARMUP)
+    assert chooser.chosen() == {4: "streamed"}
     # the machine changes: the chosen form's own new timings move its median past the other's
-    flipped = {lf.LIBRARY: 0.030, lf.WEIGHT_MAJOR: 0.080}
+    flipped = {lf.LIBRARY: 0.030, lf.SECOND: 0.080}
     run_passes(chooser, clock, 4, flipped, lf.SAMPLES)
     assert chooser.chosen() == {4: "library"}
     # and back: the other form's rechecks, one in RECHECK passes, bring it back
-    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.090, lf.WEIGHT_MAJOR: 0.020}, lf.SAMPLES)
-    assert chooser.chosen() == {4: "weight_major"}
+    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.090, lf.SECOND: 0.020}, lf.SAMPLES)
+    assert chooser.chosen() == {4: "streamed"}
+
+
+def test_passes_over_more_rows_than_the_second_form_serves_run_the_library_untimed():
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock)
+    rows = lf.STREAMED_ROWS + 1
+    forms = run_passes(chooser, clock, rows, {lf.LIBRARY: 0.05, lf.SECOND: 0.01}, 2 * lf.WARMUP)
+    assert forms == [lf.LIBRARY] * (2 * lf.WARMUP)
+    assert chooser.chosen() == {} and chooser.current is None
 
 
 def test_a_failed_pass_is_not_timed():
@@ -88,7 +101,7 @@ def test_a_failed_pass_is_not_timed():
         clock.now += 100.0
         raise RuntimeError("backend failure")
     assert chooser.current is None
-    run_passes(chooser, clock, 3, {lf.LIBRARY: 0.01, lf.WEIGHT_MAJOR: 0.02}, 2 * lf.WARMUP)
+    run_passes(chooser, clock, 3, {lf.LIBRARY: 0.01, lf.SECOND: 0.02}, 2 * lf.WARMUP)
     assert chooser.chosen() == {3: "library"}
 
 
