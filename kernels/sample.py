@@ -78,6 +78,24 @@ def greedy(logits: torch.Tensor, *, path: str | None = None) -> torch.Tensor:
     return tokens[0] if squeeze else tokens
 
 
+def greedy_checked(logits: torch.Tensor, *, path: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`greedy` and `bad_rows` of ``[rows, V]`` logits in one reduction over each row: a row's
+    maximum is NaN when it holds a NaN (torch's max propagates it), +inf when it holds +inf and
+    no NaN, -inf when it holds no finite value, so the row is bad exactly when its maximum is not
+    finite; the maximum's index is the first one, as `greedy`'s. The token of a bad row is
+    meaningless. Returns (tokens [rows] int64, bad [rows] bool)."""
+    if logits.dim() != 2:
+        raise VerifyInputError(f"logits must be [rows, V], got {tuple(logits.shape)}")
+    if choose_path(logits.device, path) == "reference":
+        bad = bad_rows(logits)
+        tokens = torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device)
+        if not bool(bad.all()):
+            tokens[~bad] = greedy(logits[~bad], path=path)
+        return tokens, bad
+    values, tokens = logits.max(dim=1)
+    return tokens, ~torch.isfinite(values)
+
+
 def bad_rows(logits: torch.Tensor) -> torch.Tensor:
     """Rows the verify op would flag `nan_logits`: a NaN or +inf, or no finite value.
 

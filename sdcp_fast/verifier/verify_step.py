@@ -93,7 +93,11 @@ def collect(launched: Launched) -> list[JobOutcome]:
                 outcomes[n] = JobOutcome(accepted, extra)
     own = [n for n in range(len(jobs)) if outcomes[n] is None]   # M = 0: self-decoded tokens
     if own:
-        rows = launched.logits[torch.tensor([launched.rows[n] for n in own], device=launched.logits.device)]
+        at = [launched.rows[n] for n in own]
+        if at == list(range(at[0], at[0] + len(at))):   # one run of rows (every job M = 0): a view
+            rows = launched.logits[at[0]:at[0] + len(at)]
+        else:
+            rows = launched.logits[torch.tensor(at, device=launched.logits.device)]
         for n, outcome in zip(own, self_decode([jobs[n] for n in own], rows, path=launched.path), strict=True):
             outcomes[n] = outcome
     return outcomes  # type: ignore[return-value]
@@ -111,12 +115,18 @@ def self_decode(jobs: Sequence[Job], rows: torch.Tensor, *, path: str | None = N
     with the job's uniform (round, i = 1, purpose 1) under rule 2. A row the kernels would
     flag (NaN, +inf, nothing finite) commits nothing. The checks and rule 1's argmax run once
     over all the rows (one host sync each, not one per job); rule 2 draws row by row, each
-    under its own transform. The Triton path takes the rows as they are (bf16, fp16 or fp32);
-    the others in float64."""
-    bad = kernels.bad_rows(rows).tolist()
-    greedy_at = [n for n, job in enumerate(jobs) if job.rule == RULE_GREEDY and not bad[n]]
-    argmax = kernels.greedy(rows[greedy_at]).tolist() if greedy_at else []
-    tokens = dict(zip(greedy_at, argmax, strict=True))
+    under its own transform; when every job is rule 1, the checks and the argmax are one
+    reduction (`kernels.greedy_checked`). The Triton path takes the rows as they are (bf16,
+    fp16 or fp32); the others in float64."""
+    if all(job.rule == RULE_GREEDY for job in jobs):   # one reduction over each row
+        argmax, flags = kernels.greedy_checked(rows, path=path)
+        bad = flags.tolist()
+        tokens = {n: t for n, t in enumerate(argmax.tolist()) if not bad[n]}
+    else:
+        bad = kernels.bad_rows(rows).tolist()
+        greedy_at = [n for n, job in enumerate(jobs) if job.rule == RULE_GREEDY and not bad[n]]
+        argmax = kernels.greedy(rows[greedy_at]).tolist() if greedy_at else []
+        tokens = dict(zip(greedy_at, argmax, strict=True))
     chosen = kernels.choose_path(rows.device, path)
     outcomes = []
     for n, job in enumerate(jobs):

@@ -56,3 +56,18 @@ def test_bad_rows_flags_what_verify_flags():
     logits = torch.tensor([[0.0, 1.0], [nan, 1.0], [inf, 1.0], [-inf, -inf], [-inf, 2.0]])
     assert kernels.bad_rows(logits).tolist() == [False, True, True, True, False]
     assert [reference.logits_row_is_bad(r) for r in logits] == kernels.bad_rows(logits).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_greedy_checked_is_greedy_and_bad_rows_at_once(dtype):
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[0.0, 1.0, 1.0], [nan, 1.0, 2.0], [1.0, inf, 1.0], [-inf, -inf, -inf],
+                            [-inf, 2.0, 2.0], [inf, nan, 3.0], [3.0, -inf, nan]])
+    random = torch.randn(40, 301, generator=torch.Generator().manual_seed(3))
+    random[::7, 5] = random[::7].max(dim=1).values   # ties: the smallest id wins
+    for logits in (special.to(dtype), random.to(dtype)):
+        for path in (None, "reference"):
+            tokens, bad = kernels.greedy_checked(logits, path=path)
+            assert bad.tolist() == kernels.bad_rows(logits).tolist()
+            good = [n for n, b in enumerate(bad.tolist()) if not b]
+            assert tokens[good].tolist() == kernels.greedy(logits[good], path="reference").tolist()
