@@ -114,10 +114,11 @@ def self_decode(jobs: Sequence[Job], rows: torch.Tensor, *, path: str | None = N
     under rule 1 (ties to the smallest id, as the kernels decide rule 1), the inverse-CDF draw
     with the job's uniform (round, i = 1, purpose 1) under rule 2. A row the kernels would
     flag (NaN, +inf, nothing finite) commits nothing. The checks and rule 1's argmax run once
-    over all the rows (one host sync each, not one per job); rule 2 draws row by row, each
-    under its own transform; when every job is rule 1, the checks and the argmax are one
-    reduction (`kernels.greedy_checked`). The Triton path takes the rows as they are (bf16,
-    fp16 or fp32); the others in float64."""
+    over all the rows (one host sync each, not one per job), one reduction when every job is
+    rule 1 (`kernels.greedy_checked`); rule 2's rows go through one `target_probs` (each row
+    under its own transform) and one `sample`: a launch per batch, not a few small ones per
+    job, each of which would wake the compute thread's OpenMP team. The Triton path takes the
+    rows as they are (bf16, fp16 or fp32); the others in float64."""
     if all(job.rule == RULE_GREEDY for job in jobs):   # one reduction over each row
         argmax, flags = kernels.greedy_checked(rows, path=path)
         bad = flags.tolist()
@@ -128,14 +129,16 @@ def self_decode(jobs: Sequence[Job], rows: torch.Tensor, *, path: str | None = N
         argmax = kernels.greedy(rows[greedy_at]).tolist() if greedy_at else []
         tokens = dict(zip(greedy_at, argmax, strict=True))
     chosen = kernels.choose_path(rows.device, path)
-    outcomes = []
-    for n, job in enumerate(jobs):
-        if bad[n]:
-            outcomes.append(JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf")))
-        elif n in tokens:
-            outcomes.append(JobOutcome(0, tokens[n]))
-        else:
-            row = rows[n:n + 1] if chosen == "triton" else rows[n:n + 1].double()
-            p = kernels.target_probs(row, **transform_of(job.sampling), path=chosen)[0]
-            outcomes.append(JobOutcome(0, int(kernels.sample(p, job.draw_uniforms[0], path=chosen))))
-    return outcomes
+    drawn = [n for n in range(len(jobs)) if not bad[n] and n not in tokens]
+    if drawn:   # rule 2: one target_probs and one draw over all its rows, each its own profile
+        profiles = [kernels.sampling_profile(transform_of(jobs[n].sampling)) for n in drawn]
+        temperature, top_k, top_p = (torch.tensor(column, dtype=torch.int64, device=rows.device)
+                                     for column in zip(*profiles, strict=True))
+        picked = rows[drawn] if chosen == "triton" else rows[drawn].double()
+        probs = kernels.target_probs(picked, temperature_milli=temperature, top_k=top_k,
+                                     top_p_milli=top_p, path=chosen)
+        uniforms = torch.tensor([jobs[n].draw_uniforms[0] for n in drawn], dtype=torch.float64,
+                                device=rows.device)
+        tokens.update(zip(drawn, kernels.sample(probs, uniforms, path=chosen).tolist(), strict=True))
+    return [JobOutcome(problem=Problem(Kind.UNAVAILABLE, "target logits hold NaN or inf")) if bad[n]
+            else JobOutcome(0, tokens[n]) for n in range(len(jobs))]

@@ -207,6 +207,23 @@ def test_self_decoding_never_commits_a_token_from_bad_logits():
     assert [o.problem is None for o in together] == [True, False, True, False, True, True]
 
 
+def test_rule_2_rows_drawn_together_are_drawn_as_alone():
+    """Self-decoded rule-2 rows go through one target_probs and one draw: each row still gets
+    its own profile and uniform, exactly the token it gets alone."""
+    from sdcp_fast.core.messages import Sampling
+    profiles = [None, Sampling(temperature_milli=700), Sampling(temperature_milli=1300, top_k=5),
+                Sampling(top_p_milli=600), Sampling(temperature_milli=0), Sampling(temperature_milli=400, top_k=40,
+                                                                                    top_p_milli=900)]
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(len(profiles) * 3, 300, generator=gen) * 3
+    jobs = [Job(b"s" * 16, 1, 2, 2, profiles[n % len(profiles)], (), (), (float(u),), None, None, True, None)
+            for n, u in enumerate(torch.rand(rows.shape[0], generator=gen, dtype=torch.float64))]
+    together = self_decode(jobs, rows)
+    assert together == [self_decode([job], rows[n:n + 1])[0] for n, job in enumerate(jobs)]
+    assert all(o.problem is None and 0 <= o.extra < 300 for o in together)
+    assert len({o.extra for o in together}) > 3   # the profiles and uniforms made a difference
+
+
 class SlowLog:
     """A commit log whose appends take a while, to look at the service mid-append."""
 
