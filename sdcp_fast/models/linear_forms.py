@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from ..core.choice import TwoWayChooser
-from ..kernels import native
 from ..core.control import size_band
+from ..kernels import native
 
 LIBRARY, SECOND = 0, 1
 STREAMED_ROWS = 16   # the second form serves passes of at most this many rows (the library's above)
