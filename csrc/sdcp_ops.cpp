@@ -26,7 +26,7 @@ TORCH_LIBRARY(sdcp, m) {
       "target_probs(Tensor logits, Tensor temperature_milli, Tensor top_k, Tensor top_p_milli) "
       "-> Tensor");
   m.def("native_version() -> int", []() -> int64_t { return sdcp::kNativeVersion; });
-  // the OpenMP version the op was compiled with (0: none, and every at::parallel_for in it
+  // the OpenMP version the op was compiled with (0: none, and every cpu/parallel.h split in it
   // runs serially in the calling thread whatever torch's thread count)
   m.def("openmp() -> int", []() -> int64_t {
 #ifdef _OPENMP

@@ -38,7 +38,7 @@ thread, and once a process's team threads outnumber its cores, libgomp cuts ever
 to a throttled hundred iterations: the teams then sleep and wake between every two regions
 of a pass (bench/RESULTS.md, issue 38, measured what that costs). So the compute calls of a process run on its one compute thread (`aio`'s), and a
 role's event loop runs torch on one thread for good (`single_threaded_loop`, before its
-first torch call); other worker threads run no torch.
+first torch call), and so do its other worker threads (`single_threaded_worker`).
 
 `SDCP_CORES=N` caps the cores this host shares (default: the cores this process may run
 on); `SDCP_CORE_SHARE=0` turns the sharing off (every call runs on the process's torch
@@ -169,6 +169,16 @@ def single_threaded_loop() -> None:
     thread's count from the process-wide one at that call, which would undo the pin."""
     global _PROCESS_THREADS
     _PROCESS_THREADS = torch.get_num_threads()   # the thread's first torch call: set up now
+    torch.set_num_threads(1)
+
+
+def single_threaded_worker() -> None:
+    """The set-up of a role's other worker threads (its event loop's default executor: store
+    reads, file writes): torch on one thread there, for good. They are not meant to run torch,
+    but some do (a cache read copies its bytes into a tensor); with torch's default count such
+    a copy starts an OpenMP team of its own, and one team beside the compute thread's is enough
+    for libgomp to throttle the spin of both for the rest of the process (the compute thread's
+    passes then sleep and wake between their parallel regions: bench/RESULTS.md, issue 38)."""
     torch.set_num_threads(1)
 
 

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -313,6 +314,10 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
 
     if cfg.role and cfg.role != role:
         raise ConfigError(f"{where} is a {cfg.role} config, not a {role} one")
+    if role in COMPUTING_ROLES:   # the loop's worker threads: torch on one thread (cores.py)
+        from .cores import single_threaded_worker
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(thread_name_prefix="sdcp-io", initializer=single_threaded_worker))
     tls = tls_for(cfg)
     health = Health()
     client = Client(tls, cfg.protocol, timeout=10.0)

@@ -8,10 +8,9 @@
 // call goes through each weight matrix together, so each weight row is read from memory once
 // per call, and a step for 4 sessions costs far less than 4 steps for one. Threads split the
 // output rows of every matrix (and the (token, K/V head) pairs of attention) with
-// at::parallel_for, at most `threads` at a time; 1 runs in the calling thread.
+// parallel_for (parallel.h), at most `threads` at a time; 1 runs in the calling thread.
 //
 // Python reaches it as torch.classes.sdcp.TwinModel (twin.py documents the tensors).
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/custom_class.h>
@@ -23,6 +22,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel.h"
 #include "twin.h"
 
 namespace sdcp::cpu {
@@ -44,11 +44,11 @@ struct Layer {
 
 int64_t divide_up(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// at::parallel_for over [0, n) in at most `threads` chunks (1: inline, in this thread)
+// parallel_for (parallel.h) over [0, n) in at most `threads` chunks (1: inline, in this thread)
 template <class F>
 void split(int64_t n, int64_t threads, const F& body) {
   if (n <= 0) return;
-  at::parallel_for(0, n, divide_up(n, std::max<int64_t>(threads, 1)), body);
+  parallel_for(0, n, divide_up(n, std::max<int64_t>(threads, 1)), body);
 }
 
 }  // namespace

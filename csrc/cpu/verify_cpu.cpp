@@ -6,7 +6,6 @@
 // kept set and mass (rows.cpp); then per proposal the flags, the acceptance chain (q read only
 // at q[i][x[i]]) and the extra token, which reads the one row it is drawn from (and its q row
 // for a residual) again, in double.
-#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "parallel.h"
 #include "rows.h"
 
 namespace sdcp::cpu {
@@ -164,7 +164,7 @@ void verify_arrays(const at::Tensor& logits, const BatchArrays& in, int64_t* acc
   if (!by_proposal(B)) {
     // few proposals for the threads: every row up front, threads over rows
     const int64_t row_grain = std::max<int64_t>(1, (int64_t(1) << 16) / V);
-    at::parallel_for(0, R, row_grain, [&](int64_t begin, int64_t end) {
+    parallel_for(0, R, row_grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t b = owner[size_t(r)];
         if (b >= 0) stat(r, rule[b] == 2 && temp[b] > 0);
@@ -174,7 +174,7 @@ void verify_arrays(const at::Tensor& logits, const BatchArrays& in, int64_t* acc
 
   // Threads over proposals. Rows not computed yet are computed here, as far as needed: the
   // target distribution only up to the first rejection, the bad-row flag for the rest.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const int64_t M = nd[b], r0 = rs[b], t0 = ts[b];
       const bool r2 = rule[b] == 2, soft = r2 && temp[b] > 0;
@@ -335,7 +335,7 @@ at::Tensor target_probs_cpu(const at::Tensor& logits_in, const at::Tensor& tempe
   at::Tensor out = at::empty({R, V}, logits.options().dtype(at::kFloat));
   float* dst = out.data_ptr<float>();
   const int64_t row_grain = std::max<int64_t>(1, (int64_t(1) << 16) / V);
-  at::parallel_for(0, R, row_grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, R, row_grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       RowStat st;
       compute_row_stat(rows[r], Profile{temp[r], topk[r], topp[r]}, true, isa, st);

@@ -382,3 +382,28 @@ def test_rows_linear_refuses_what_it_does_not_take():
     # the op's own checks stand behind the launcher's
     with pytest.raises(ValueError):
         torch.ops.sdcp.rows_linear(torch.randn(2, 48), torch.randn(8, 48))
+
+
+THREAD_COUNT_KEPT = """
+import threading, torch
+from sdcp_fast.kernels import native
+assert native.available()
+torch.get_num_threads(); torch.set_num_threads(1)   # an event loop's pin (sdcp_fast/cores.py)
+def compute():                                       # the compute thread takes two cores
+    torch.get_num_threads(); torch.set_num_threads(2)
+t = threading.Thread(target=compute); t.start(); t.join()
+x = torch.randn(4, 4096)
+native.target_probs(x, torch.tensor([700] * 4), torch.tensor([0] * 4), torch.tensor([1000] * 4))
+print(torch.get_num_threads())
+"""
+
+
+def test_the_op_keeps_the_calling_threads_torch_thread_count():
+    """The op's threads come from the calling thread's count and never reset it: a thread
+    pinned to one torch thread stays pinned after calling the op, though another thread set
+    the process-wide count to two since (ATen's inline parallel_for would have reset it:
+    csrc/cpu/parallel.h)."""
+    out = subprocess.run([sys.executable, "-c", THREAD_COUNT_KEPT], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]

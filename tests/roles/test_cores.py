@@ -130,3 +130,39 @@ def test_the_pinned_loop_thread_keeps_no_team_and_the_compute_thread_the_process
     assert loop_threads == 1 and compute_threads_ == 2
     assert loop_new == 0          # the loop thread's parallel-sized work started no OpenMP thread
     assert compute_new == 2       # the compute thread itself and the one thread of its team
+
+
+IO_WORKER = """
+import os, sys, torch
+from concurrent.futures import ThreadPoolExecutor
+from sdcp_fast import aio
+from sdcp_fast.cores import single_threaded_loop, single_threaded_worker
+torch.set_num_threads(2)   # the process's count, whatever this machine's cores
+single_threaded_loop()
+x = torch.ones(1 << 22)
+aio.compute_executor().submit(lambda: float((x * 3).sum())).result()   # the compute thread's team
+tasks = lambda: len(os.listdir("/proc/self/task"))
+io = ThreadPoolExecutor(1, initializer=single_threaded_worker if sys.argv[1] == "pinned" else None)
+io.submit(lambda: None).result()   # the worker thread exists
+before = tasks()
+count = io.submit(torch.get_num_threads).result()
+io.submit(lambda: float((x * 4).sum())).result()   # parallel-sized work in the worker
+print(count, tasks() - before)
+"""
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_roles_io_workers_run_torch_on_one_thread_and_start_no_team(pinned):
+    """What `serve` gives a role's event loop as its default executor: a torch call in one of
+    its threads starts no OpenMP team beside the compute thread's (and without the pin, one
+    does: the case the pin is for)."""
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("counts threads in /proc/self/task (Linux)")
+    out = subprocess.run([sys.executable, "-c", IO_WORKER, "pinned" if pinned else "default"],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "SDCP_CORE_SHARE": "0"})
+    assert out.returncode == 0, out.stderr
+    count, new_threads = map(int, out.stdout.split())
+    if pinned:
+        assert (count, new_threads) == (1, 0)
+    else:
+        assert count == 2 and new_threads == 1
