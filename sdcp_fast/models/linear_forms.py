@@ -16,19 +16,20 @@ All are the same product. The BLAS picks its kernel, its packing and its threadi
 shapes it is given: for one row a matrix-vector product that streams the weight, for a few
 rows (a verify pass of M + 1 tokens, a decode step of a few sessions) a matrix-matrix path
 that can cost far more, or not, depending on the BLAS build, the CPU and the row count. So
-nothing here is a constant. The unit measured is the whole pass (`FormChooser.pass_over`), not one layer's
-call: a form's cost shows partly in the calls after it (the OpenMP team it leaves awake or
-asleep, the caches it leaves warm), so a layer timed alone can look cheaper in the form
-that makes the pass dearer. Each row count runs its passes in the two forms alternately,
-the library's first (a row count seen once, as most prefills' are, runs as the library
-would run it), until each has `WARMUP` timings, then in the one with the lower median of its last
-`SAMPLES`, and once every `RECHECK` passes in the other, so that a change of load or of the
-machine's behaviour is followed. Row counts share a key in bands (`rows_key`), which keeps the
-table small and the warm-up short whatever the prefills' sizes.
+nothing here is a constant. The unit measured is the whole pass (`FormChooser.pass_over`),
+not one layer's call: a form's cost shows partly in the calls after it (the OpenMP team it
+leaves awake or asleep, the caches it leaves warm), so a layer timed alone can look cheaper
+in the form that makes the pass dearer. Each row count runs its passes in the two forms
+alternately, the library's first (a row count seen once, as most prefills' are, runs as the
+library would run it), until each has `WARMUP` timings, then in the one with the lower
+median of its last `SAMPLES`, and once every `RECHECK` passes in the other, so that a change
+of load or of the machine's behaviour is followed. Row counts share a key in bands
+(`rows_key`), which keeps the table small and the warm-up short whatever the prefills' sizes.
 
-The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own order. A caller that needs transformers' own bits (a reference run, a baseline)
-keeps `nn.Linear` (the `hf:` backend's `linear=library`). A call outside any pass (a
-model's own `generate`) uses the form its row count has settled on, else the library's.
+The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own
+order. A caller that needs transformers' own bits (a reference run, a baseline) keeps
+`nn.Linear` (the `hf:` backend's `linear=library`). A call outside any pass (a model's own
+`generate`) uses the form its row count has settled on, else the library's.
 Only CPU models are measured (synchronous ops: the wall clock around a pass is its cost);
 `measure_linear_forms` leaves a model on another device untouched.
 
