@@ -109,7 +109,10 @@ class FormChooser:
         choice.observe(form, self.clock() - started)
 
     def settled(self, rows: int) -> int:
-        """The form for a call outside any pass: the row count's choice, else the library's."""
+        """The form for a call outside any pass: the row count's choice, else (no choice yet,
+        or more than STREAMED_ROWS rows) the library's."""
+        if rows > STREAMED_ROWS:
+            return LIBRARY
         choice = self._keys.get(rows_key(rows))
         return LIBRARY if choice is None or choice.chosen is None else choice.chosen
 
@@ -140,11 +143,10 @@ class MeasuredLinear(nn.Module):
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
         form = self.chooser.current
         if form is None:
-            form = self.chooser.settled(rows)
-        if form == LIBRARY or rows > STREAMED_ROWS:
+            form = self.chooser.settled(x2.shape[0])
+        if form == LIBRARY:   # (passes and settled forms above STREAMED_ROWS rows are the library's)
             return nn.functional.linear(x, self.weight, self.bias)
         if self.chooser.streamed and native.rows_linear_fits(x2, self.weight):
             y = native.rows_linear(x2, self.weight)

@@ -59,9 +59,9 @@ def test_default_path_on_cpu_is_native():
 @pytest.mark.skipif(not (sys.platform.startswith("linux") and torch.backends.openmp.is_available()),
                     reason="the op is built with OpenMP on Linux where torch has it")
 def test_the_op_is_built_with_openmp_so_its_loops_use_torchs_threads():
-    """Without OpenMP at compile time every at::parallel_for in the op (the verify rows, the
-    twin's matrix passes) runs on the calling thread alone: a twin drafting on two threads
-    ran as fast as on one."""
+    """Without OpenMP at compile time every split in the op (csrc/cpu/parallel.h: the verify
+    rows, the twin's matrix passes) runs on the calling thread alone: a twin drafting on two
+    threads ran as fast as on one."""
     assert native.openmp() > 0
 
 

@@ -92,6 +92,10 @@ def test_passes_over_more_rows_than_the_second_form_serves_run_the_library_untim
     forms = run_passes(chooser, clock, rows, {lf.LIBRARY: 0.05, lf.SECOND: 0.01}, 2 * lf.WARMUP)
     assert forms == [lf.LIBRARY] * (2 * lf.WARMUP)
     assert chooser.chosen() == {} and chooser.current is None
+    # outside a pass too, though the largest exact key (which a 17-row count bands into) has
+    # chosen the second form
+    run_passes(chooser, clock, lf.STREAMED_ROWS, {lf.LIBRARY: 0.05, lf.SECOND: 0.01}, 2 * lf.WARMUP)
+    assert chooser.settled(lf.STREAMED_ROWS) == lf.SECOND and chooser.settled(rows) == lf.LIBRARY
 
 
 def test_a_failed_pass_is_not_timed():
