@@ -32,6 +32,13 @@ decode step: csrc/cpu/twin_cpu.cpp; its reference is `torch.nn.functional.linear
     x [n, in] fp32, weight [out, in] fp32, both contiguous, in a multiple of ROWS_LINEAR_COLUMNS
     -> y [n, out] fp32 = x @ weight.T (summed in its own order: fp32 rounding, not bit for bit)
 
+paged_attention tensors (attention over K/V kept in pages, kv_pages.py's layout:
+csrc/cpu/twin_cpu.cpp; its reference is `paged_attention_reference`):
+    query [T, heads, head_dim] fp32; keys, values [R, kv_heads, head_dim] fp32 contiguous, R a
+    whole number of pages; query_rows, query_keys, query_pages [n] int64; pages [P] int64
+    -> [n, heads, head_dim] fp32: query_rows[i] attends over its session's positions
+    0..query_keys[i]-1, position p at keys row pages[query_pages[i] + p // page] * page + p % page
+
 Without the built library (no compiler when the package was installed, or an isolated build)
 `available()` is False, the dispatcher uses kernels/cpu.py, and a warning says so once.
 SDCP_NATIVE_ISA=scalar makes the op use its portable loops, =avx2 its AVX2 ones on an
@@ -56,9 +63,10 @@ from .batch import (
 )
 
 LIBRARY = "sdcp_fast.kernels._native"
-VERSION = 4  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+VERSION = 5  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
 
 ROWS_LINEAR_COLUMNS = 32  # csrc/cpu/twin.h kTwinCols
+PAGED_ATTENTION_HEAD = 16  # csrc/cpu/twin.h kTwinHead: head_dim a multiple of it
 
 log = logging.getLogger("sdcp_fast.kernels")
 
@@ -150,6 +158,50 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"multiple of {ROWS_LINEAR_COLUMNS}, got {tuple(x.shape)} {x.dtype} and "
                          f"{tuple(weight.shape)} {weight.dtype}")
     return torch.ops.sdcp.rows_linear(x.contiguous(), weight)
+
+
+def paged_attention_fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `paged_attention` takes these tensors (else the caller uses the library's)."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 and t.dim() == 3
+                for t in (query, keys, values))
+            and keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape
+            and query.shape[2] == keys.shape[2] and query.shape[2] % PAGED_ATTENTION_HEAD == 0
+            and query.shape[1] % keys.shape[1] == 0 and query.shape[1] // keys.shape[1] <= 64)
+
+
+def paged_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    query_rows: torch.Tensor, query_keys: torch.Tensor, query_pages: torch.Tensor,
+                    pages: torch.Tensor, page: int, scale: float) -> torch.Tensor:
+    """Attention of query rows over K/V kept in pages, through `torch.ops.sdcp.paged_attention`
+    (query is made contiguous); ValueError for tensors it does not take (`paged_attention_fits`)
+    and for an index outside its tensors (the op's own checks)."""
+    if not paged_attention_fits(query, keys, values):
+        raise ValueError(f"paged_attention: fp32 CPU query [T, heads, head_dim] and contiguous keys "
+                         f"and values [R, kv_heads, head_dim] with head_dim a multiple of "
+                         f"{PAGED_ATTENTION_HEAD}, got {tuple(query.shape)} {query.dtype}, "
+                         f"{tuple(keys.shape)} {keys.dtype}, {tuple(values.shape)} {values.dtype}")
+    return torch.ops.sdcp.paged_attention(query.contiguous(), keys, values, query_rows, query_keys,
+                                          query_pages, pages, page, scale)
+
+
+def paged_attention_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                              query_rows: torch.Tensor, query_keys: torch.Tensor,
+                              query_pages: torch.Tensor, pages: torch.Tensor, page: int,
+                              scale: float) -> torch.Tensor:
+    """`paged_attention` in plain torch, one query at a time: its keys and values gathered
+    from the pages, then softmax(q k^T * scale) v per head (K/V heads shared by
+    heads / kv_heads query heads each)."""
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    out = query.new_empty(len(query_rows), heads, query.shape[2])
+    for i, (row, n, first) in enumerate(zip(query_rows.tolist(), query_keys.tolist(),
+                                            query_pages.tolist(), strict=True)):
+        own = pages[first : first + -(-n // page)]
+        at = (own[:, None] * page + torch.arange(page)).reshape(-1)[:n]
+        k = keys[at].repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, head_dim]
+        v = values[at].repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", query[row], k) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
 
 
 def target_probs(logits: torch.Tensor, temp_milli: torch.Tensor, top_k: torch.Tensor,

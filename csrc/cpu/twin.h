@@ -38,10 +38,12 @@ struct TwinLoops {
   void (*matmul_f32)(const float* X, int64_t n, int64_t x_stride, const FMatrix& m, int64_t o_begin,
                      int64_t o_end, float* Y, int64_t y_stride);
   // Attention of the G query heads q[g * dh ..] (one token) that share one K/V head, over its
-  // positions 0..n_pos-1 (K, V: [n_pos, dh] rows): out[g * dh ..] = softmax(q K^T * scale) V.
-  // scores: room for G * n_pos floats.
+  // positions 0..n_pos-1: out[g * dh ..] = softmax(q K^T * scale) V. Position j's key is the
+  // dh floats at K + r * row_stride, r = pages[j / page] * page + j % page (pages null: r = j),
+  // its value likewise from V. scores: room for G * n_pos floats.
   void (*attend)(const float* q, int64_t G, const float* K, const float* V, int64_t n_pos,
-                 int64_t dh, float scale, float* scores, float* out);
+                 int64_t dh, const int64_t* pages, int64_t page, int64_t row_stride, float scale,
+                 float* scores, float* out);
   // out[i] = silu(g[i]) * u[i] (n a multiple of kTwinCols)
   void (*silu_mul)(const float* g, const float* u, float* out, int64_t n);
 };

@@ -200,8 +200,8 @@ class TwinModel : public torch::CustomClassHolder {
           const size_t b = size_t(session[size_t(t)]);
           const float* K = cache[b] + ((l * 2 + 0) * Hkv + j) * capacity[b] * Dh;
           const float* V = cache[b] + ((l * 2 + 1) * Hkv + j) * capacity[b] * Dh;
-          k.attend(qkv.data() + t * QKV + j * G * Dh, G, K, V, pos[size_t(t)] + 1, Dh, scale,
-                   scores.data(), att.data() + t * H * Dh + j * G * Dh);
+          k.attend(qkv.data() + t * QKV + j * G * Dh, G, K, V, pos[size_t(t)] + 1, Dh, nullptr, 1,
+                   Dh, scale, scores.data(), att.data() + t * H * Dh + j * G * Dh);
         }
       });
       matmul(k, att.data(), N, L.out, tmp.data(), threads);
@@ -334,10 +334,86 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight) {
   return y;
 }
 
+// Attention of packed query rows over K/V kept in pages (sdcp_fast/models/kv_pages.py: a
+// layer's keys [R, kv_heads, head_dim], position p of a session at row pages[p / page] * page
+// + p % page), read where they lie: the twin's attention loop with a page table, threads over
+// (query, K/V head) pairs. Query i is row query_rows[i] of `query` [T, heads, head_dim]; it
+// sees its session's positions 0..query_keys[i]-1, whose pages start at pages[query_pages[i]].
+// Why: the library's attention needs each session's past gathered into a padded batch first,
+// a copy of every key and value of every session in every layer of every pass.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& query_rows, const at::Tensor& query_keys,
+                           const at::Tensor& query_pages, const at::Tensor& pages, int64_t page,
+                           double scale) {
+  for (const at::Tensor* t : {&query, &keys, &values, &query_rows, &query_keys, &query_pages, &pages}) {
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->is_contiguous(),
+                      "paged_attention: contiguous CPU tensors only");
+  }
+  TORCH_CHECK_VALUE(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
+                        values.scalar_type() == at::kFloat,
+                    "paged_attention: fp32 query, keys and values only");
+  TORCH_CHECK_VALUE(query.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes(),
+                    "paged_attention: query [T, heads, head_dim], keys and values [R, kv_heads, "
+                    "head_dim] expected, got ", query.sizes(), ", ", keys.sizes(), ", ", values.sizes());
+  const int64_t T = query.size(0), H = query.size(1), Dh = query.size(2);
+  const int64_t R = keys.size(0), Hkv = keys.size(1);
+  TORCH_CHECK_VALUE(keys.size(2) == Dh && Hkv >= 1 && H % Hkv == 0 && H / Hkv <= 64 &&
+                        Dh % kTwinHead == 0,
+                    "paged_attention: heads a multiple of kv_heads (at most 64 a K/V head) and "
+                    "head_dim a multiple of ", kTwinHead, " expected, got ", query.sizes(), " and ",
+                    keys.sizes());
+  TORCH_CHECK_VALUE(page >= 1 && R % page == 0, "paged_attention: keys rows must be whole pages");
+  for (const at::Tensor* t : {&query_rows, &query_keys, &query_pages, &pages}) {
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kLong && t->dim() == 1,
+                      "paged_attention: int64 vectors expected for the indexes");
+  }
+  const int64_t n = query_rows.size(0), P = pages.size(0);
+  TORCH_CHECK_VALUE(query_keys.size(0) == n && query_pages.size(0) == n,
+                    "paged_attention: query_rows, query_keys and query_pages differ in length");
+  const int64_t* rows = query_rows.data_ptr<int64_t>();
+  const int64_t* counts = query_keys.data_ptr<int64_t>();
+  const int64_t* first = query_pages.data_ptr<int64_t>();
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK_VALUE(pg[p] >= 0 && pg[p] < R / page, "paged_attention: page ", pg[p],
+                      " outside the ", R / page, " pages of keys");
+  }
+  int64_t most = 1;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(rows[i] >= 0 && rows[i] < T, "paged_attention: query row ", rows[i],
+                      " outside [0, ", T, ")");
+    TORCH_CHECK_VALUE(counts[i] >= 1 && first[i] >= 0 &&
+                          first[i] + divide_up(counts[i], page) <= P,
+                      "paged_attention: query ", i, " sees ", counts[i], " keys from page index ",
+                      first[i], ", beyond the ", P, " pages given");
+    most = std::max(most, counts[i]);
+  }
+  at::Tensor out = at::empty({n, H, Dh}, query.options());
+  if (n == 0) return out;
+  const TwinLoops& k = choose_twin_loops();
+  const int64_t G = H / Hkv;
+  const float* Q = query.data_ptr<float>();
+  const float* K = keys.data_ptr<float>();
+  const float* V = values.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  split(n * Hkv, at::get_num_threads(), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(static_cast<size_t>(G * most));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / Hkv, j = task % Hkv;
+      k.attend(Q + (rows[i] * H + j * G) * Dh, G, K + j * Dh, V + j * Dh, counts[i], Dh,
+               pg + first[i], page, Hkv * Dh, float(scale), scores.data(), O + (i * H + j * G) * Dh);
+    }
+  });
+  return out;
+}
+
 }  // namespace sdcp::cpu
 
 TORCH_LIBRARY_FRAGMENT(sdcp, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor", &sdcp::cpu::rows_linear);
+  m.def("paged_attention(Tensor query, Tensor keys, Tensor values, Tensor query_rows, "
+        "Tensor query_keys, Tensor query_pages, Tensor pages, int page, float scale) -> Tensor",
+        &sdcp::cpu::paged_attention);
   m.class_<sdcp::cpu::TwinModel>("TwinModel")
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
       .def("forward", &sdcp::cpu::TwinModel::forward)

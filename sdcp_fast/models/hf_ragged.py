@@ -18,6 +18,12 @@ layout has groups:
     layout = paged_layout(pool, spans)          # once per pass, shared by every layer
     model(input_ids=[1, T], position_ids=[1, T], use_cache=False, sdcp_ragged=layout)
 
+Where the native op is built and takes the pool (fp32 on the CPU, kernels.native), sessions
+with a past skip the groups: `InPlace` lists every such query with its session's pages and
+how many positions it sees, and one call of `native.paged_attention` per layer reads each key
+and value where the pool keeps it, with no gather into a padded batch (which copied every
+session's whole past in every layer of every pass).
+
 Why groups: one SDPA call for B sessions replaces B calls (and B concatenations of each
 session's whole past) per layer; padding costs keys no query needs, so `paged_layout` puts
 sessions of like query runs and lengths together and starts a new group when padding would
@@ -74,11 +80,24 @@ class Group:
 
 
 @dataclass(frozen=True)
+class InPlace:
+    """Every query of the sessions with a past, for the native op that reads their K/V where
+    the pool keeps it (kernels.native.paged_attention): no gather, no padding."""
+
+    rows: torch.Tensor  # [n] long: packed rows of the queries
+    keys: torch.Tensor  # [n] long: how many positions each query sees (its past and own prefix)
+    first_page: torch.Tensor  # [n] long: where its session's pages start in `pages`
+    pages: torch.Tensor  # [P] long: every such session's pages, one session after another
+    all_rows: bool  # rows are 0..T-1 in order: the op's output is the whole layer's
+
+
+@dataclass(frozen=True)
 class PagedLayout:
     pool: PagePool
     slots: torch.Tensor  # [T] long: the pool row each packed token's K/V is written to
     fresh: list[Fresh]
     groups: list[Group]
+    in_place: InPlace | None = None  # instead of groups, where the native op takes the pool
 
 
 def paged_layout(pool: PagePool, spans: list[SpanPlan]) -> PagedLayout:
@@ -87,6 +106,9 @@ def paged_layout(pool: PagePool, spans: list[SpanPlan]) -> PagedLayout:
     for s in spans:
         slots += pool.rows(s.pages, s.past, s.past + s.hi - s.lo)
     fresh = [Fresh(s.lo, s.hi) for s in spans if s.past == 0]
+    if native_attention(pool):
+        return PagedLayout(pool, torch.tensor(slots, dtype=torch.long, device=device), fresh, [],
+                           _in_place(pool, [s for s in spans if s.past], len(slots)))
     rest = sorted((s for s in spans if s.past), key=lambda s: (s.hi - s.lo, s.past), reverse=True)
     groups, members = [], []
     width = length = real = 0
@@ -102,6 +124,28 @@ def paged_layout(pool: PagePool, spans: list[SpanPlan]) -> PagedLayout:
     if members:
         groups.append(_group(pool, members, width, length, device))
     return PagedLayout(pool, torch.tensor(slots, dtype=torch.long, device=device), fresh, groups)
+
+
+def native_attention(pool: PagePool) -> bool:
+    """Whether attention over sessions with a past reads the pool in place (the native op,
+    built, taking the pool's device, dtype and head size) rather than gathering it."""
+    from sdcp_fast.kernels import native
+
+    keys = pool.keys(0)
+    return native.available() and native.paged_attention_fits(keys, keys, keys)
+
+
+def _in_place(pool: PagePool, spans: list[SpanPlan], total: int) -> InPlace:
+    rows, keys, first, pages = [], [], [], []
+    for s in spans:
+        rows += range(s.lo, s.hi)
+        keys += range(s.past + 1, s.past + 1 + s.hi - s.lo)
+        first += [len(pages)] * (s.hi - s.lo)
+        pages += s.pages[: pool.pages_for(s.past + s.hi - s.lo)]
+    def longs(values):
+        return torch.tensor(values, dtype=torch.long)
+
+    return InPlace(longs(rows), longs(keys), longs(first), longs(pages), rows == list(range(total)))
 
 
 def _group(pool: PagePool, members: list[SpanPlan], width: int, length: int, device) -> Group:
@@ -152,6 +196,16 @@ def ragged_attention(module, query, key, value, attention_mask, *, sdcp_ragged=N
         out[lo:hi] = F.scaled_dot_product_attention(
             query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], is_causal=hi - lo > 1,
             scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
+    if layout.in_place is not None and len(layout.in_place.rows):
+        from sdcp_fast.kernels import native
+
+        p = layout.in_place
+        o = native.paged_attention(query[0].transpose(0, 1), keys, values, p.rows, p.keys,
+                                   p.first_page, p.pages, pool.page,
+                                   dim ** -0.5 if scale is None else scale)
+        if p.all_rows:
+            return o[None], None
+        out.index_copy_(0, p.rows, o)
     paged_k = keys.view(-1, pool.page, kv_heads, dim)
     paged_v = values.view(-1, pool.page, kv_heads, dim)
     for g in layout.groups:

@@ -384,6 +384,77 @@ def test_rows_linear_refuses_what_it_does_not_take():
         torch.ops.sdcp.rows_linear(torch.randn(2, 48), torch.randn(8, 48))
 
 
+def paged_case(gen, sessions, page=16, kv_heads=3, heads=9, dim=64):
+    """Sessions of 1 to 300 positions with 1 to 9 queries each, pages in scattered order."""
+    pages_in_pool = sum(-(-n // page) for n, _ in sessions) + 4
+    keys = torch.randn(pages_in_pool * page, kv_heads, dim, generator=gen)
+    values = torch.randn(pages_in_pool * page, kv_heads, dim, generator=gen)
+    order = torch.randperm(pages_in_pool, generator=gen).tolist()
+    rows, counts, first, pages, t = [], [], [], [], 0
+    for n, run in sessions:
+        own = [order.pop() for _ in range(-(-n // page))]
+        for i in range(run):  # the session's last `run` positions are its queries
+            rows.append(t)
+            counts.append(n - run + 1 + i)
+            first.append(len(pages))
+            t += 1
+        pages += own
+    query = torch.randn(t + 2, heads, dim, generator=gen)  # two rows no query asks for
+    longs = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
+    return (query, keys, values, longs(rows), longs(counts), longs(first), longs(pages), page,
+            dim ** -0.5)
+
+
+@pytest.mark.parametrize("isa", ["auto", "avx2", "scalar"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_is_attention_over_the_pages_on_every_loop(monkeypatch, isa, threads):
+    """Against its reference (keys gathered from the pages, softmax in float64): one key to
+    300, a page's edge and one past it, runs of queries that see one more key each, several
+    query heads a K/V head; every instruction set, one and two threads."""
+    with_env(monkeypatch, {"SDCP_NATIVE_ISA": isa})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(11)
+        for sessions, shape in (([(1, 1), (16, 1), (17, 1), (300, 1)], {}),
+                                ([(40, 6), (9, 9), (123, 1)], {}),
+                                ([(33, 2), (5, 1)], {"kv_heads": 2, "heads": 2, "dim": 16})):
+            case = paged_case(gen, sessions, **shape)
+            got = native.paged_attention(*case)
+            double = [x.double() if torch.is_tensor(x) and x.is_floating_point() else x for x in case]
+            want = native.paged_attention_reference(*double)
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_paged_attention_refuses_what_it_does_not_take():
+    gen = torch.Generator().manual_seed(3)
+    query, keys, values, rows, counts, first, pages, page, scale = paged_case(gen, [(20, 2)])
+    # tensors the launcher sends to the library instead
+    for q, k in ((query.double(), keys), (query[:, :, :8], keys[:, :, :8].contiguous()),
+                 (query, keys.transpose(0, 1).contiguous().transpose(0, 1)),
+                 (query[:, :4], keys)):
+        assert not native.paged_attention_fits(q, k, values if k is keys else k)
+        with pytest.raises(ValueError):
+            native.paged_attention(q, k, values if k is keys else k, rows, counts, first, pages, page, scale)
+    # an index outside the tensors: refused by the op before anything is read
+    bad = [
+        (rows + query.shape[0], counts, first, pages),          # a query row past T
+        (rows, counts * 0, first, pages),                       # no key to see
+        (rows, counts + 16 * 3, first, pages),                  # more keys than its pages hold
+        (rows, counts, first + len(pages), pages),              # its pages past the list
+        (rows, counts, first, pages + keys.shape[0] // page),   # a page past the pool
+        (rows[:1], counts, first, pages),                       # lengths that differ
+    ]
+    for r, c, f, p in bad:
+        with pytest.raises(ValueError):
+            native.paged_attention(query, keys, values, r, c, f, p, page, scale)
+    with pytest.raises(ValueError):  # keys that are not whole pages
+        native.paged_attention(query, keys[:-1], values[:-1], rows, counts, first, pages, page, scale)
+
+
 THREAD_COUNT_KEPT = """
 import threading, torch
 from sdcp_fast.kernels import native

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -12,8 +13,8 @@ from sdcp_fast.models.base import KVCapacityError
 from sdcp_fast.models.kv_pages import MIN_PAGES, PagePool
 
 
-def pool(max_pages: int = 1000) -> PagePool:
-    layers, heads, dim, page = 2, 3, 4, 16
+def pool(max_pages: int = 1000, dim: int = 4) -> PagePool:
+    layers, heads, page = 2, 3, 16
     return PagePool(layers, heads, dim, torch.float32, torch.device("cpu"),
                     max_bytes=max_pages * layers * 2 * page * heads * dim * 4)
 
@@ -56,15 +57,21 @@ def reference_attention(q, k, v, past):
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_grouped_attention_equals_each_session_alone(seed):
+@pytest.mark.parametrize("dim", [4, 16])
+def test_grouped_attention_equals_each_session_alone(seed, dim):
     """Sessions with pasts from none to hundreds of positions and runs of 1 to 9 new tokens:
-    the layout splits them into fresh prompts and several groups (padding bounded), pages
-    taken in scattered order; every output equals plain attention per session."""
+    the layout splits them into fresh prompts and several groups (padding bounded), or, where
+    the native op takes the pool (head_dim 16, not 4), reads the pool in place; pages taken in
+    scattered order; every output equals plain attention per session."""
     rng = random.Random(seed)
-    p = pool()
-    heads, kv_heads, dim = 6, 3, 4
+    p = pool(dim=dim)
+    heads, kv_heads = 6, 3
+    in_place = hf_ragged.native_attention(p)
+    if dim == 16 and not in_place and os.environ.get("SDCP_REQUIRE_NATIVE") != "1":
+        pytest.skip("the native op is not built: only the gathered groups are tested")
+    assert in_place == (dim == 16)
     junk = p.take(5)  # earlier owners' pages: stale, finite contents
-    p.write(junk, 0, torch.randn(2, 2, 3, 80, 4) * 100)
+    p.write(junk, 0, torch.randn(2, 2, 3, 80, dim) * 100)
     p.give_back(junk)
     spans, pasts, ks, vs, lo = [], [], [], [], 0
     for _ in range(12):
@@ -81,7 +88,11 @@ def test_grouped_attention_equals_each_session_alone(seed):
         vs.append(v)
         lo += run
     layout = hf_ragged.paged_layout(p, spans)
-    assert layout.fresh and len(layout.groups) >= 2
+    assert layout.fresh
+    if in_place:
+        assert not layout.groups and not layout.in_place.all_rows
+    else:
+        assert len(layout.groups) >= 2 and layout.in_place is None
     query = torch.randn(1, heads, lo, dim)
     key = torch.cat([k[:, pa:] for k, pa in zip(ks, pasts, strict=True)], 1)[None]
     value = torch.cat([v[:, pa:] for v, pa in zip(vs, pasts, strict=True)], 1)[None]
