@@ -63,10 +63,10 @@ def native_build() -> dict:
             except Exception as exc:  # noqa: BLE001 (compiler missing or broken: any error)
                 say(f"{NATIVE} not built ({type(exc).__name__}: {exc}); kernels/cpu.py serves.")
 
-    # at::parallel_for splits work over torch's OpenMP threads only where the source is
-    # compiled with OpenMP (ATen's header defines its parallel path under _OPENMP; without
-    # it every split runs serially in the calling thread). Linked the same way, the op's
-    # libgomp.so.1 is the one torch loaded already: one OpenMP runtime, one team per thread.
+    # csrc/cpu/parallel.h splits work over OpenMP threads only where the source is compiled
+    # with OpenMP (without it every split runs serially in the calling thread). Linked the
+    # same way, the op's libgomp.so.1 is the one torch loaded already: one OpenMP runtime,
+    # one team per thread.
     import torch
     openmp = ["-fopenmp"] if sys.platform.startswith("linux") and torch.backends.openmp.is_available() else []
     # every source in the project's own namespace (sources with torch headers take ~20 s each)
@@ -74,6 +74,9 @@ def native_build() -> dict:
         NATIVE,
         sources=[str(CSRC / s) for s in SOURCES],
         include_dirs=[str((CSRC / "cpu").resolve())],
+        # the headers and the loops the sources include: a change to one alone rebuilds
+        # (setuptools compares the library's time with the sources' and these)
+        depends=sorted(str(p) for p in CSRC.rglob("*") if p.suffix in (".h", ".inc")),
         extra_compile_args=["-O3", "-Wall", "-Wno-unused-parameter", *openmp],
         extra_link_args=openmp,
     )
