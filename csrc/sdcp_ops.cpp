@@ -7,7 +7,7 @@
 namespace sdcp {
 
 // Bumped whenever a schema or its meaning changes: kernels/native.py refuses a stale build.
-constexpr int64_t kNativeVersion = 5;
+constexpr int64_t kNativeVersion = 6;
 
 }  // namespace sdcp
 

@@ -32,6 +32,11 @@ decode step: csrc/cpu/twin_cpu.cpp; its reference is `torch.nn.functional.linear
     x [n, in] fp32, weight [out, in] fp32, both contiguous, in a multiple of ROWS_LINEAR_COLUMNS
     -> y [n, out] fp32 = x @ weight.T (summed in its own order: fp32 rounding, not bit for bit)
 
+q8_linear tensors (the twin's product over 8-bit activations: csrc/cpu/twin_cpu.cpp, loops in
+twin_loops_avx512.cpp; its reference is `q8_linear_reference`, equal to it bit for bit):
+    x [n, in] fp32, weight [out, in] int8, scale [out] fp32, contiguous, in a multiple of
+    ROWS_LINEAR_COLUMNS -> y [n, out] fp32; only where `int8_dot_products()` (AVX512-VNNI)
+
 paged_attention tensors (attention over K/V kept in pages, kv_pages.py's layout:
 csrc/cpu/twin_cpu.cpp; its reference is `paged_attention_reference`):
     query [T, heads, head_dim] fp32; keys, values [R, kv_heads, head_dim] fp32 contiguous, R a
@@ -63,7 +68,7 @@ from .batch import (
 )
 
 LIBRARY = "sdcp_fast.kernels._native"
-VERSION = 5  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
+VERSION = 6  # csrc/sdcp_ops.cpp kNativeVersion: a stale build is refused, not half-used
 
 ROWS_LINEAR_COLUMNS = 32  # csrc/cpu/twin.h kTwinCols
 PAGED_ATTENTION_HEAD = 16  # csrc/cpu/twin.h kTwinHead: head_dim a multiple of it
@@ -158,6 +163,35 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"multiple of {ROWS_LINEAR_COLUMNS}, got {tuple(x.shape)} {x.dtype} and "
                          f"{tuple(weight.shape)} {weight.dtype}")
     return torch.ops.sdcp.rows_linear(x.contiguous(), weight)
+
+
+def int8_dot_products() -> bool:
+    """Whether the op is built and the loops it chooses on this CPU have 8-bit dot products
+    (AVX512-VNNI): what `q8_linear` and the twin's `activations=int8` need."""
+    return available() and bool(torch.ops.sdcp.int8_dot_products())
+
+
+def q8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [n, in] fp32 times an int8 weight [out, in] with one fp32 scale a row, x rounded to 8
+    bits a row first, through `torch.ops.sdcp.q8_linear` (the twin's products under
+    `activations=int8`); ValueError for tensors it does not take or a CPU without the dot
+    products (`int8_dot_products`)."""
+    return torch.ops.sdcp.q8_linear(x, weight, scale)
+
+
+def q8_linear_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`q8_linear` in torch, operation for operation: per row m = max|x|, q = round(x * (127 / m))
+    (half to even), the products summed exactly in int64, then float(sum) * (m / 127) * scale,
+    each step in fp32 as the op does it (a row of zeros gives zeros, one with NaN or inf NaNs)."""
+    most = x.abs().amax(dim=1)
+    finite = torch.isfinite(x).all(dim=1)
+    seven = torch.tensor(127.0, dtype=torch.float32)
+    safe = torch.where(finite & (most > 0), most, torch.ones_like(most))
+    q = torch.round(x.nan_to_num(0.0, 0.0, 0.0) * (seven / safe)[:, None]).long()
+    q = torch.where((finite & (most > 0))[:, None], q, torch.zeros_like(q))
+    row_scale = torch.where(finite, torch.where(most > 0, most / seven, torch.zeros_like(most)),
+                            torch.full_like(most, float("nan")))
+    return ((q @ weight.long().T).float() * row_scale[:, None]) * scale[None, :]
 
 
 def paged_attention_fits(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

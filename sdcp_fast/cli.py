@@ -155,8 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, metavar="SPEC",
                    help="the target model (default hf:smollm2; tiny:demo-target: the byte-level demo pair)")
     p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="the draft model (default: twin:smollm2 where built, as make demo chooses; "
-                        "tiny:demo-draft for the demo pair)")
+                   help="the draft model (default: twin:smollm2 where built, with activations=int8 where "
+                        "the CPU has 8-bit dot products, as make demo chooses; tiny:demo-draft for the demo pair)")
     p.add_argument("--drafters", type=int, default=2, help="drafter processes to start (default 2)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the OpenAI API (default: from the target, e.g. smollm2)")
@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, metavar="SPEC",
                    help="the real pair's target (default hf:smollm2)")
     p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="the real pair's draft (default: twin:smollm2 where built, else gguf:, else ngram:)")
+                   help="the real pair's draft (default: twin:smollm2 where built, with activations=int8 where "
+                        "the CPU has 8-bit dot products, else gguf:, else ngram:)")
     p.add_argument("--drafters", type=int, default=2, help="drafter processes (real pair; default 2)")
     p.add_argument("--prompts", type=int, default=4, help="how many demo prompts")
     p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (real 64, tiny 96)")

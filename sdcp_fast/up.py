@@ -4,7 +4,8 @@ interrupted (what `vllm serve MODEL` is to vLLM: one command to an endpoint).
 Without DIR: the real pair, as `make demo` runs it: the target `hf:smollm2`
 (SmolLM2-135M-Instruct through transformers, fp32; the first run converts its GGUF into
 $SDCP_CACHE, with a progress line) on a verifier, `--drafters` drafters running the draft
-`demo.real_pair.choose_draft` picks (the native int8 twin `twin:smollm2` where it is built),
+`demo.real_pair.choose_draft` picks (the native int8 twin `twin:smollm2` where it is built,
+with 8-bit activations where the CPU has 8-bit dot products),
 and a router whose front door listens at --host:--port. `--target SPEC` and `--draft SPEC`
 choose other models (`--target tiny:demo-target`: the byte-level demo pair shipped in the
 package, whose draft is `tiny:demo-draft`); a target other than those two needs `--draft`.

