@@ -21,7 +21,8 @@ whether the CPU has them); its digest differs from the fp32 twin's (the draft di
 The model (csrc/cpu/twin_cpu.cpp, torch.classes.sdcp.TwinModel): RMSNorm, rotary positions
 with the GGUF's theta on adjacent pairs (llama.cpp's q/k layout, kept as the GGUF stores it),
 grouped-query attention, SiLU-gated MLP, tied or untied output head. Weights int8, symmetric,
-one fp32 scale per row (or per group of columns); activations and the K/V cache fp32. q, k, v
+one fp32 scale per row (or per group of columns); activations and the K/V cache fp32 (with
+`activations=int8`, each product's input rounded to 8 bits a row, as above). q, k, v
 are one int8 matrix, and gate and up another, so each layer is four matrix passes.
 
 Batching: `score` sends every session's new tokens through ONE forward call, so a drafting step
