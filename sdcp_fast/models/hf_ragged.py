@@ -135,6 +135,10 @@ def native_attention(pool: PagePool) -> bool:
     return native.available() and native.paged_attention_fits(keys, keys, keys)
 
 
+def _longs(values, device=None) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
 def _in_place(pool: PagePool, spans: list[SpanPlan], total: int) -> InPlace:
     rows, keys, first, pages = [], [], [], []
     for s in spans:
@@ -142,10 +146,7 @@ def _in_place(pool: PagePool, spans: list[SpanPlan], total: int) -> InPlace:
         keys += range(s.past + 1, s.past + 1 + s.hi - s.lo)
         first += [len(pages)] * (s.hi - s.lo)
         pages += s.pages[: pool.pages_for(s.past + s.hi - s.lo)]
-    def longs(values):
-        return torch.tensor(values, dtype=torch.long)
-
-    return InPlace(longs(rows), longs(keys), longs(first), longs(pages), rows == list(range(total)))
+    return InPlace(_longs(rows), _longs(keys), _longs(first), _longs(pages), rows == list(range(total)))
 
 
 def _group(pool: PagePool, members: list[SpanPlan], width: int, length: int, device) -> Group:
@@ -166,12 +167,8 @@ def _group(pool: PagePool, members: list[SpanPlan], width: int, length: int, dev
     runs_t = torch.tensor(runs, device=device)[:, None, None]
     real = query < runs_t
     mask = (real & (keys <= past_t + query)) | (~real & (keys == 0))
-
-    def longs(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    return Group(longs(pages), len(members), length, longs(queries), width, mask[:, None],
-                 longs(valid), longs(rows))
+    return Group(_longs(pages, device), len(members), length, _longs(queries, device), width,
+                 mask[:, None], _longs(valid, device), _longs(rows, device))
 
 
 def ragged_attention(module, query, key, value, attention_mask, *, sdcp_ragged=None, **kwargs):

@@ -16,7 +16,8 @@ and multiplied with the CPU's 8-bit dot products (AVX512-VNNI: 64 weights an ins
 conversion of the weights to float, which is what bounds the fp32 loop: bench/RESULTS.md,
 issue 38, measured about half the time a token). `int8` needs those instructions and one
 scale a row (group 0), else the spec is refused (`kernels.native.int8_dot_products()` says
-whether the CPU has them); its digest differs from the fp32 twin's (the draft distributions differ slightly).
+whether the CPU has them); its digest differs from the fp32 twin's (the draft distributions
+differ slightly).
 
 The model (csrc/cpu/twin_cpu.cpp, torch.classes.sdcp.TwinModel): RMSNorm, rotary positions
 with the GGUF's theta on adjacent pairs (llama.cpp's q/k layout, kept as the GGUF stores it),
