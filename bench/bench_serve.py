@@ -209,7 +209,7 @@ def alone_batch(model, prompts: list[list[int]], max_new: int, eos: int, tempera
 
 
 def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, max_new: int, eos: int,
-                     drafters: int, batch_log: str | None = None):
+                     drafters: int, batch_log: str | None = None, draft_ahead: bool = True):
     """Router (OpenAI door), verifier (metrics port) and drafters as processes; (cluster,
     front door URL, verifier metrics URL)."""
     from sdcp_fast.procs import Cluster
@@ -221,6 +221,11 @@ def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, 
     if mode != "sdcp":   # the default deployment leaves the verifier's policy as configured (auto)
         verifier.config = dataclasses.replace(
             verifier.config, verifier=dataclasses.replace(verifier.config.verifier, speculation=MODES[mode]))
+    if not draft_ahead:   # the drafters wait for each verdict (an A/B knob)
+        for name, instance in cluster.instances.items():
+            if name.startswith("drafter"):
+                instance.config = dataclasses.replace(
+                    instance.config, drafter=dataclasses.replace(instance.config.drafter, draft_ahead=False))
     if batch_log:   # one JSON line per verify batch: the verifier's timeline
         verifier.config = dataclasses.replace(
             verifier.config, verifier=dataclasses.replace(verifier.config.verifier,
@@ -423,6 +428,8 @@ def main() -> int:
     ap.add_argument("--plot", help="write a PNG of tokens/s and ITL against concurrency here")
     ap.add_argument("--batch-log", help="the verifier writes one JSON line per verify batch here "
                     "(start, end, sessions, waits, forward/kernel/commit ms)")
+    ap.add_argument("--no-draft-ahead", action="store_true",
+                    help="drafters wait for each verdict instead of drafting ahead on the likely one")
     ap.add_argument("--workdir", help="keep the deployments' work directories here (default: temporary)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: levels 1,4, max-tokens 24")
     ap.add_argument("--no-reference", action="store_true",
@@ -479,7 +486,8 @@ def main() -> int:
         deployed = {}   # mode -> (front door, verifier metrics URL, role -> pid)
         for mode in modes:
             cluster, front, metrics_url = start_deployment(root, mode, draft_spec, draft_digest,
-                                                           args.max_tokens, eos, args.drafters, args.batch_log)
+                                                           args.max_tokens, eos, args.drafters, args.batch_log,
+                                                           draft_ahead=not args.no_draft_ahead)
             running.callback(cluster.stop)
             asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
             deployed[mode] = front, metrics_url, {name: i.pid for name, i in cluster.instances.items()}

@@ -88,7 +88,10 @@ def token_id(name: str) -> int:
 
 def test_the_ready_line_and_models_name_the_real_pair(served):
     client, ready, _ = served
-    assert re.search(r"\(model smollm2: target hf:smollm2, draft \S+:smollm2 x 2\)$", ready.strip()), ready
+    # the draft choose_draft makes here (its spec may carry options: ?activations=int8)
+    from sdcp_fast.demo.real_pair import choose_draft
+
+    assert ready.strip().endswith(f"(model smollm2: target hf:smollm2, draft {choose_draft()[0]} x 2)"), ready
     (card,) = client.models.list().data
     assert card.id == "smollm2" and card.model_extra["max_model_len"] == 8192
 
