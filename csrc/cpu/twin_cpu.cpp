@@ -160,11 +160,6 @@ class TwinModel : public torch::CustomClassHolder {
     return true;
   }
 
-  // "int8" when forward's products run over 8-bit activations with the loops chosen now
-  std::string activations() const {
-    return q8_ && choose_twin_loops().matmul_q8 != nullptr ? "int8" : "fp32";
-  }
-
   // tokens [N] int64: each session's new tokens, sessions one after another; counts [B],
   // pasts [B] int64: how many tokens session b adds and how many its cache holds already
   // (its new tokens sit at positions pasts[b]..); caches: B fp32 [n_layer, 2, n_kv_head,
@@ -537,6 +532,5 @@ TORCH_LIBRARY_FRAGMENT(sdcp, m) {
       .def(torch::init<std::vector<int64_t>, std::vector<double>, std::vector<at::Tensor>>())
       .def("forward", &sdcp::cpu::TwinModel::forward)
       .def("use_int8_activations", &sdcp::cpu::TwinModel::use_int8_activations)
-      .def("activations", &sdcp::cpu::TwinModel::activations)
       .def("isa", &sdcp::cpu::TwinModel::isa);
 }

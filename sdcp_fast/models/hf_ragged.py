@@ -187,22 +187,23 @@ def ragged_attention(module, query, key, value, attention_mask, *, sdcp_ragged=N
     # wrapper repeats K/V whenever there is a mask
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
     gqa, scale = heads != kv_heads, kwargs.get("scaling")
+    p, in_place = layout.in_place, None
+    if p is not None and len(p.rows):   # the sessions with a past, read where the pool keeps them
+        from sdcp_fast.kernels import native
+
+        in_place = native.paged_attention(query[0].transpose(0, 1), keys, values, p.rows, p.keys,
+                                          p.first_page, p.pages, pool.page,
+                                          dim ** -0.5 if scale is None else scale)
+        if p.all_rows:   # no fresh prompt in the pass: that is the whole layer's output
+            return in_place[None], None
     out = query.new_empty(query.shape[2], heads, dim)  # [T, H, Dh]
     for f in layout.fresh:
         lo, hi = f.lo, f.hi
         out[lo:hi] = F.scaled_dot_product_attention(
             query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], is_causal=hi - lo > 1,
             scale=scale, enable_gqa=gqa)[0].transpose(0, 1)
-    if layout.in_place is not None and len(layout.in_place.rows):
-        from sdcp_fast.kernels import native
-
-        p = layout.in_place
-        o = native.paged_attention(query[0].transpose(0, 1), keys, values, p.rows, p.keys,
-                                   p.first_page, p.pages, pool.page,
-                                   dim ** -0.5 if scale is None else scale)
-        if p.all_rows:
-            return o[None], None
-        out.index_copy_(0, p.rows, o)
+    if in_place is not None:
+        out.index_copy_(0, p.rows, in_place)
     paged_k = keys.view(-1, pool.page, kv_heads, dim)
     paged_v = values.view(-1, pool.page, kv_heads, dim)
     for g in layout.groups:
