@@ -3,7 +3,7 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
 
     .venv/bin/python bench/bench_serve.py [--levels 1,2,4,8,16,32,64] [--max-tokens 64]
         [--temperatures 0,0.7] [--modes sdcp,off] [--drafters 2] [--draft SPEC] [--repeat 1]
-        [--json FILE] [--plot FILE.png] [--workdir DIR] [--quick]
+        [--json FILE] [--plot FILE.png] [--workdir DIR] [--quick] [--no-settle] [--no-draft-ahead]
 
 1. The target `hf:smollm2` loads in this process (the first run converts the GGUF into
    $SDCP_CACHE). 64 held-out chat prompts (not the demo's; each asks for a long answer),
@@ -19,7 +19,11 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    (or --draft). Modes: `sdcp` (the verifier's speculation policy `auto`, the default
    deployment), `off` (the same deployment, the verifier decoding every session itself:
    `speculation = "off"`), `on` (always speculate). One deployment per mode, all started
-   before the first level (each idle while another way runs); nothing else should run on the
+   before the first level (each idle while another way runs), then warmed up: one short request,
+   and where drafters run, one-request waves (greedy, untimed, at most 24) until each drafter
+   that drafted has chosen whether drafting ahead pays on this host (drafter/ahead.py measures
+   both ways over its first blocks of rounds; `--no-settle` measures from the first rounds),
+   so the levels measure steady-state serving. Nothing else should run on the
    machine (the load average is printed). A level's waves alternate between the ways, wave
    by wave (the target alone, then each mode), so that the drift of a shared machine's speed
    weighs on every way of the level alike instead of on whichever ran in a slow minute.
@@ -241,7 +245,28 @@ def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, 
     return cluster, front, f"http://{verifier.config.verifier.metrics}/metrics"
 
 
-def scrape(url: str) -> dict[str, float]:
+def settle_drafting_ahead(cluster, front: str, metrics_url: str, max_tokens: int, mode: str,
+                          max_waves: int = 24) -> str:
+    """One-request waves (greedy, untimed) until every drafter that has drafted has chosen
+    whether drafting ahead pays (drafter/ahead.py measures both ways over its first blocks of
+    rounds): the figures that follow are steady-state serving, not that warm-up. Returns what
+    each drafter chose."""
+    names = ("sdcp_drafter_draft_ahead", "sdcp_draft_seconds_count")
+    urls = {name: f"http://{i.config.drafter.metrics}/metrics"
+            for name, i in cluster.instances.items() if name.startswith("drafter")}
+    for wave in range(max_waves):
+        seen = {name: scrape(url, names) for name, url in urls.items()}
+        drafted = {name: v for name, v in seen.items() if v.get("sdcp_draft_seconds_count", 0) > 0}
+        if drafted and all(v.get("sdcp_drafter_draft_ahead", -1) >= 0 for v in drafted.values()):
+            break
+        asyncio.run(drive(front, TEXTS[wave % len(TEXTS):][:1], max_tokens, 0.0, 1, metrics_url, f"{mode} settle"))
+    words = {-1: "still measuring", 0: "waits for each verdict", 1: "drafts ahead"}
+    return f"after {wave} wave(s): " + ", ".join(
+        f"{name} {words[int(v.get('sdcp_drafter_draft_ahead', -1))]}"
+        + ("" if v.get("sdcp_draft_seconds_count", 0) else " (no rounds)") for name, v in seen.items())
+
+
+def scrape(url: str, names: tuple[str, ...] = VERIFIER_SERIES) -> dict[str, float]:
     import httpx
 
     values = {}
@@ -251,7 +276,7 @@ def scrape(url: str) -> dict[str, float]:
         return values
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in VERIFIER_SERIES:
+        if name in names:
             values[name] = float(value)
     return values
 
@@ -430,6 +455,9 @@ def main() -> int:
                     "(start, end, sessions, waits, forward/kernel/commit ms)")
     ap.add_argument("--no-draft-ahead", action="store_true",
                     help="drafters wait for each verdict instead of drafting ahead on the likely one")
+    ap.add_argument("--no-settle", action="store_true",
+                    help="measure from the first rounds: no one-request waves before the levels while the "
+                    "drafters choose whether drafting ahead pays (their warm-up)")
     ap.add_argument("--workdir", help="keep the deployments' work directories here (default: temporary)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: levels 1,4, max-tokens 24")
     ap.add_argument("--no-reference", action="store_true",
@@ -490,6 +518,10 @@ def main() -> int:
                                                            draft_ahead=not args.no_draft_ahead)
             running.callback(cluster.stop)
             asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
+            if mode != "off" and not args.no_draft_ahead and not args.no_settle:
+                with progress(f"{mode}: one-request waves until the drafters choose whether to draft ahead"):
+                    print(f"  {settle_drafting_ahead(cluster, front, metrics_url, args.max_tokens, mode)}",
+                          flush=True)
             deployed[mode] = front, metrics_url, {name: i.pid for name, i in cluster.instances.items()}
         for t in temperatures:
             torch.manual_seed(0)

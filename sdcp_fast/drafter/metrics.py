@@ -8,6 +8,8 @@
                                                   problem type that refused it
     sdcp_drafter_draft_tokens_total               tokens proposed in rounds that got a verdict
     sdcp_drafter_accepted_tokens_total            of those, accepted
+    sdcp_drafter_draft_ahead                      drafting ahead chosen: 1 yes, 0 no (wait for each
+                                                  verdict), -1 still measuring both ways (ahead.py)
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ class Metrics:
         self.draft_tokens = counter(r, "drafter_draft_tokens", "Tokens proposed in rounds with a verdict")
         self.accepted_tokens = counter(r, "drafter_accepted_tokens", "Proposed tokens the verifier accepted")
 
-    def watch(self, *, sessions: Callable[[], float], load: Callable[[], float]) -> None:
+    def watch(self, *, sessions: Callable[[], float], load: Callable[[], float],
+              draft_ahead: Callable[[], float] | None = None) -> None:
         gauge(self.registry, "drafter_sessions", "Sessions whose round loop runs on this drafter", sessions)
         gauge(self.registry, "drafter_load_percent", "Drafter load as reported to the router", load)
+        if draft_ahead is not None:
+            gauge(self.registry, "drafter_draft_ahead",
+                  "Drafting ahead chosen: 1 yes, 0 no, -1 still measuring both ways", draft_ahead)
 
     def outcome(self, outcome: Kind | str) -> None:
         self.proposals.labels(outcome=outcome.suffix if isinstance(outcome, Kind) else outcome).inc()

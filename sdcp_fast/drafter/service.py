@@ -88,7 +88,7 @@ class DrafterService(Routed):
         self._busy_mark = (time.perf_counter(), 0.0)
         self._load = 0
         self.metrics.watch(sessions=lambda: sum(1 for s in self.sessions.values() if s.running()),
-                           load=lambda: self._load)
+                           load=lambda: self._load, draft_ahead=self._draft_ahead_gauge)
         self.router = Router(authorizer=Authorizer({"assignments": set(config.routers)}))
         self.router.add_message("POST", "/assignments", self.post_assignment, body=Assignment,
                                 resource="assignments")
@@ -110,6 +110,12 @@ class DrafterService(Routed):
             self._rounds_file.close()
 
     # ------------------------------------------------------------------ POST assignments
+
+    def _draft_ahead_gauge(self) -> float:
+        if not self.config.draft_ahead:
+            return 0.0
+        chosen = self.ahead.chosen
+        return -1.0 if chosen is None else float(chosen)
 
     async def post_assignment(self, call: Call, a: Assignment) -> None:
         if a.drafter.rstrip("/") != self.config.uri.rstrip("/"):

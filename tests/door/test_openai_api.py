@@ -317,6 +317,7 @@ def test_every_series_exists_at_zero_before_the_first_request(door):
         for name in DRAFTER_SERIES:
             assert d[(name, ())] == 0, name
         assert d[("sdcp_drafter_proposals_total", (("outcome", "verdict"),))] == 0
+        assert d[("sdcp_drafter_draft_ahead", ())] == -1    # measuring both ways until its rounds tell
     for role in ROLES:
         assert all(any(key[0] == name for key in at_start[role]) for name in PROCESS_SERIES), role
 
