@@ -4,6 +4,7 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
     .venv/bin/python bench/bench_serve.py [--levels 1,2,4,8,16,32,64] [--max-tokens 64]
         [--temperatures 0,0.7] [--modes sdcp,off] [--drafters 2] [--draft SPEC] [--repeat 1]
         [--json FILE] [--plot FILE.png] [--workdir DIR] [--quick] [--no-settle] [--no-draft-ahead]
+        [--warmup-waves N] [--verifier-option MEMBER=VALUE ...] [--m-max M]
 
 1. The target `hf:smollm2` loads in this process (the first run converts the GGUF into
    $SDCP_CACHE). 64 held-out chat prompts (not the demo's; each asks for a long answer),
@@ -23,7 +24,8 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    and where drafters run, one-request waves (greedy, untimed, at most 24) until each drafter
    that drafted has chosen whether drafting ahead pays on this host (drafter/ahead.py measures
    both ways over its first blocks of rounds; `--no-settle` measures from the first rounds),
-   so the levels measure steady-state serving. Nothing else should run on the
+   so the levels measure steady-state serving (`--warmup-waves N`: also N untimed waves of each
+   level on each deployment before its measured ones). Nothing else should run on the
    machine (the load average is printed). A level's waves alternate between the ways, wave
    by wave (the target alone, then each mode), so that the drift of a shared machine's speed
    weighs on every way of the level alike instead of on whichever ran in a slow minute.
@@ -213,14 +215,15 @@ def alone_batch(model, prompts: list[list[int]], max_new: int, eos: int, tempera
 
 
 def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, max_new: int, eos: int,
-                     drafters: int, batch_log: str | None = None, draft_ahead: bool = True):
+                     drafters: int, batch_log: str | None = None, draft_ahead: bool = True,
+                     verifier_options: dict | None = None, m_max: int = 8):
     """Router (OpenAI door), verifier (metrics port) and drafters as processes; (cluster,
     front door URL, verifier metrics URL)."""
     from sdcp_fast.procs import Cluster
 
     cluster = Cluster(root / mode, protocol="h2")
     deployment.plan(cluster, TARGET, draft_spec, draft_digest, max_new, (eos,), slow=True, drafters=drafters,
-                    rounds_log=False, metrics=True)
+                    rounds_log=False, metrics=True, m_max=m_max)
     verifier = cluster.instances["verifier"]
     if mode != "sdcp":   # the default deployment leaves the verifier's policy as configured (auto)
         verifier.config = dataclasses.replace(
@@ -230,6 +233,11 @@ def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, 
             if name.startswith("drafter"):
                 instance.config = dataclasses.replace(
                     instance.config, drafter=dataclasses.replace(instance.config.drafter, draft_ahead=False))
+    if verifier_options:   # [verifier] members set for an A/B run (--verifier-option)
+        section = verifier.config.verifier
+        typed = {k: v.lower() in ("1", "true", "yes") if isinstance(getattr(section, k), bool)
+                 else type(getattr(section, k))(v) for k, v in verifier_options.items()}
+        verifier.config = dataclasses.replace(verifier.config, verifier=dataclasses.replace(section, **typed))
     if batch_log:   # one JSON line per verify batch: the verifier's timeline
         verifier.config = dataclasses.replace(
             verifier.config, verifier=dataclasses.replace(verifier.config.verifier,
@@ -455,6 +463,12 @@ def main() -> int:
                     "(start, end, sessions, waits, forward/kernel/commit ms)")
     ap.add_argument("--no-draft-ahead", action="store_true",
                     help="drafters wait for each verdict instead of drafting ahead on the likely one")
+    ap.add_argument("--verifier-option", action="append", default=[], metavar="MEMBER=VALUE",
+                    help="set a [verifier] member of every deployment (A/B runs), e.g. company_share=2")
+    ap.add_argument("--m-max", type=int, default=8, help="the contract's m_max (longest proposal)")
+    ap.add_argument("--warmup-waves", type=int, default=0,
+                    help="untimed waves of each level on each deployment before its measured waves (the "
+                    "verifier's measured way at a load settles over its first blocks of rounds there)")
     ap.add_argument("--no-settle", action="store_true",
                     help="measure from the first rounds: no one-request waves before the levels while the "
                     "drafters choose whether drafting ahead pays (their warm-up)")
@@ -515,7 +529,9 @@ def main() -> int:
         for mode in modes:
             cluster, front, metrics_url = start_deployment(root, mode, draft_spec, draft_digest,
                                                            args.max_tokens, eos, args.drafters, args.batch_log,
-                                                           draft_ahead=not args.no_draft_ahead)
+                                                           draft_ahead=not args.no_draft_ahead,
+                                                           verifier_options=dict(o.split("=", 1) for o in args.verifier_option),
+                                                           m_max=args.m_max)
             running.callback(cluster.stop)
             asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
             if mode != "off" and not args.no_draft_ahead and not args.no_settle:
@@ -528,6 +544,11 @@ def main() -> int:
             for c in levels:
                 for way in ("baseline", *modes):
                     results[way, t, c] = Level(way, t, c)
+                for mode, (front, metrics_url, _) in deployed.items():
+                    for _ in range(args.warmup_waves):   # untimed: each level measured in steady state
+                        with progress(f"{mode}: a warm-up wave of {c} (untimed), T = {t:g}"):
+                            asyncio.run(drive(front, texts[:c], args.max_tokens, t, 1, metrics_url, mode,
+                                              first_wave=-1))
                 for wave in range(args.repeat):
                     with progress(f"the target alone: generate(), {c} prompt(s) in one batch, T = {t:g}"):
                         cpu = time.process_time()

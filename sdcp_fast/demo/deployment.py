@@ -30,7 +30,7 @@ def drafter_names(drafters: int) -> list[str]:
 def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str, max_new: int,
          stop: tuple[int, ...] = (), *, verifier_spec: str | None = None, slow: bool = False,
          drafters: int = len(DRAFTERS), rounds_log: bool = True, metrics: bool = False,
-         speculation: str = "auto", **router_options) -> None:
+         speculation: str = "auto", m_max: int = 8, **router_options) -> None:
     """Add the instances and their configs (as many routers as the cluster was made for);
     `cluster.start()` launches them. `stop`: the
     contract's stop tokens (the real pair's end of turn); `verifier_spec`: the target as the
@@ -39,7 +39,8 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
     TTLs and timeouts with room for it. `rounds_log`: the drafters log every verdict (the
     demo's table; a long-running `up` leaves it off); `metrics`: every instance serves
     /metrics and /health on a port of its own; `router_options`: more [router] members
-    (`up`'s front door and served name); `speculation`: the verifier's policy (auto, on, off)."""
+    (`up`'s front door and served name); `speculation`: the verifier's policy (auto, on, off);
+    `m_max`: the contract's longest proposal."""
     # TTLs with room for a busy 2-core machine: an instance is declared dead only when silent
     ttl = 8000 if slow else 3000
 
@@ -58,7 +59,7 @@ def plan(cluster: Cluster, target_spec: str, draft_spec: str, draft_digest: str,
     # self_max: under "on" a self-decoding period of 16 tokens shows the ladder giving the
     # drafter another chance; under "auto" the verifier ends a period when speculating pays
     # again, and a fixed period would only add drafter catch-ups
-    contract = {"rule": 1, "m_max": 8, "max_new": max_new, "low_rounds": 4,
+    contract = {"rule": 1, "m_max": m_max, "max_new": max_new, "low_rounds": 4,
                 "fallback": ["reduce", "switch", "self_decode"], "self_load": 60}
     if speculation == "on":
         contract["self_max"] = 16
