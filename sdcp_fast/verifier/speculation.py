@@ -12,8 +12,7 @@ machine: the policy measures
   whole pass: forward, verify, commit, answers), read from the passes measured near n
   (`PassCurve`);
 - the drafters' turnaround g(x), from a verdict's answer to the session's next proposal,
-  against x = the draft tokens all active sessions ask for in a round, read from a line over
-  M kept for each band of load (`MeasuredCosts`);
+  against x = the draft tokens all active sessions ask for in a round;
 - each session's acceptance (an EWMA of a/M, as the drafter keeps it); a session with no
   drafted round of its own yet (one just opened, or self-decoding since its open) is planned
   with the acceptance of all sessions' rounds lately (`pooled`), not a fixed prior, which
@@ -86,7 +85,6 @@ SELF, PLAN = 0, 1         # the ways at a load: every session self-decoding / as
 WAY_BLOCK_TOKENS = 8      # committed tokens a session in play: one block of one way
 WAY_SETTLE_TOKENS = 4     # ... and, after a change of way or of load, before a block's clock starts
 WAY_WARMUP, WAY_SAMPLES, WAY_RECHECK = 3, 7, 20   # core.choice.TwoWayChooser's, per band of load
-TURNAROUND_INITIAL = 0.010  # a turnaround before any was measured (the plan waits for one: self_decode_from_open)
 WAY_MIN_SESSIONS = 2      # fewer in play: the plan and its per-session rates decide alone
 
 
@@ -280,55 +278,34 @@ class PassCurve:
 
 
 class MeasuredCosts:
-    """The pass cost t(n) (`PassCurve`) and the drafters' turnaround g(x) as lines through
+    """The pass cost t(n) (`PassCurve`) and the drafters' turnaround g(x) as a line through
     what was measured (control.VerifyCost), refreshed per observation: a plan reads them
-    per verdict.
-
-    The turnaround is kept per band of load (`MeasuredRate.band` of the sessions in play), each
-    a line over M, the draft steps a session's proposal takes, not over the draft tokens of
-    all sessions: a drafter drafts its sessions' proposals in one batched step per token, so
-    its round grows with M and only through the batch with the load. One line over all
-    sessions' tokens, fitted where one session ran, put 8 sessions' rounds of 4 tokens at
-    several times what they take (bench/RESULTS.md, issue 38), and with that guess the plan
-    self-decoded them, so it was never measured again. A band with no line of its own reads
-    the nearest band's (the lower one of two as near), a guess its own first rounds replace."""
+    per verdict."""
 
     def __init__(self) -> None:
         # prior slopes: with one point seen, a pass's cost grows by 15% of itself a token
         # (a CPU's; a GPU's measured curve soon replaces it), the turnaround is all drafting
         self.passes = PassCurve(initial=0.010, prior_slope=0.15)
-        self.turnarounds: dict[int, VerifyCost] = {}          # band of load -> line over M
-        self._lines: dict[int, tuple[float, float]] = {}      # ... and its (base, slope)
+        self.turnarounds = VerifyCost(initial=0.010, prior_slope=1.0, max_rounds=POINT_WEIGHT_CAP)
+        self._turnaround = self.turnarounds.line()
 
     def observe_pass(self, tokens: int, seconds: float) -> None:
         self.passes.observe(max(1, tokens), seconds)
 
-    def observe_turnaround(self, draft_tokens: int, seconds: float, active: int = 1) -> None:
-        """A drafter came back `seconds` after a verdict with its share of `draft_tokens`,
-        the draft tokens of the `active` sessions in play (M each)."""
-        band = MeasuredRate.band(active)
-        line = self.turnarounds.get(band)
-        if line is None:
-            line = self.turnarounds[band] = VerifyCost(initial=TURNAROUND_INITIAL, prior_slope=1.0,
-                                                        max_rounds=POINT_WEIGHT_CAP)
-        line.observe(max(1, round(draft_tokens / max(1, active))), seconds)
-        self._lines[band] = line.line()
+    def observe_turnaround(self, draft_tokens: int, seconds: float) -> None:
+        self.turnarounds.observe(max(1, draft_tokens), seconds)
+        self._turnaround = self.turnarounds.line()
 
     @property
     def turnaround_measured(self) -> bool:
-        return bool(self._lines)
+        return bool(self.turnarounds.seen)
 
     def pass_cost(self, tokens: int) -> float:
         return self.passes.at(tokens)
 
-    def turnaround(self, draft_tokens: int, active: int = 1) -> float:
-        """g for `draft_tokens` over `active` sessions (M = draft_tokens / active each)."""
-        if not self._lines:
-            return TURNAROUND_INITIAL
-        band = MeasuredRate.band(active)
-        near = min(self._lines, key=lambda b: (abs(b - band), b))
-        base, slope = self._lines[near]
-        return max(0.0, base + slope * draft_tokens / max(1, active))
+    def turnaround(self, draft_tokens: int) -> float:
+        base, slope = self._turnaround
+        return max(0.0, base + slope * draft_tokens)
 
 
 class SpeculationPolicy:
@@ -362,8 +339,7 @@ class SpeculationPolicy:
             now = time.monotonic()
             if now - self._logged >= LOG_EVERY_S:
                 self._logged = now
-                s = self.active
-                t, g = self.costs.pass_cost, lambda x: self.costs.turnaround(x, s)
+                t, g, s = self.costs.pass_cost, self.costs.turnaround, self.active
                 log.info("speculation plan: %d sessions; a pass over 1 token a session %.0f ms, over 5 "
                          "%.0f ms; drafters' turnaround for 4 a session %.0f ms; plans so far %s; "
                          "way now %s, chosen by band of load %s", s, 1e3 * t(s), 1e3 * t(5 * s),
@@ -383,7 +359,7 @@ class SpeculationPolicy:
         """A session's drafter came back with M tokens `seconds` after the last verdict:
         one point of g at x = M x the active sessions (the drafters draft for all of them)."""
         if self.mode == "auto":
-            self.costs.observe_turnaround(m * self.active, seconds, self.active)
+            self.costs.observe_turnaround(m * self.active, seconds)
 
     def observe_round(self, state: SessionSpeculation, accepted: int, m: int) -> None:
         state.acceptance = state.acceptance.update(accepted, m)
@@ -421,10 +397,8 @@ class SpeculationPolicy:
 
     def _plan(self, state: SessionSpeculation, m_max: int, *, speculating: bool,
               active: int | None = None) -> int:
-        sessions = active or self.active
-        return plan_speculation(self.acceptance(state), m_max, sessions, self.costs.pass_cost,
-                                lambda x: self.costs.turnaround(x, sessions), speculating=speculating,
-                                margin=self.margin)
+        return plan_speculation(self.acceptance(state), m_max, active or self.active, self.costs.pass_cost,
+                                self.costs.turnaround, speculating=speculating, margin=self.margin)
 
     def plan(self, state: SessionSpeculation, m_max: int) -> int | None:
         """The plan for a drafted round's verdict: an M for m_cap, SELF_DECODE, or None

@@ -36,13 +36,13 @@ class Costs:
     def observe_pass(self, tokens, seconds):
         pass
 
-    def observe_turnaround(self, draft_tokens, seconds, active=1):
+    def observe_turnaround(self, draft_tokens, seconds):
         pass
 
     def pass_cost(self, n):
         return 0.010 if self.speculate() else 0.010 * n
 
-    def turnaround(self, x, active=1):
+    def turnaround(self, x):
         return 0.001 if self.speculate() else 1.0
 
     turnaround_measured = True
@@ -210,7 +210,7 @@ class Balanced(Costs):
     def pass_cost(self, n):
         return 0.010 + 0.002 * n
 
-    def turnaround(self, x, active=1):
+    def turnaround(self, x):
         return 0.030
 
 
@@ -387,7 +387,7 @@ def test_a_first_token_session_is_planned_again_with_the_load_at_its_first_token
         def pass_cost(self, n):
             return 0.010 if n <= 4 * 9 else 0.010 * n
 
-        def turnaround(self, x, active=1):
+        def turnaround(self, x):
             return 0.001 if x <= 4 * 8 else 1.0
 
     policy = SpeculationPolicy("auto", costs=LoadCosts(), first_token=True)
@@ -429,8 +429,8 @@ def test_the_plan_self_decodes_under_load_and_drafts_alone_on_a_cpus_curve():
     policy = SpeculationPolicy("auto")
     for n, t in CPU_PASSES.items():
         policy.observe_pass(n, t, 1)
-    for x, seconds, active in ((5, 0.060, 1), (40, 0.180, 8), (320, 0.700, 64)):
-        policy.costs.observe_turnaround(x, seconds, active)
+    for x, seconds in ((5, 0.060), (40, 0.180), (320, 0.700)):
+        policy.costs.observe_turnaround(x, seconds)
     state = SessionSpeculation(rounds=4)
     state.acceptance = dataclasses.replace(state.acceptance, alpha=0.97)
     policy.active = 1
@@ -438,33 +438,6 @@ def test_the_plan_self_decodes_under_load_and_drafts_alone_on_a_cpus_curve():
     policy.active = 64
     assert policy.plan(state, 8) == SELF_DECODE
     assert policy.self_decode_from_open(SessionSpeculation(), 8, 64)
-
-
-def test_the_turnaround_is_kept_per_band_of_load_over_a_sessions_draft_steps():
-    """A drafter drafts its sessions in one batched step a token, so its round grows with M:
-    turnarounds measured at one session say little of 8 sessions' as a line over all their
-    draft tokens (8 sessions x 4 tokens read as 32 steps: the plan then self-decoded those 8
-    sessions and never measured them). Kept per band of load over M, an unmeasured band reads
-    the nearest band's line; its own measurements replace that guess."""
-    from sdcp_fast.verifier.speculation import MeasuredCosts, SessionSpeculation, SpeculationPolicy
-
-    costs = MeasuredCosts()
-    for m, seconds in ((2, 0.030), (4, 0.050), (6, 0.070)):   # one session: 10 ms a step + 10 ms
-        costs.observe_turnaround(m, seconds, 1)
-    assert abs(costs.turnaround(4, 1) - 0.050) < 1e-9
-    assert abs(costs.turnaround(8 * 4, 8) - 0.050) < 1e-9       # 8 sessions, M = 4: the same steps
-    policy = SpeculationPolicy("auto", costs=costs)
-    for n, t in CPU_PASSES.items():
-        policy.observe_pass(n, t, 8)
-    state = SessionSpeculation(rounds=4)
-    state.acceptance = dataclasses.replace(state.acceptance, alpha=0.9)
-    assert policy.plan(state, 8) != SELF_DECODE                 # 8 sessions: drafting pays, by the guess
-    for m, seconds in ((3, 0.900), (4, 1.000), (5, 1.100)):     # ... measured there: slow drafters
-        policy.observe_turnaround(m, seconds)
-    assert policy.plan(state, 8) == SELF_DECODE
-    assert abs(costs.turnaround(4, 1) - 0.050) < 1e-9           # one session's line is its own
-    policy.active = 1
-    assert policy.plan(state, 8) != SELF_DECODE
 
 
 def test_the_pass_curve_below_its_smallest_pass_is_no_steeper_than_the_prior():
