@@ -24,8 +24,11 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
    and where drafters run, one-request waves (greedy, untimed, at most 24) until each drafter
    that drafted has chosen whether drafting ahead pays on this host (drafter/ahead.py measures
    both ways over its first blocks of rounds; `--no-settle` measures from the first rounds),
-   so the levels measure steady-state serving (`--warmup-waves N`: also N untimed waves of each
-   level on each deployment before its measured ones). Nothing else should run on the
+   and before each level's measured waves one untimed wave of that level on each deployment
+   (`--warmup-waves N`; the verifier measures its way at each load it meets over its first
+   blocks of rounds there, bench/RESULTS.md, issue 38, tenth session), so the levels measure
+   steady-state serving, as a deployment that has met these loads before serves them. Nothing
+   else should run on the
    machine (the load average is printed). A level's waves alternate between the ways, wave
    by wave (the target alone, then each mode), so that the drift of a shared machine's speed
    weighs on every way of the level alike instead of on whichever ran in a slow minute.
@@ -466,9 +469,10 @@ def main() -> int:
     ap.add_argument("--verifier-option", action="append", default=[], metavar="MEMBER=VALUE",
                     help="set a [verifier] member of every deployment (A/B runs), e.g. company_share=2")
     ap.add_argument("--m-max", type=int, default=8, help="the contract's m_max (longest proposal)")
-    ap.add_argument("--warmup-waves", type=int, default=0,
+    ap.add_argument("--warmup-waves", type=int, default=1,
                     help="untimed waves of each level on each deployment before its measured waves (the "
-                    "verifier's measured way at a load settles over its first blocks of rounds there)")
+                    "verifier's measured way at a load settles over its first blocks of rounds there; "
+                    "0: measure each level from its first wave)")
     ap.add_argument("--no-settle", action="store_true",
                     help="measure from the first rounds: no one-request waves before the levels while the "
                     "drafters choose whether drafting ahead pays (their warm-up)")
@@ -545,10 +549,10 @@ def main() -> int:
                 for way in ("baseline", *modes):
                     results[way, t, c] = Level(way, t, c)
                 for mode, (front, metrics_url, _) in deployed.items():
-                    for _ in range(args.warmup_waves):   # untimed: each level measured in steady state
+                    for wave_seed in range(args.warmup_waves):   # untimed: each level in steady state
                         with progress(f"{mode}: a warm-up wave of {c} (untimed), T = {t:g}"):
                             asyncio.run(drive(front, texts[:c], args.max_tokens, t, 1, metrics_url, mode,
-                                              first_wave=-1))
+                                              first_wave=1000 + wave_seed))
                 for wave in range(args.repeat):
                     with progress(f"the target alone: generate(), {c} prompt(s) in one batch, T = {t:g}"):
                         cpu = time.process_time()
