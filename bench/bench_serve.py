@@ -4,7 +4,7 @@ door, driven at 1, 2, 4, ... 64 concurrent streamed chat requests, against the t
     .venv/bin/python bench/bench_serve.py [--levels 1,2,4,8,16,32,64] [--max-tokens 64]
         [--temperatures 0,0.7] [--modes sdcp,off] [--drafters 2] [--draft SPEC] [--repeat 1]
         [--json FILE] [--plot FILE.png] [--workdir DIR] [--quick] [--no-settle] [--no-draft-ahead]
-        [--warmup-waves N] [--verifier-option MEMBER=VALUE ...] [--m-max M]
+        [--warmup-waves N] [--verifier-option MEMBER=VALUE ...] [--m-max M] [--rounds-log]
 
 1. The target `hf:smollm2` loads in this process (the first run converts the GGUF into
    $SDCP_CACHE). 64 held-out chat prompts (not the demo's; each asks for a long answer),
@@ -219,14 +219,14 @@ def alone_batch(model, prompts: list[list[int]], max_new: int, eos: int, tempera
 
 def start_deployment(root: Path, mode: str, draft_spec: str, draft_digest: str, max_new: int, eos: int,
                      drafters: int, batch_log: str | None = None, draft_ahead: bool = True,
-                     verifier_options: dict | None = None, m_max: int = 8):
+                     verifier_options: dict | None = None, m_max: int = 8, rounds_log: bool = False):
     """Router (OpenAI door), verifier (metrics port) and drafters as processes; (cluster,
     front door URL, verifier metrics URL)."""
     from sdcp_fast.procs import Cluster
 
     cluster = Cluster(root / mode, protocol="h2")
     deployment.plan(cluster, TARGET, draft_spec, draft_digest, max_new, (eos,), slow=True, drafters=drafters,
-                    rounds_log=False, metrics=True, m_max=m_max)
+                    rounds_log=rounds_log, metrics=True, m_max=m_max)
     verifier = cluster.instances["verifier"]
     if mode != "sdcp":   # the default deployment leaves the verifier's policy as configured (auto)
         verifier.config = dataclasses.replace(
@@ -265,14 +265,16 @@ def settle_drafting_ahead(cluster, front: str, metrics_url: str, max_tokens: int
     names = ("sdcp_drafter_draft_ahead", "sdcp_draft_seconds_count")
     urls = {name: f"http://{i.config.drafter.metrics}/metrics"
             for name, i in cluster.instances.items() if name.startswith("drafter")}
-    for wave in range(max_waves):
+    waves = 0
+    while True:
         seen = {name: scrape(url, names) for name, url in urls.items()}
-        drafted = {name: v for name, v in seen.items() if v.get("sdcp_draft_seconds_count", 0) > 0}
-        if drafted and all(v.get("sdcp_drafter_draft_ahead", -1) >= 0 for v in drafted.values()):
+        drafted = [v for v in seen.values() if v.get("sdcp_draft_seconds_count", 0) > 0]
+        if waves == max_waves or (drafted and all(v.get("sdcp_drafter_draft_ahead", -1) >= 0 for v in drafted)):
             break
-        asyncio.run(drive(front, TEXTS[wave % len(TEXTS):][:1], max_tokens, 0.0, 1, metrics_url, f"{mode} settle"))
+        asyncio.run(drive(front, [TEXTS[waves % len(TEXTS)]], max_tokens, 0.0, 1, metrics_url, f"{mode} settle"))
+        waves += 1
     words = {-1: "still measuring", 0: "waits for each verdict", 1: "drafts ahead"}
-    return f"after {wave} wave(s): " + ", ".join(
+    return f"after {waves} wave(s): " + ", ".join(
         f"{name} {words[int(v.get('sdcp_drafter_draft_ahead', -1))]}"
         + ("" if v.get("sdcp_draft_seconds_count", 0) else " (no rounds)") for name, v in seen.items())
 
@@ -468,6 +470,9 @@ def main() -> int:
                     help="drafters wait for each verdict instead of drafting ahead on the likely one")
     ap.add_argument("--verifier-option", action="append", default=[], metavar="MEMBER=VALUE",
                     help="set a [verifier] member of every deployment (A/B runs), e.g. company_share=2")
+    ap.add_argument("--rounds-log", action="store_true",
+                    help="the drafters log every verdict (draft, sent, answered times) in their work "
+                    "directories (with --workdir)")
     ap.add_argument("--m-max", type=int, default=8, help="the contract's m_max (longest proposal)")
     ap.add_argument("--warmup-waves", type=int, default=1,
                     help="untimed waves of each level on each deployment before its measured waves (the "
@@ -535,7 +540,7 @@ def main() -> int:
                                                            args.max_tokens, eos, args.drafters, args.batch_log,
                                                            draft_ahead=not args.no_draft_ahead,
                                                            verifier_options=dict(o.split("=", 1) for o in args.verifier_option),
-                                                           m_max=args.m_max)
+                                                           m_max=args.m_max, rounds_log=args.rounds_log)
             running.callback(cluster.stop)
             asyncio.run(drive(front, texts[:1], 4, 0.0, 1, metrics_url, "warm-up"))
             if mode != "off" and not args.no_draft_ahead and not args.no_settle:

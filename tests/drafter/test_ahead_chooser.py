@@ -41,27 +41,21 @@ def test_follows_a_change_of_costs_and_ignores_stragglers():
     assert chooser.chosen is True and chooser.ahead is True
 
 
-def test_the_drafter_reports_its_choice_as_a_gauge(tmp_path):
+def test_the_drafter_reports_its_choice_as_a_gauge():
     """sdcp_drafter_draft_ahead: -1 while both ways are measured, then the way chosen; 0 when
     the configuration turns drafting ahead off (no measuring then)."""
-    from sdcp_fast.drafter.metrics import Metrics
     from sdcp_fast.drafter.service import DrafterConfig, DrafterService
+
+    def drafter(**options):
+        return DrafterService(DrafterConfig(uri="https://127.0.0.1:1", routers=frozenset(), **options),
+                              backend=None, store=None)
 
     def gauge(service):
         return service.metrics.value("drafter_draft_ahead")
 
-    service = DrafterService(DrafterConfig(uri="https://127.0.0.1:1", routers=()), backend=None, store=None)
-    assert gauge(service) == -1
-    for _ in range(2 * WARMUP):
-        way = service.ahead.ahead
-        for _ in range(BLOCK):
-            service.ahead.observe(way, (0.040 if way else 0.025) * 5, 5)
-    assert gauge(service) == 0
-    service = DrafterService(DrafterConfig(uri="https://127.0.0.1:1", routers=()), backend=None, store=None, metrics=Metrics())
-    for _ in range(2 * WARMUP):
-        way = service.ahead.ahead
-        for _ in range(BLOCK):
-            service.ahead.observe(way, (0.020 if way else 0.030) * 5, 5)
-    assert gauge(service) == 1
-    off = DrafterService(DrafterConfig(uri="https://127.0.0.1:1", routers=(), draft_ahead=False), backend=None, store=None)
-    assert gauge(off) == 0
+    for seconds_a_token, chosen in (({True: 0.040, False: 0.025}, 0), ({True: 0.020, False: 0.030}, 1)):
+        service = drafter()
+        assert gauge(service) == -1
+        run_blocks(service.ahead, seconds_a_token, 2 * WARMUP)
+        assert gauge(service) == chosen
+    assert gauge(drafter(draft_ahead=False)) == 0
