@@ -342,6 +342,7 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             loop.add_signal_handler(sig, stop.set)
         probe = MemoryProbe.from_env(role)       # SDCP_TRACEMALLOC=N: memprobe.py
         probing = loop.create_task(probe.run()) if probe is not None else None
+        trimming = loop.create_task(heap.keep_trimmed(heap.trim_period()))   # free pages back: heap.py
         gcfreeze.freeze_startup_objects()        # full collections stop walking start-up's objects
         health.mark_ready()
         if cfg.ready_file:
@@ -354,6 +355,7 @@ async def run(role: str, cfg: InstanceConfig, where: str = "config") -> int:
             [*built.urls, f"SDCP {cfg.uri} ({protocols} with mutual TLS on {host}:{server.port})"]))
         await stop.wait()
         log.info("%s %s stopping", role, cfg.uri)
+        trimming.cancel()
         if probing is not None:
             probing.cancel()
     finally:
