@@ -30,7 +30,10 @@ The model, one verifier at a time, each part the deployment's own mechanism:
   for each proposal) costs v0 + v1 * n + vr * R, its commit included (on hosts of their
   own vr would be 0);
 - a drafter drafts its sessions' tokens in batched steps (one token for every session that
-  wants one): a step costs d0 + d1 * sessions in it + dr * R;
+  wants one): a step costs d0 + d1 * sessions in it + dr * R; before a proposal's steps the
+  drafter applies the verdict and builds the proposal, `prep` + `prep_r` x R (a proposal of
+  one token costs far more than a step, so a cost per token alone made the hard texts'
+  many short proposals too cheap and the easy texts' long ones too dear);
 - drafting ahead, as sdcp_fast/drafter/session.py does it: while a proposal is out the
   drafter drafts the next one on the all-accepted verdict when the session's measured odds
   (LookaheadOdds) say it will be used at least half the time; the verdict stops it; it is
@@ -44,10 +47,13 @@ The model, one verifier at a time, each part the deployment's own mechanism:
   first round; the first proposal meets the verifier still opening the others and takes
   `first` longer than the later ones (which the drafter's verify cost per M remembers).
 
-Calibration, each parameter from its own measurement (printed), at the lowest RTT without
-drafting ahead: v0, v1, vr by least squares over the verifier's batch log (pass time
-against tokens in the pass and the run's R); d0 and dr from the drafting time per token
-(drafting time over tokens drafted) at 1 session and at the most sessions; `handle` and
+Calibration, each parameter from its own measurement (printed), at the lowest RTT, the runs
+with drafting ahead and without pooled (the roles' costs do not depend on what the drafter
+does between verdicts, and the two halves are measured interleaved, so pooling halves the
+noise of either): v0, v1, vr by least squares over the verifier's batch log (pass time
+against tokens in the pass and the run's R); `prep` and d0 by least squares of a round's
+drafting time against its M (rounds that drafted all of their proposal) at 1 session, and
+`prep_r` and dr from the same fit at the most sessions; `handle` and
 `hr` from a round's turnaround less the measured round trip and its time in the verifier
 (batch log, joined by session and round) at 1 session and at the most; `open_cost` and
 `start` so that the model's time to first token matches the measured one at 1 session and
@@ -58,7 +64,7 @@ runs: it is the controllers' choice in the model. Validation: every measured run
 RTT, ahead and not, 1 and 16 sessions) simulated and compared, tokens/s, inter-token
 latency and mean M (the mean of VALIDATION_SEEDS runs of the model), error in percent
 (goal: within 15%), twice: with the costs calibrated
-at each RTT from that RTT's runs without drafting ahead (on the measured machine the roles'
+at each RTT from that RTT's runs (on the measured machine the roles'
 costs grow with the RTT: drafting per token, handling), and with the lowest RTT's costs for
 every RTT. The questions below use the lowest RTT's costs (`--also` validates other runs).
 
@@ -138,6 +144,8 @@ class Params:
     spread: tuple = (1.0,)          # handling's measured spread: each round's over the mean (factors)
     drafters: int = 2
     rtt_of: dict = field(default_factory=dict)   # configured RTT (ms) -> measured round trip (s)
+    prep: float = 0.0               # the drafter's work per proposal besides its steps (the verdict
+    prep_r: float = 0.0             #   applied, the proposal built): prep + prep_r * R (s)
 
     @property
     def mean_m(self) -> float:
@@ -183,7 +191,7 @@ class Model:
         self.first_extra = alone + (many - alone) * (sessions - 1) / max(1, n - 1)
         self.active_s = 0.0                 # sessions' time from open to end, summed
         self.trace: dict[str, list] = {"pass": [], "jobs": [], "turnaround": [], "draft": [], "m": [],
-                                       "emitted": [], "ladder": [], "controls": [], "ends": []}
+                                       "emitted": [], "ladder": [], "controls": [], "ends": [], "ahead": [], "rounds": []}
         self.in_pass = False
         self.answered_at: list[float | None] = [None] * sessions   # the verifier's last verdict to each
         self.turnaround: list[float | None] = [None] * sessions    # ... and the EWMA of its way back
@@ -348,6 +356,7 @@ class Model:
             at = self.emitted[s]
             self.trace["controls"].append((s, m, alpha.alpha, timing.draft_per_token, timing.verify_cost.at(m)))
             building = env.now
+            yield env.timeout(p.prep + p.prep_r * self.others_rate())   # the verdict applied, the proposal built
             if ready < m:
                 yield self.draft(j, m - ready)[1]
             draft_s = env.now - building
@@ -375,6 +384,7 @@ class Model:
             a, verdict_cap = yield answered
             yield env.timeout(p.rtt / 2)
             self.trace["turnaround"].append(env.now - sent)
+            self.trace["rounds"].append((s, m, draft_s, env.now - sent))   # per session, as the rounds log
             timing.observe_verify(env.now - sent, m)
             emitted = min(a + 1, self.max_new - self.emitted[s])
             if first is None:
@@ -391,6 +401,7 @@ class Model:
                 if a == m and drafted:
                     right = self.match[s][at + m]      # its first token: the verifier's additional one?
                     ready = drafted - 1 if right else 0
+                self.trace["ahead"].append((drafted, ready))
             timing.observe_draft(draft_s, m)
             alpha = alpha.update(a, m)
             odds.observe(a, m, right)
@@ -483,12 +494,23 @@ def least_squares(rows: list[tuple[float, ...]], ys: list[float]) -> list[float]
         keep.pop(int(np.argmin(c)))
 
 
+def pooled(runs: list[dict]) -> dict:
+    """Runs of one size as one: their rounds (session ids kept apart per run) and batches, and
+    the mean of their inter-token latencies and times to first token."""
+    rounds = [dict(x, session=(k, x["session"])) for k, r in enumerate(runs) for x in r["rounds"]]
+    return {"sessions": runs[0]["sessions"], "rounds": rounds, "batches": [b for r in runs for b in r["batches"]],
+            "itl_ms": statistics.fmean(r["itl_ms"] for r in runs),
+            "ttft_ms": statistics.fmean(r["ttft_ms"] for r in runs)}
+
+
 def calibrate(record: dict) -> tuple[Params, dict]:
     runs = record["runs"]
     low = min(r["rtt_ms"] for r in runs)
-    base = [r for r in runs if r["rtt_ms"] == low and not r["ahead"]]
-    one = next(r for r in base if r["sessions"] == 1)
-    many = max(base, key=lambda r: r["sessions"])
+    # the costs are the roles', whatever the drafter does between verdicts: both halves of the
+    # lowest RTT's runs (with drafting ahead and without, measured interleaved) are pooled
+    base = [r for r in runs if r["rtt_ms"] == low]
+    one = pooled([r for r in base if r["sessions"] == 1])
+    many = pooled([r for r in base if r["sessions"] == max(x["sessions"] for x in base)])
     rtt_of = {}
     for r in runs:       # the configured RTT's measured round trip (the relay at RTT/2 each way)
         measured = record.get("relay", {}).get(f"relay {r['delay_ms']:g}")
@@ -508,16 +530,21 @@ def calibrate(record: dict) -> tuple[Params, dict]:
     batches = [(b, others(r)) for r in base for b in r["batches"]]
     v0, v1, vr = least_squares([(1.0, b["tokens"], rate) for b, rate in batches],
                                [b["pass_ms"] / 1000 for b, _ in batches])
-    # drafting: time per token drafted (rounds that drafted all of their proposal) alone and
-    # at the most sessions, against the other sessions' round rate: on the shared cores the
-    # step waits for the rest of the deployment's work far more than it grows with its batch
-    # (drafter CPU stays a fraction of a core), so that term carries the difference
-    def per_token(rs):          # the mean: drafting time over tokens drafted, what the rounds spend
+    # drafting: a round's drafting time against its M (rounds that drafted all of their
+    # proposal), a fixed part and one per token, alone and at the most sessions, against the
+    # other sessions' round rate: on the shared cores the step waits for the rest of the
+    # deployment's work far more than it grows with its batch (drafter CPU stays a fraction
+    # of a core), so that term carries the difference
+    def per_proposal(rs):
         drafted = [x for x in rs if x["m"] and not x["ahead"]]
-        return sum(x["draft_ms"] for x in drafted) / 1000 / sum(x["m"] for x in drafted)
-    t1, tn = per_token(one["rounds"]), per_token(many["rounds"])
+        if len({x["m"] for x in drafted}) < 2:
+            return 0.0, sum(x["draft_ms"] for x in drafted) / 1000 / sum(x["m"] for x in drafted)
+        fixed, each = least_squares([(1.0, x["m"]) for x in drafted], [x["draft_ms"] / 1000 for x in drafted])
+        return fixed, each
+    (f1, t1), (fn, tn) = per_proposal(one["rounds"]), per_proposal(many["rounds"])
     d0, d1 = t1, 0.0
     dr = max(0.0, (tn - t1) / max(others(many), 1e-9))
+    prep, prep_r = f1, max(0.0, (fn - f1) / max(others(many), 1e-9))
     # the verifier's handling of a proposal: a round's turnaround less the wire and its time in
     # the verifier, at one session (nothing else running) and at the most, where the other
     # sessions' work competes for the cores
@@ -540,6 +567,7 @@ def calibrate(record: dict) -> tuple[Params, dict]:
         return max(0.0, statistics.fmean(ts[0] for ts in by_session.values()) - statistics.fmean(later))
     first = (first_extra(one), first_extra(many), many["sessions"])
     p = Params(match, m_values, d0, d1, dr, v0, v1, vr, handle, hr, start=0.0, open_cost=0.0, first=first, spread=spread,
+               prep=prep, prep_r=prep_r,
                rtt=rtt_of[low], ahead=False,
                rtt_of=rtt_of)
     # opening: open_cost (shared by the sessions opening) and start, so that the first token comes
@@ -628,7 +656,7 @@ def calibrated(path: str, record: dict) -> tuple[Params, dict]:
           "sessions measured accepted in every round exactly the run of matches at its position")
     print(f"  verifier pass {1e3 * p.v0:.3f} + {1e3 * p.v1:.3f} x tokens + {1e3 * p.vr:.4f} x R ms (least squares "
           f"over {fit['batches']} batches; R: the other sessions' rounds per second); drafting step {1e3 * p.d0:.3f} "
-          f"+ {1e3 * p.dr:.4f} x R ms; handling a proposal {1e3 * p.handle:.3f} + {1e3 * p.hr:.4f} x R ms (turnaround "
+          f"+ {1e3 * p.dr:.4f} x R ms and a proposal's own {1e3 * p.prep:.3f} + {1e3 * p.prep_r:.4f} x R ms; handling a proposal {1e3 * p.handle:.3f} + {1e3 * p.hr:.4f} x R ms (turnaround "
           "less round trip and time in the verifier); "
           f"session open {1e3 * p.open_cost:.1f} ms of the machine's work each, then {1e3 * p.start:.0f} ms to its "
           f"first round (time to first token {fit['ttft_ms'][0]:.0f} and {fit['ttft_ms'][1]:.0f} ms measured); "
@@ -690,10 +718,11 @@ def main() -> int:
     split = capacity(replace(p, rtt=low, drafters=8), target, max_new)
     colocated = capacity(replace(p, rtt=0.0, handle=0.0, hr=0.0, colocated=True, drafters=1), target, max_new)
     gamma = p.mean_m
-    t_d, t_v = p.d0, p.v0 + p.v1 * (gamma + 1)     # one session alone: a token drafted, a pass
+    t_d = p.d0 + p.prep / gamma                     # one session alone: a token drafted (its share of
+    t_v = p.v0 + p.v1 * (gamma + 1)                 # the proposal's own work), a pass
     bound = 1 + gamma * t_d / t_v
     rate, jobs = fit["load"]                        # the most sessions measured: R and jobs per pass
-    t_d_n = p.d0 + p.dr * rate
+    t_d_n = p.d0 + p.dr * rate + (p.prep + p.prep_r * rate) / gamma
     t_v_n = (p.v0 + p.vr * rate) / jobs + p.v1 * (gamma + 1)   # a session's share of a pass
     loaded = 1 + gamma * t_d_n / t_v_n
     print(f"\none verifier at ITL <= {target:g} ms: {split} sessions split (8 drafters, RTT {1e3 * low:g} ms) vs "
