@@ -70,8 +70,11 @@ every RTT. The questions below use the lowest RTT's costs (`--also` validates ot
 
 Then, from the model: sessions one verifier sustains at the ITL target, split vs co-located,
 next to the bound 1 + gamma * t_d / t_v from the same calibration (gamma: tokens drafted per
-round, t_d: drafting cost per token, t_v: the verifier's pass per round); drafters needed per
-verifier; capacity against RTT with and without drafting ahead; and fleets of 1 to 10,000
+round, t_d: drafting cost per token with its share of the proposal's own work, t_v: the
+verifier's pass per round); drafters needed per verifier; capacity against RTT with and
+without drafting ahead (the lowest RTT's costs at every RTT, as on hosts whose costs do not
+change with distance; and, at the RTTs measured, the costs measured there, the view the
+validation checks); and fleets of 1 to 10,000
 verifiers: the commit log appends and the router's relayed tokens they generate against the
 measured capacity of one etcd cluster and one router core (bench_hosts measures appends/s
 and every process's CPU seconds per token), i.e. where each saturates.
@@ -737,22 +740,32 @@ def main() -> int:
             break
     print(f"drafters per verifier for 95% of that capacity: {needed}")
 
-    print("\ncapacity against RTT (sessions at the ITL target, split, 8 drafters):")
+    print("\ncapacity against RTT (sessions at the ITL target, split, 8 drafters; the lowest RTT's costs, "
+          "and the costs measured at each RTT):")
     rtts = [0.1, 2, 10, 30, 50, 100, 200]
     by_rtt = {}
     for ahead in (True, False):
         by_rtt[ahead] = [capacity(replace(p, rtt=r / 1000, drafters=8, ahead=ahead), target, max_new) for r in rtts]
+    # the same with the costs measured at each RTT (the validated view: on the measured machine
+    # the roles' costs grow with the RTT), at the RTTs measured
+    each = calibrate_each(record)
+    measured = [r for r in rtts if r in each]
+    at_each = {ahead: [capacity(replace(each[r].at(r), drafters=8, ahead=ahead), target, max_new) for r in measured]
+               for ahead in (True, False)}
     print("| RTT ms | " + " | ".join(f"{r:g}" for r in rtts) + " |")
     print("|---|" + "---:|" * len(rtts))
     for ahead in (True, False):
         print(f"| {'ahead' if ahead else 'not ahead'} | " + " | ".join(map(str, by_rtt[ahead])) + " |")
+    for ahead in (True, False):
+        print(f"| {'ahead' if ahead else 'not ahead'}, costs at each RTT | "
+              + " | ".join(str(at_each[ahead][measured.index(r)]) if r in measured else "" for r in rtts) + " |")
 
-    fleet(record, p, split, max_new, target, args.plot, rtts, by_rtt, colocated)
+    fleet(record, p, split, max_new, target, args.plot, rtts, by_rtt, colocated, (measured, at_each))
     return 0
 
 
 def fleet(record: dict, p: Params, per_verifier: int, max_new: int, target: float, plot: str | None,
-          rtts: list[float], by_rtt: dict, colocated: int) -> None:
+          rtts: list[float], by_rtt: dict, colocated: int, at_each: tuple[list[float], dict]) -> None:
     """Fleets of 1..10,000 verifiers at their capacity: commit-log appends (one per session
     round) and relayed tokens, against one etcd cluster's measured appends/s and one router
     core's measured CPU per token."""
@@ -789,8 +802,11 @@ def fleet(record: dict, p: Params, per_verifier: int, max_new: int, target: floa
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
         for ahead in (True, False):
             a.plot(rtts, by_rtt[ahead], marker="o", label="drafting ahead" if ahead else "not ahead")
+        for ahead, marker in ((True, "^"), (False, "v")):
+            a.plot(at_each[0], at_each[1][ahead], marker=marker, linestyle="none",
+                   label=f"{'ahead' if ahead else 'not ahead'}, costs measured at each RTT")
         a.axhline(colocated, linestyle="--", color="grey", label="co-located (no RTT)")
-        a.set_ylim(0, max(max(by_rtt[True]), max(by_rtt[False]), colocated) + 4)
+        a.set_ylim(0, max(max(by_rtt[True]), max(by_rtt[False]), *at_each[1][True], *at_each[1][False], colocated) + 4)
         a.set_xlabel("RTT drafter-verifier (ms)")
         a.set_ylabel(f"sessions per verifier at ITL <= {target:g} ms")
         a.set_title("one verifier (model)")
