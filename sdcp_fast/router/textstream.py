@@ -11,8 +11,8 @@ left context), and takes the new text as the difference between the two decoding
 tokenizer whose pieces depend on what precedes them (a leading space dropped at the start of
 a decoding, bytes that only make a character together) comes out as its decoding of the whole
 sequence, and a token costs the same at the thousandth token as at the first (decoding the
-whole sequence each time made a stream quadratic in its length; the router feeds every
-committed token of every stream). Held back until more tokens come: a trailing incomplete
+whole sequence at each token would make a stream's cost quadratic in its length, and the
+router feeds every committed token of every stream). Held back until more tokens come: a trailing incomplete
 character (U+FFFD), and a suffix that could still become a stop string ("\\n" while
 "\\n\\n" is a stop string), so text after a stop string is never sent and a stop string
 split across tokens is still found. Tokens in `hidden` (end-of-sequence tokens, which stop
@@ -69,7 +69,7 @@ class TextStream:
         before = self.decode(self.visible[self.context:self.settled]) if self.settled > self.context else ""
         after = self.decode(self.visible[self.context:])
         if after.endswith("\ufffd") and not final:
-            return self.text + after[len(before):-1]
+            return self.text + after[len(before):-1] if after.startswith(before) else self.text
         if len(after) < len(before) or not after.startswith(before):
             # the new tokens changed the context's own text: decode the whole (rare)
             self.text = self.decode(self.visible)
