@@ -194,7 +194,7 @@ class Model:
         self.first_extra = alone + (many - alone) * (sessions - 1) / max(1, n - 1)
         self.active_s = 0.0                 # sessions' time from open to end, summed
         self.trace: dict[str, list] = {"pass": [], "jobs": [], "turnaround": [], "draft": [], "m": [],
-                                       "emitted": [], "ladder": [], "controls": [], "ends": [], "ahead": [], "rounds": []}
+                                       "emitted": [], "ladder": [], "controls": [], "ends": []}
         self.in_pass = False
         self.answered_at: list[float | None] = [None] * sessions   # the verifier's last verdict to each
         self.turnaround: list[float | None] = [None] * sessions    # ... and the EWMA of its way back
@@ -387,7 +387,6 @@ class Model:
             a, verdict_cap = yield answered
             yield env.timeout(p.rtt / 2)
             self.trace["turnaround"].append(env.now - sent)
-            self.trace["rounds"].append((s, m, draft_s, env.now - sent))   # per session, as the rounds log
             timing.observe_verify(env.now - sent, m)
             emitted = min(a + 1, self.max_new - self.emitted[s])
             if first is None:
@@ -404,7 +403,6 @@ class Model:
                 if a == m and drafted:
                     right = self.match[s][at + m]      # its first token: the verifier's additional one?
                     ready = drafted - 1 if right else 0
-                self.trace["ahead"].append((drafted, ready))
             timing.observe_draft(draft_s, m)
             alpha = alpha.update(a, m)
             odds.observe(a, m, right)

@@ -12,10 +12,10 @@ tokenizer whose pieces depend on what precedes them (a leading space dropped at 
 a decoding, bytes that only make a character together) comes out as its decoding of the whole
 sequence, and a token costs the same at the thousandth token as at the first (decoding the
 whole sequence at each token would make a stream's cost quadratic in its length, and the
-router feeds every committed token of every stream). Held back until more tokens come: a trailing incomplete
-character (U+FFFD), and a suffix that could still become a stop string ("\\n" while
-"\\n\\n" is a stop string), so text after a stop string is never sent and a stop string
-split across tokens is still found. Tokens in `hidden` (end-of-sequence tokens, which stop
+router feeds every committed token of every stream). Held back until more tokens come: a
+trailing incomplete character (U+FFFD), and a suffix that could still become a stop string
+("\\n" while "\\n\\n" is a stop string), so text after a stop string is never sent and
+a stop string split across tokens is still found. Tokens in `hidden` (end-of-sequence tokens, which stop
 the generation at the verifier) are left out of the text.
 """
 
