@@ -74,6 +74,7 @@ def live(bed: Testbed, router: str) -> None:
     fd = FrontDoorClient(bed.cluster.instances[router].frontdoor_url, timeout=10)
     try:
         fd.wait_live(3, timeout=60)
+        fd.wait_healthy(timeout=60)
     finally:
         fd.close()
 

@@ -108,6 +108,11 @@ class FrontDoorClient:
         wait_until(lambda: sum(1 for i in self.instances() if i["live"]) >= count, timeout,
                    f"fewer than {count} instances live", interval=0.1)
 
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        """The router's own /health: 200 once it holds a lease on the session table."""
+        wait_until(lambda: self.http.get(f"{self.base}/health").status_code == 200, timeout,
+                   "the router's /health is not 200", interval=0.1)
+
     def close(self) -> None:
         self.http.close()
 

@@ -14,11 +14,20 @@ from router_bench import D1, D2, PROMPT, V1, V2, Bench, cbor_answer, problem_ans
 
 from sdcp_fast.cache import Fenced, LogEntry, NotOwner, open_table
 from sdcp_fast.core.digest import prefix_digest
-from sdcp_fast.core.messages import Action, Assignment, CommitRecord, Policy, Sampling, SessionOpen
+from sdcp_fast.core.messages import (
+    Action,
+    Assignment,
+    CommitRecord,
+    Contract,
+    Policy,
+    Sampling,
+    SessionOpen,
+)
 from sdcp_fast.core.problems import Kind
 from sdcp_fast.refs import commit_log_name
 from sdcp_fast.router import RouterSession, stored
 from sdcp_fast.router.follow import LogTail, follow
+from sdcp_fast.router.ownership import Ownership
 from sdcp_fast.transport import ClientResponse
 
 RA, RB = "https://ra.test/", "https://rb.test/"
@@ -256,7 +265,6 @@ def test_follower_streams_from_the_log_and_ends_with_the_record(tmp_path):
         table = await open_table(f"file:{tmp_path / 'table'}")
         try:
             lease = await table.grant("https://owner.test/", 30)
-            from sdcp_fast.core.messages import Contract
             contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50, stop=(),
                                 low_rounds=3, fallback=(Action.REDUCE,))
             owner = RouterSession(bytes(16), contract, PROMPT, "log", verifier=V1, door={"kind": "generate"})
@@ -281,7 +289,6 @@ def test_follower_streams_from_the_log_and_ends_with_the_record(tmp_path):
 
 
 def test_stored_record_round_trip():
-    from sdcp_fast.core.messages import Contract
     contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=2, m_max=4, max_new=9, stop=(3,),
                         low_rounds=3, fallback=(Action.REDUCE, Action.SWITCH), sampling=Sampling(seed=4))
     s = RouterSession(bytes(range(16)), contract, (1, 2), commit_log_name(bytes(range(16))), epoch=3, allocated=4, verifier=V1,
@@ -372,4 +379,40 @@ def test_an_expired_session_is_not_adopted_back_while_its_record_is_deleted(tmp_
             while b.router._forgetting:
                 await asyncio.sleep(0.01)
             assert await b.table.read(stored.key_of(s.id)) is None
+    run(main())
+
+
+def test_a_new_session_waits_for_the_next_lease_not_refused_between_two(tmp_path):
+    """A lease lost (a keepalive past its deadline, the store's member restarting) and the next
+    not yet granted: a new session waits for it, up to one ttl, and is recorded under it;
+    refused with NotOwner when none comes in that time, and at once once the router handed
+    its sessions over (closed)."""
+    contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50, stop=(),
+                        low_rounds=3, fallback=(Action.REDUCE,))
+
+    async def main():
+        table = await open_table(f"file:{tmp_path / 'table'}")
+        own = Ownership(table, holder=RA, ttl_s=1.0)
+        await own.start()
+        first = own.lease
+        own.lost_lease("a test")
+        assert own.lease is None
+        s = RouterSession(b"w" * 16, contract, PROMPT, "log")
+        creating = asyncio.create_task(own.create(s))
+        await asyncio.sleep(0.2)
+        assert not creating.done()                  # waiting, not refused
+        await own.start()                           # what keep() does next
+        await asyncio.wait_for(creating, 1.0)
+        assert s.owned.lease.id == own.lease.id != first.id
+
+        own.lost_lease("a test")                    # and none comes: refused after one ttl
+        started = time.monotonic()
+        with pytest.raises(NotOwner):
+            await own.create(RouterSession(b"x" * 16, contract, PROMPT, "log"))
+        assert time.monotonic() - started >= own.ttl_s * 0.9
+
+        await own.start()
+        await own.close()                           # handed over: refused without waiting
+        with pytest.raises(NotOwner):
+            await asyncio.wait_for(own.create(RouterSession(b"y" * 16, contract, PROMPT, "log")), own.ttl_s / 2)
     run(main())
