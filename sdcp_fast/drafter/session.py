@@ -390,7 +390,7 @@ class DraftSession:
         # the look-ahead drafts on top of the old committed sequence: settle it first
         ahead = await self.take_lookahead(built, verdict)
         self.timing.observe_draft(built.draft_seconds, p.m)
-        self.time_round(len(emitted) if ours else 0)
+        self.time_round(p.m if ours else 0)
         if ours:
             self.alpha = self.alpha.update(verdict.accepted, p.m)
             self.odds.observe(verdict.accepted, p.m, built.guess_right)
@@ -428,13 +428,13 @@ class DraftSession:
         self.lookahead = request
         self.lookahead_task = asyncio.get_running_loop().create_task(self.service.batcher.draft(request))
 
-    def time_round(self, tokens: int) -> None:
-        """A verdict committed `tokens` of ours: the round, answer to answer, counts for the
-        drafter's choice of drafting ahead when the round before it ran the same way."""
+    def time_round(self, m: int) -> None:
+        """A verdict answered a proposal of `m` tokens: the round, answer to answer, counts for
+        the drafter's choice of drafting ahead when the round before it ran the same way."""
         now = time.perf_counter()
         way = self.round_ahead
         if way is not None and way == self.last_ahead and self.last_answer is not None:
-            self.service.ahead.observe(way, now - self.last_answer, tokens)
+            self.service.ahead.observe(way, now - self.last_answer, m)
         self.last_answer, self.last_ahead = now, way
 
     async def take_lookahead(self, built: Built, verdict: Verdict) -> DraftRequest | None:
