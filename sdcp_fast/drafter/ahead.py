@@ -12,7 +12,7 @@ answer (so the saved drafting, the slower pass and the settle all count), and
 the lower median of the last `SAMPLES`, the other every `RECHECK`-th) so that a change of
 load or of placement is followed.
 
-What a block is scored by: the mean of its rounds' seconds brought to one M, by the
+What a block is scored by: the median of its rounds' seconds brought to one M, by the
 seconds a token of M costs on this drafter (the slope of seconds on M within each way, over
 the last `FIT_ROUNDS` rounds of both). The way does not change what a round of a given M
 commits (the proposals are the same tokens either way; acceptance is the text's), only how
@@ -20,7 +20,10 @@ long it takes, so the comparison is of time at equal M. Seconds a committed toke
 also compare the two ways' texts: at one request a block of 4 rounds is one stretch of
 text, whose acceptance moves the figure by more than the way does. The slope is fitted
 within each way so that a way whose blocks happened on harder text (shorter M) is not
-credited with the difference.
+credited with the difference. The median, of a block's rounds and of the blocks kept: a
+round that waited for something else on the machine (a collection, another process) must
+not decide; and `WARMUP` blocks of each way before choosing, because where the drafter
+shares the verifier's cores the two ways differ by less than one round's noise.
 
 A round is counted only when the round before it, in the same session, ran the same way: a
 round's drafting is saved or not by the way its predecessor ran.
@@ -28,12 +31,13 @@ round's drafting is saved or not by the way its predecessor ran.
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 
 from ..core.choice import TwoWayChooser
 
 BLOCK = 4          # rounds a block
-WARMUP = 3         # blocks of each way before the drafter chooses
+WARMUP = 5         # blocks of each way before the drafter chooses
 SAMPLES = 7        # recent blocks of each way kept
 RECHECK = 25       # every RECHECK-th block runs the way not chosen
 FIT_ROUNDS = 64    # recent rounds (both ways) the seconds-by-M line is fitted to
@@ -69,7 +73,7 @@ class AheadChooser:
         if len(self._block) < BLOCK:
             return
         slope = seconds_a_token_of_m(self._recent)
-        self.choice.observe(ahead, sum(s - slope * m for m, s in self._block) / len(self._block))
+        self.choice.observe(ahead, statistics.median(s - slope * m for m, s in self._block))
         self._block = []
 
 
