@@ -236,17 +236,25 @@ class VerifyCost:
 
 @dataclass(frozen=True)
 class AcceptanceEstimate:
-    """The drafter's EWMA of per-token acceptance (alpha) for one session."""
+    """Per-token acceptance (alpha) of one session's rounds, or of all sessions': the ratio
+    of two EWMAs, tokens accepted and tokens tried, a round accepting a of M having tried
+    a + 1 when it stopped on a rejection and M when all were accepted. That is the
+    maximum-likelihood alpha of the recent rounds with each round counted by what it tried.
+    An EWMA of each round's own ratio gives a round that tried one token (rejected at once)
+    as much say as one that tried eight: every early rejection cut alpha by `weight` of its
+    value, and the short M that followed stayed short through the easy stretch after it,
+    since a round of one or two tokens accepted raises it by little. `alpha` is the prior,
+    counted as `trials` tokens tried until rounds replace it."""
 
     alpha: float = 0.7
     weight: float = 0.3   # weight of the newest round
+    trials: float = 1.0   # the EWMA of tokens tried a round (the prior's weight at first)
 
     def update(self, accepted: int, m: int) -> AcceptanceEstimate:
-        # a round accepting a of M tokens is a+1 Bernoulli trials when it stopped on a
-        # rejection, M when all were accepted: the maximum-likelihood alpha of that round
-        trials = m if accepted == m else accepted + 1
-        observed = accepted / trials
-        return replace(self, alpha=(1 - self.weight) * self.alpha + self.weight * observed)
+        tried = m if accepted == m else accepted + 1
+        trials = (1 - self.weight) * self.trials + self.weight * tried
+        accepted_ewma = (1 - self.weight) * self.alpha * self.trials + self.weight * accepted
+        return replace(self, alpha=accepted_ewma / trials, trials=trials)
 
     @property
     def accept_milli(self) -> int:

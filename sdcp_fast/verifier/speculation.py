@@ -13,11 +13,12 @@ machine: the policy measures
   (`PassCurve`);
 - the drafters' turnaround g(x), from a verdict's answer to the session's next proposal,
   against x = the draft tokens all active sessions ask for in a round;
-- each session's acceptance (an EWMA of a/M, as the drafter keeps it); a session with no
-  drafted round of its own yet (one just opened, or self-decoding since its open) is planned
-  with the acceptance of all sessions' rounds lately (`pooled`), not a fixed prior, which
-  kept sessions opened under load self-decoding where their drafters, accepted far more
-  often than the prior said, would have paid;
+- each session's acceptance (`control.AcceptanceEstimate`, as the drafter keeps it); a
+  session with no drafted round of its own yet (one just opened, or self-decoding since its
+  open) is planned with the acceptance of all sessions' rounds lately (`pooled`), not a
+  fixed prior, which kept sessions opened under load self-decoding where their drafters,
+  accepted far more often than the prior said, would have paid; its own estimate starts
+  from that one at its first round, for the same reason;
 
 and `control.plan_speculation` turns them into a plan per drafted round: an M (the next
 m_cap) or self-decoding. That plan models a round as the drafters' turnaround plus one pass;
@@ -362,6 +363,8 @@ class SpeculationPolicy:
             self.costs.observe_turnaround(m * self.active, seconds)
 
     def observe_round(self, state: SessionSpeculation, accepted: int, m: int) -> None:
+        if not state.rounds:      # its first round updates what it was planned with
+            state.acceptance = dataclasses.replace(self.pooled, weight=state.acceptance.weight)
         state.acceptance = state.acceptance.update(accepted, m)
         state.rounds += 1
         # a running mean over the first rounds, then an EWMA: the 0.7 prior goes at once

@@ -118,10 +118,28 @@ def test_m_cap_reduce_load_and_restore():
 
 
 def test_acceptance_estimate():
-    est = AcceptanceEstimate(alpha=0.5, weight=0.5)
-    assert est.update(4, 4).alpha == pytest.approx(0.75)        # all accepted: 4/4 trials
-    assert est.update(1, 4).alpha == pytest.approx(0.5)         # 1 of 2 trials
+    """accepted and tried, each an EWMA; alpha their ratio (the prior counts as `trials`)."""
+    est = AcceptanceEstimate(alpha=0.5, weight=0.5, trials=2.0)
+    assert est.update(4, 4).alpha == pytest.approx((0.5 * 1.0 + 0.5 * 4) / (0.5 * 2 + 0.5 * 4))  # 4 of 4 tried
+    assert est.update(1, 4).alpha == pytest.approx((0.5 * 1.0 + 0.5 * 1) / (0.5 * 2 + 0.5 * 2))  # 1 of 2 tried
     assert AcceptanceEstimate(alpha=0.1234).accept_milli == 123
+    # weight 1: the round alone, its maximum-likelihood alpha
+    assert AcceptanceEstimate(weight=1.0).update(3, 8).alpha == pytest.approx(3 / 4)
+
+
+def test_acceptance_estimate_counts_a_round_by_what_it_tried():
+    """A round rejected at its first token tried one token: after long fully accepted rounds
+    it moves alpha a little, where a per-round ratio would have cut it by `weight`; the M
+    chosen stays long (with a verify cost that grows with M, as on a CPU)."""
+    est = AcceptanceEstimate()
+    for _ in range(6):
+        est = est.update(7, 7)
+    before = est.alpha
+    after = est.update(0, 7).alpha
+    assert before > 0.99 and after > 0.9
+    per_round_ratio = 0.7 * before           # what an EWMA of a/(a+1) per round gives
+    verify = lambda m: 0.050 + 0.007 * m     # noqa: E731
+    assert choose_m(after, 0.010, verify, 8) >= 6 > choose_m(per_round_ratio, 0.010, verify, 8)
 
 
 def test_escalation_policy_from_contract(vectors):

@@ -218,7 +218,7 @@ def test_a_session_without_rounds_of_its_own_is_planned_with_every_sessions_acce
     """A session just opened, or self-decoding since its open, has no acceptance of its own:
     the plan takes the acceptance of all sessions' rounds (a running mean at first, then an
     EWMA), not the 70% prior, once any round has been seen; a session's own rounds take over
-    from its first."""
+    from its first, starting from that acceptance."""
     from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
 
     policy = SpeculationPolicy("auto", costs=Balanced())
@@ -230,12 +230,17 @@ def test_a_session_without_rounds_of_its_own_is_planned_with_every_sessions_acce
     for _ in range(6):
         policy.observe_round(seasoned, 8, 8)          # every token accepted, 8 of 8
     policy.observe_round(seasoned, 7, 8)              # a rejection: 7 of 8 trials
-    assert seasoned.rounds == 7 and abs(policy.pooled.alpha - (6 + 7 / 8) / 7) < 1e-9
+    assert seasoned.rounds == 7 and abs(policy.pooled.alpha - (6 * 8 + 7) / (7 * 8)) < 1e-9
     assert policy.acceptance(fresh) == policy.pooled.alpha > 0.95
     assert not policy.self_decode_from_open(fresh, 8, 2)   # at the pooled 98%, drafting pays
     mine = SessionSpeculation()
-    policy.observe_round(mine, 0, 8)
-    assert policy.acceptance(mine) == mine.acceptance.alpha < 0.7
+    pooled = policy.pooled.alpha
+    policy.observe_round(mine, 0, 8)                  # rejected at once: one token tried
+    assert policy.acceptance(mine) == mine.acceptance.alpha
+    assert 0.7 < mine.acceptance.alpha < pooled
+    for _ in range(8):
+        policy.observe_round(mine, 0, 8)
+    assert policy.acceptance(mine) < 0.7 < policy.pooled.alpha
 
 
 def test_drafted_rounds_that_measure_slower_than_self_decoding_move_sessions_to_it():
