@@ -46,7 +46,6 @@ class Ownership:
         self.margin_s = ttl_s / 10          # stop acting this much before the deadline
         self.on_lost = on_lost or (lambda: None)
         self.lease: Lease | None = None
-        self.granted = asyncio.Event()        # set while a lease is held (cleared when lost)
         self.closed = False                   # handed over: no lease is awaited any more
         self.locks = KeyedLock()              # one write per record at a time
         self.leases_granted = 0
@@ -55,7 +54,6 @@ class Ownership:
 
     async def start(self) -> None:
         self.lease = await self.table.grant(self.holder, self.ttl_s)
-        self.granted.set()
         self.leases_granted += 1
         log.info("lease %s granted (ttl %.1f s)", self.lease.id, self.lease.ttl_s)
 
@@ -101,7 +99,6 @@ class Ownership:
             return
         log.warning("lease %s lost: %s; this router stops acting for its sessions", lease.id, why)
         self.lease = None
-        self.granted.clear()
         self.on_lost()
 
     async def _regrant(self) -> None:
@@ -114,7 +111,6 @@ class Ownership:
     async def close(self) -> None:
         """Hand the sessions over now: others take them at their next scan."""
         lease, self.lease = self.lease, None
-        self.granted.clear()
         self.closed = True
         if lease is not None:
             try:
@@ -148,15 +144,11 @@ class Ownership:
         s.router_epoch = s.owned.token
 
     async def _await_lease(self, timeout_s: float) -> None:
+        """Until a valid lease (`keep` renews or grants it), at most `timeout_s`; checked every
+        quarter of the margin, a wait as rare as a lost lease."""
         deadline = time.monotonic() + timeout_s
         while not self.closed and not self.valid() and (left := deadline - time.monotonic()) > 0:
-            if self.lease is not None:      # held but within its margin: the renewal is due
-                await asyncio.sleep(min(left, self.margin_s / 4))
-                continue
-            try:
-                await asyncio.wait_for(self.granted.wait(), left)
-            except TimeoutError:
-                return
+            await asyncio.sleep(min(left, self.margin_s / 4))
 
     async def act(self, s: RouterSession) -> None:
         """Write the session's state; raise NotOwner if it is not this router's to act on."""

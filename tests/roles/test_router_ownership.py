@@ -31,6 +31,8 @@ from sdcp_fast.router.ownership import Ownership
 from sdcp_fast.transport import ClientResponse
 
 RA, RB = "https://ra.test/", "https://rb.test/"
+CONTRACT = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50, stop=(),
+                    low_rounds=3, fallback=(Action.REDUCE,))
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -265,9 +267,7 @@ def test_follower_streams_from_the_log_and_ends_with_the_record(tmp_path):
         table = await open_table(f"file:{tmp_path / 'table'}")
         try:
             lease = await table.grant("https://owner.test/", 30)
-            contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50, stop=(),
-                                low_rounds=3, fallback=(Action.REDUCE,))
-            owner = RouterSession(bytes(16), contract, PROMPT, "log", verifier=V1, door={"kind": "generate"})
+            owner = RouterSession(bytes(16), CONTRACT, PROMPT, "log", verifier=V1, door={"kind": "generate"})
             owned = await table.create(lease, stored.key_of(owner.id), stored.encode(owner))
             entries = [LogEntry(0, "commit", 1, record(1, 1, (1, 2, 3), 3))]
             s = stored.restore(stored.decode((await table.read(stored.key_of(owner.id))).value))
@@ -387,17 +387,19 @@ def test_a_new_session_waits_for_the_next_lease_not_refused_between_two(tmp_path
     not yet granted: a new session waits for it, up to one ttl, and is recorded under it;
     refused with NotOwner when none comes in that time, and at once once the router handed
     its sessions over (closed)."""
-    contract = Contract(target=bytes(32), tokenizer=bytes(32), rule=1, m_max=4, max_new=50, stop=(),
-                        low_rounds=3, fallback=(Action.REDUCE,))
-
     async def main():
         table = await open_table(f"file:{tmp_path / 'table'}")
-        own = Ownership(table, holder=RA, ttl_s=1.0)
+        try:
+            await waits_then_refuses(Ownership(table, holder=RA, ttl_s=1.0))
+        finally:
+            await table.close()
+
+    async def waits_then_refuses(own):
         await own.start()
         first = own.lease
         own.lost_lease("a test")
         assert own.lease is None
-        s = RouterSession(b"w" * 16, contract, PROMPT, "log")
+        s = RouterSession(b"w" * 16, CONTRACT, PROMPT, "log")
         creating = asyncio.create_task(own.create(s))
         await asyncio.sleep(0.2)
         assert not creating.done()                  # waiting, not refused
@@ -408,11 +410,11 @@ def test_a_new_session_waits_for_the_next_lease_not_refused_between_two(tmp_path
         own.lost_lease("a test")                    # and none comes: refused after one ttl
         started = time.monotonic()
         with pytest.raises(NotOwner):
-            await own.create(RouterSession(b"x" * 16, contract, PROMPT, "log"))
+            await own.create(RouterSession(b"x" * 16, CONTRACT, PROMPT, "log"))
         assert time.monotonic() - started >= own.ttl_s * 0.9
 
         await own.start()
         await own.close()                           # handed over: refused without waiting
         with pytest.raises(NotOwner):
-            await asyncio.wait_for(own.create(RouterSession(b"y" * 16, contract, PROMPT, "log")), own.ttl_s / 2)
+            await asyncio.wait_for(own.create(RouterSession(b"y" * 16, CONTRACT, PROMPT, "log")), own.ttl_s / 2)
     run(main())
