@@ -220,25 +220,72 @@ class Gather:
     raised to that item's caller alone. A batch takes the items waiting when it gets `hold`,
     in arrival order, up to `max_cost` (the first item always); the rest wait for the next.
     If `run_batch` raises, every caller of that batch gets the exception. A caller that is
-    cancelled stops waiting; an item already taken into a batch still runs."""
+    cancelled stops waiting; an item already taken into a batch still runs.
+
+    Items on their way: a caller that will submit after some awaits of its own (a session
+    open reads its commit log and prompt first) says so at once, `arrival = gather.announce()`,
+    and `arrival.done()` once it has submitted or will not (idempotent). A batch about to
+    form while announced items are still on their way waits for them, up to `company_share`
+    of what the waiting items' batch is measured to cost (seconds per unit of cost, an
+    average over the batches run): callers of one burst that arrive a few loop turns apart
+    then share one batch, instead of the first running alone and the rest waiting for it
+    (a whole batch's cost later). Nothing announced, or no batch measured yet: no wait."""
 
     def __init__(self, run_batch: Callable[[list], Coroutine[Any, Any, list]], *,
                  hold: asyncio.Lock, cost: Callable[[Any], int] = lambda item: 1,
-                 max_cost: int | None = None):
+                 max_cost: int | None = None, company_share: float = 0.5):
         self.run_batch = run_batch
         self.hold = hold
         self.cost = cost
         self.max_cost = max_cost
+        self.company_share = company_share
         self._waiting: list[tuple[Any, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
+        self._announced = 0                       # arrivals announced and not yet done
+        self._arrived: asyncio.Event | None = None   # set when an announced arrival is done
+        self.seconds_per_cost: float | None = None   # measured over the batches run
         self.batches = 0   # batches run (for tests and metrics)
 
-    async def submit(self, item: Any) -> Any:
+    def announce(self) -> Arrival:
+        """An item that will be submitted (or not) after its caller's own awaits."""
+        return Arrival(self)
+
+    def _arrival_done(self) -> None:
+        self._announced -= 1
+        if self._arrived is not None:
+            self._arrived.set()
+
+    async def submit(self, item: Any, arrival: Arrival | None = None) -> Any:
         future = asyncio.get_running_loop().create_future()
         self._waiting.append((item, future))
+        if arrival is not None:
+            arrival.done()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._drain())
         return await future
+
+    async def _await_company(self) -> None:
+        """Wait while announced items are on their way, within the waiting batch's bound."""
+        if self._announced <= 0 or self.seconds_per_cost is None or self.company_share <= 0:
+            return
+        cost = sum(self.cost(item) for item, future in self._waiting if not future.done())
+        if self.max_cost is not None and cost >= self.max_cost:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.company_share * self.seconds_per_cost * cost
+        if self._arrived is None:
+            self._arrived = asyncio.Event()
+        while self._announced > 0 and (left := deadline - loop.time()) > 0:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
+
+    def _observe(self, batch: list[tuple[Any, asyncio.Future]], seconds: float) -> None:
+        per_cost = seconds / max(1, sum(self.cost(item) for item, _ in batch))
+        self.seconds_per_cost = per_cost if self.seconds_per_cost is None else \
+            self.seconds_per_cost + 0.25 * (per_cost - self.seconds_per_cost)
 
     def _take(self) -> list[tuple[Any, asyncio.Future]]:
         self._waiting = [(item, f) for item, f in self._waiting if not f.done()]
@@ -255,13 +302,16 @@ class Gather:
         try:
             while self._waiting:
                 await asyncio.sleep(0)   # callers of this loop turn join the batch
+                await self._await_company()
                 async with self.hold:
                     batch = self._take()
                     if not batch:
                         continue
                     self.batches += 1
+                    started = time.perf_counter()
                     try:
                         results = await self.run_batch([item for item, _ in batch])
+                        self._observe(batch, time.perf_counter() - started)
                     except Exception as exc:
                         for _, future in batch:
                             _settle(future, exc)
@@ -276,6 +326,21 @@ class Gather:
             for _, future in self._waiting:
                 future.cancel()
             self._waiting.clear()
+
+
+class Arrival:
+    """An item announced to a `Gather` before its caller can submit it (`Gather.announce`)."""
+
+    def __init__(self, gather: Gather):
+        self.gather = gather
+        self.pending = True
+        gather._announced += 1
+
+    def done(self) -> None:
+        """Submitted, or not coming: the gather no longer waits for it (once)."""
+        if self.pending:
+            self.pending = False
+            self.gather._arrival_done()
 
 
 def _settle(future: asyncio.Future, result: Any) -> None:

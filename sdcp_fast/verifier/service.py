@@ -25,7 +25,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from ..aio import TaskSet
+from ..aio import Arrival, TaskSet
 from ..cache import CacheError, effective_commits
 from ..commits import record_of
 from ..core.messages import (
@@ -137,15 +137,17 @@ class VerifierService(Routed):
 
     async def open_session(self, call: Call, msg: SessionOpen) -> SessionState:
         self._opening += 1   # opens under way: the speculation plan counts them as load
+        arrival = self.target.expect_prefill()   # a burst's opens share one prefill pass
         try:
             async with self.sessions.open_locks.hold(msg.session):   # a retried open waits for the first
-                return await self._open(msg)
+                return await self._open(msg, arrival)
         except CacheError as exc:
             raise problem(Kind.UNAVAILABLE, f"cache or commit log unavailable: {exc}") from None
         finally:
+            arrival.done()
             self._opening -= 1
 
-    async def _open(self, msg: SessionOpen) -> SessionState:
+    async def _open(self, msg: SessionOpen, arrival: Arrival) -> SessionState:
         existing = self.sessions.get(msg.session)
         if existing is not None:
             old = existing.machine
@@ -170,7 +172,8 @@ class VerifierService(Routed):
         try:                                   # cannot be promised twice by concurrent opens
             kv_ref = (msg.resume.target_kv if msg.resume else None) or msg.prompt_kv
             await self.target.prefill(msg.session, [*prompt, *committed], await self._kv_blob(kv_ref),
-                                      reopen=existing is not None, share=msg.prefill_share or 1)
+                                      reopen=existing is not None, share=msg.prefill_share or 1,
+                                      arrival=arrival)
         finally:
             self.sessions.reserved_bytes -= held   # put() counts the record's own reservation
         served = ServedSession(session, log_position=len(entries), reserved=reserve)

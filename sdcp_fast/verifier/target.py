@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..aio import Gather, Offload, compute
+from ..aio import Arrival, Gather, Offload, compute
 from ..core.problems import Kind, problem
 from ..models.base import KVCapacityError, ModelError, open_many
 
@@ -79,6 +79,12 @@ class TargetModel:
         self.opening = Gather(self._open_batch, hold=self.lock, cost=lambda item: len(item[1]),
                               max_cost=getattr(backend, "max_batch_tokens", None))
 
+    def expect_prefill(self) -> Arrival:
+        """Announce a session open that will reach `prefill` after its own reads: a packed
+        prefill about to run waits for it (`aio.Gather`), so that the opens of one burst share
+        one pass. The caller calls `done()` on it when the open ends, whatever happened."""
+        return self.opening.announce()
+
     @property
     def vocab_size(self) -> int:
         return self.backend.vocab_size
@@ -117,7 +123,7 @@ class TargetModel:
         return (torch.cat(rows) if rows else None), refused
 
     async def prefill(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, *,
-                      reopen: bool, share: int = 1) -> None:
+                      reopen: bool, share: int = 1, arrival: Arrival | None = None) -> None:
         """Make the backend's session hold `tokens`: from `kv_blob` (target KV of a prefix,
         published by a verifier) when it covers one, else from the prefill of another
         session that opened with the same tokens and announced `share` > 1 sessions, else by
@@ -125,7 +131,10 @@ class TargetModel:
         that open at the same time run as one packed pass (`aio.Gather`: the time to first
         token of a burst of sessions is one batched prefill, not one prefill after another);
         a prefill that others will share runs alone under the lock, so that they find it.
-        503 when the model has no room, 400 when it refuses the tokens."""
+        503 when the model has no room, 400 when it refuses the tokens. `arrival`: this
+        open's announcement to `opening` (`expect_prefill`), done here."""
+        if arrival is not None and (kv_blob is not None or share > 1):
+            arrival.done()   # built from K/V or a shared prefill, most likely: not waited for
         async with self.lock:
             if reopen:
                 with contextlib.suppress(ModelError):
@@ -140,7 +149,7 @@ class TargetModel:
                     self.shared.offer(tokens, self.backend.export_kv(sid), share - 1)
                 return
         with _refusals():
-            await self.opening.submit((sid, tokens))
+            await self.opening.submit((sid, tokens), arrival)
 
     def _import(self, sid: bytes, tokens: list[int], kv_blob: bytes | None, share: int) -> bool:
         """The session built from `kv_blob` or a shared prefill, when one covers a prefix of

@@ -41,6 +41,47 @@ def test_gather_serves_callers_that_arrive_while_a_batch_runs_in_one_batch():
     asyncio.run(main())
 
 
+def test_gather_waits_for_announced_items_within_its_measured_bound():
+    """Callers of one burst that submit a few loop turns apart: with their arrivals announced,
+    the batch waits for them (one batch, not the first alone); an announced item that never
+    comes delays a batch by at most company_share of the batch's measured cost."""
+    async def main():
+        lock, calls = asyncio.Lock(), []
+
+        async def run_batch(items):
+            calls.append(list(items))
+            await asyncio.sleep(0.05 * sum(len(i) for i in items))   # 50 ms per unit of cost
+            return items
+
+        gather = Gather(run_batch, hold=lock, cost=len, company_share=0.5)
+        assert await gather.submit("x") == "x"            # measured: 50 ms a unit
+        calls.clear()
+
+        async def caller(item, delay):
+            arrival = gather.announce()
+            try:
+                await asyncio.sleep(delay)                 # its own reads first
+                return await gather.submit(item, arrival)
+            finally:
+                arrival.done()
+
+        results = await asyncio.gather(caller("aa", 0), caller("bb", 0.005), caller("cc", 0.012))
+        assert results == ["aa", "bb", "cc"] and calls == [["aa", "bb", "cc"]]
+
+        calls.clear()
+        never = gather.announce()                          # announced, never submitted
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await gather.submit("dd") == "dd"
+        waited = loop.time() - started - 0.1               # the batch itself: 2 units, 100 ms
+        assert calls == [["dd"]]
+        assert 0.04 <= waited < 0.09                       # half of 100 ms, not until it comes
+        never.done()
+        never.done()                                       # idempotent
+
+    asyncio.run(main())
+
+
 def test_gather_a_batch_that_raises_fails_its_callers_and_the_next_batch_still_runs():
     async def main():
         lock = asyncio.Lock()
