@@ -449,9 +449,6 @@ class RouterService(Routed):
         self.metrics.output(len(tokens), gap, first, now - s.created)
         if not first:
             self.admission.observe_itl(gap, len(tokens))
-        if now - s.saved_at >= 1.0:      # the relayed cursor, now and then
-            s.saved_at = now
-            self.tasks.spawn(self._save(s))
 
     def _release(self, s: RouterSession) -> None:
         """Give back `s`'s admission slot, if it still holds one (each end path calls this;

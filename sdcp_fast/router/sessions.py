@@ -57,7 +57,6 @@ class RouterSession:
     finished_at: float | None = None
     last_progress: float = field(default_factory=time.monotonic)
     last_output_at: float | None = None
-    saved_at: float = 0.0                     # when the relayed cursor was last recorded
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)   # one control step at a time
     _changed: asyncio.Event | None = None     # made when someone waits: an Event holds a deque
                                               # (~0.7 KB), and most ended sessions kept for

@@ -9,8 +9,9 @@ it to a client that reconnects there.
      "verifier", "drafter",  the placement (null: none yet)
      "resume_pending",       fenced at E, open nowhere yet
      "sampling", "policy_from_round",   a policy update's profile, if any
-     "relayed": n,           output tokens relayed to clients (written at most once a second:
-                             a hint; the commit log holds every committed token)
+     "relayed": n,           output tokens relayed to clients when the record was last written
+                             for another reason (a placement, an end): a hint; the commit log
+                             holds every committed token, and a resuming client names its own
      "door": {...},          the client-facing stream: which API and its options
      "finish", "cancelled", "final_tokens", "finished": the end, once known
      "history": [...]}       the last placements (clients and tests read them)
