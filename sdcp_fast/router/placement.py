@@ -45,19 +45,18 @@ class Offer(enum.Enum):
 
 class Placement:
     def __init__(self, registry: Registry, peers: Peers, committed: CommittedLog, own, *, m_init: int,
-                 on_verifier_lost, held=dict):
+                 on_verifier_lost):
         self.registry = registry
         self.peers = peers
         self.committed = committed
         self.own = own                             # ownership.Ownership: act before acting
         self.m_init = m_init
         self.on_verifier_lost = on_verifier_lost   # (session, verifier, epoch, where): see failover.py
-        self.held = held                           # () -> {verifier URI: sessions held there}
 
     async def open(self, s: RouterSession, exclude: set[str], resume: Resume | None = None) -> bool:
         """session-open at verifiers by load until one accepts it; True once one did."""
         while True:
-            inst = self.registry.pick_verifier(exclude, self.held())
+            inst = self.registry.pick_verifier(exclude)
             if inst is None:
                 return False
             msg = SessionOpen(s.id, s.epoch, s.contract, s.prompt, s.commit_log, resume=resume,

@@ -10,9 +10,10 @@ instance the router does not know is refused by the resource, not here.
 
 Selection keys (local policy, section 6.1):
 - verifier: lowest (load + sessions opened since its report), then fewest sessions this
-  router holds on it, then queue, then URI. A verifier's load counts the jobs of its batch,
-  not its sessions: two idle verifiers both report 0, and the sessions held spread new
-  ones across them where a report between two opens would otherwise send both to one;
+  router has opened there, then queue, then URI. A verifier's load counts the jobs of its
+  batch, not its sessions: two idle verifiers both report 0, and the count spreads new
+  sessions across them in turn where a report between two opens would otherwise send both
+  to one;
 - drafter: lowest (load + `session_load` x sessions assigned since its report, queue),
   then highest accept_milli, then URI. The per-assignment term spreads a burst of new
   sessions before the next report shows them.
@@ -21,7 +22,7 @@ Selection keys (local policy, section 6.1):
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..core.messages import ROLE_DRAFTER, ROLE_VERIFIER, Status
@@ -35,6 +36,7 @@ class Instance:
     status: Status | None = None
     expires: float = 0.0                 # monotonic seconds
     placed_since_status: int = 0         # sessions given to it since the last report
+    placed: int = 0                      # sessions given to it since the router started
 
     def live(self, now: float) -> bool:
         return self.status is not None and now < self.expires
@@ -78,16 +80,15 @@ class Registry:
             return now - self.started > self.grace_s
         return not inst.live(now)
 
-    def pick_verifier(self, exclude: Iterable[str] = (), held: Mapping[str, int] | None = None) -> Instance | None:
-        """`held`: sessions the router holds on each verifier URI (absent: none)."""
+    def pick_verifier(self, exclude: Iterable[str] = ()) -> Instance | None:
         excluded = set(exclude)
-        held = held or {}
         candidates = [i for i in self.live(ROLE_VERIFIER) if i.uri not in excluded]
         if not candidates:
             return None
-        best = min(candidates, key=lambda i: (i.status.load + i.placed_since_status, held.get(i.uri, 0),
+        best = min(candidates, key=lambda i: (i.status.load + i.placed_since_status, i.placed,
                                               i.status.queue, i.uri))
         best.placed_since_status += 1
+        best.placed += 1
         return best
 
     def pick_drafter(self, permitted: Iterable[bytes] | None,

@@ -63,7 +63,6 @@ import asyncio
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 
@@ -186,7 +185,7 @@ class RouterService(Routed):
         self.peers = Peers(client, timeout_s=config.request_timeout_s, open_timeout_s=config.open_timeout_s)
         self.committed = CommittedLog(commit_log, store, lease_ms=config.committed_lease_ms)
         self.placement = Placement(self.registry, self.peers, self.committed, self.own, m_init=config.m_init,
-                                   on_verifier_lost=self._verifier_lost, held=self._held_by_verifier)
+                                   on_verifier_lost=self._verifier_lost)
         self.failover = Failover(self.registry, self.peers, self.committed, commit_log, self.placement,
                                  self.own, target_kv=config.target_kv)
         self.relay = OutputRelay(self.peers, timeout_s=config.output_timeout_s,
@@ -504,9 +503,6 @@ class RouterService(Routed):
                 log.warning("session %s: no other drafter for %s; keeping %s", s.id.hex(), why, exclude)
                 ok = await self.placement.assign(s)
             s.needs_drafter = not ok and not s.done
-
-    def _held_by_verifier(self) -> Counter[str]:
-        return Counter(s.verifier for s in self.sessions.values() if not s.done and s.verifier is not None)
 
     def _verifier_lost(self, s: RouterSession, verifier: str | None, epoch: int, where: str) -> None:
         self.failover.verifier_lost(s, verifier, epoch, where)

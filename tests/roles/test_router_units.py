@@ -79,18 +79,25 @@ def test_verifier_choice_by_load():
     assert r.pick_verifier(exclude={V2}).uri == V1
 
 
-def test_idle_verifiers_share_new_sessions_by_those_held_though_a_report_came_between():
+def test_idle_verifiers_share_new_sessions_in_turn_though_a_report_came_between():
     """Both report load 0 (no job waiting): a report between two opens clears the count of
-    sessions placed since, and the sessions held there still send the second elsewhere."""
+    sessions placed since, and the count of all placed there still sends the second
+    elsewhere; load comes first."""
     r = registry()
     r.report(Status(V1, ROLE_VERIFIER, 0, 0, 1000))
     r.report(Status(V2, ROLE_VERIFIER, 0, 0, 1000))
-    first = r.pick_verifier(held={}).uri
+    first = r.pick_verifier().uri
     r.report(Status(first, ROLE_VERIFIER, 0, 0, 1000))
-    second = r.pick_verifier(held={first: 1}).uri
+    second = r.pick_verifier().uri
     assert {first, second} == {V1, V2}
+    picks = []
+    for _ in range(4):
+        picks.append(r.pick_verifier().uri)
+        r.report(Status(V1, ROLE_VERIFIER, 0, 0, 1000))
+        r.report(Status(V2, ROLE_VERIFIER, 0, 0, 1000))
+    assert picks.count(V1) == picks.count(V2) == 2
     r.report(Status(V1, ROLE_VERIFIER, 30, 2, 1000))
-    assert r.pick_verifier(held={V2: 5}).uri == V2           # load before sessions held
+    assert r.pick_verifier().uri == V2 and r.pick_verifier().uri == V2   # load before the count
 
 
 # ---------------------------------------------------------------------- configs
