@@ -242,18 +242,18 @@ class Gather:
         self._waiting: list[tuple[Any, asyncio.Future]] = []
         self._task: asyncio.Task | None = None
         self._announced = 0                       # arrivals announced and not yet done
-        self._arrived: asyncio.Event | None = None   # set when an announced arrival is done
+        self._arrived = asyncio.Event()           # set when an announced arrival is done
         self.seconds_per_cost: float | None = None   # measured over the batches run
         self.batches = 0   # batches run (for tests and metrics)
 
     def announce(self) -> Arrival:
         """An item that will be submitted (or not) after its caller's own awaits."""
-        return Arrival(self)
+        self._announced += 1
+        return Arrival(self._arrival_done)
 
     def _arrival_done(self) -> None:
         self._announced -= 1
-        if self._arrived is not None:
-            self._arrived.set()
+        self._arrived.set()
 
     async def submit(self, item: Any, arrival: Arrival | None = None) -> Any:
         future = asyncio.get_running_loop().create_future()
@@ -273,8 +273,6 @@ class Gather:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.company_share * self.seconds_per_cost * cost
-        if self._arrived is None:
-            self._arrived = asyncio.Event()
         while self._announced > 0 and (left := deadline - loop.time()) > 0:
             self._arrived.clear()
             try:
@@ -331,16 +329,15 @@ class Gather:
 class Arrival:
     """An item announced to a `Gather` before its caller can submit it (`Gather.announce`)."""
 
-    def __init__(self, gather: Gather):
-        self.gather = gather
+    def __init__(self, on_done: Callable[[], None]):
+        self.on_done = on_done   # the gather's count of arrivals on their way, told once
         self.pending = True
-        gather._announced += 1
 
     def done(self) -> None:
         """Submitted, or not coming: the gather no longer waits for it (once)."""
         if self.pending:
             self.pending = False
-            self.gather._arrival_done()
+            self.on_done()
 
 
 def _settle(future: asyncio.Future, result: Any) -> None:
