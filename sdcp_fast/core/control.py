@@ -11,6 +11,7 @@ the most, or self-decoding when no M does better than the verifier decoding by i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -154,20 +155,46 @@ def plan_speculation(alpha: float, m_limit: int, sessions: int, pass_cost: Calla
     `speculating`: what the session does now; it changes only for a rate better by more than
     `margin`, so that measurement noise does not move sessions to and fro (each move back
     to drafting costs the drafter a catch-up prefill)."""
+    sessions = max(1, sessions)
+    self_rate = sessions / max(1e-9, pass_cost(sessions))
+    best_m, best_rate = _best_drafted_round(alpha, m_limit, sessions, pass_cost, draft_gap)
+    if speculating:
+        return SELF_DECODE if self_rate > best_rate * (1 + margin) else best_m
+    return best_m if best_rate > self_rate * (1 + margin) else SELF_DECODE
+
+
+def _best_drafted_round(alpha: float, m_limit: int, sessions: int, pass_cost: Callable[[int], float],
+                        draft_gap: Callable[[int], float]) -> tuple[int, float]:
+    """(M, committed tokens per second of all `sessions`) of the best drafted round."""
     if m_limit < 1:
         raise ValueError("m_limit must be at least 1")
-    sessions = max(1, sessions)
     alpha = min(1.0, max(0.0, alpha))
-    self_rate = sessions / max(1e-9, pass_cost(sessions))
     best_m, best_rate = 1, -1.0
     for m in range(1, m_limit + 1):
         round_s = draft_gap(sessions * m) + pass_cost(sessions * (m + 1))
         rate = sessions * expected_tokens(alpha, m) / max(1e-9, round_s)
         if rate > best_rate * (1 + 1e-12):
             best_m, best_rate = m, rate
-    if speculating:
-        return SELF_DECODE if self_rate > best_rate * (1 + margin) else best_m
-    return best_m if best_rate > self_rate * (1 + margin) else SELF_DECODE
+    return best_m, best_rate
+
+
+def move_repaid_by(alpha: float, m_limit: int, sessions: int, pass_cost: Callable[[int], float],
+                   draft_gap: Callable[[int], float], move_s: float) -> float:
+    """The fewest tokens a self-decoding session must still have to commit for its move back
+    to a drafter to pay: inf where the best drafted round (as `plan_speculation` models it)
+    commits a session's tokens no sooner than self-decoding does.
+
+    A move costs `move_s` seconds before the session's first drafted verdict (the drafter's
+    catch-up prefill of everything committed, its first draft, the pass), in which the
+    session commits nothing; each token after it saves the difference between a
+    self-decoded token's time (one pass over `sessions` tokens) and a drafted one's (a round
+    over the tokens it commits). A session with fewer tokens left than this would finish
+    sooner self-decoding: the last tokens of a generation are never worth a drafter's
+    catch-up."""
+    sessions = max(1, sessions)
+    _, drafted_rate = _best_drafted_round(alpha, m_limit, sessions, pass_cost, draft_gap)
+    gain = pass_cost(sessions) - sessions / max(1e-9, drafted_rate)   # seconds a token saves
+    return max(0.0, move_s) / gain if gain > 0 else math.inf
 
 
 @dataclass

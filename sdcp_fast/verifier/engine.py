@@ -256,8 +256,11 @@ class Engine:
         (what it raises is logged)."""
         future: asyncio.Future[RoundResult] = self.event_loop.create_future()
         state = served.speculation
+        now = time.perf_counter()
+        if not job.self_decoded:
+            self.policy.observe_drafted_job(state, now)
         if served.answered_at:   # how long its drafter takes to come back (the company wait's guide)
-            gap = time.perf_counter() - served.answered_at
+            gap = now - served.answered_at
             served.turnaround_s = gap if not served.turnaround_s else \
                 served.turnaround_s + TURNAROUND_ALPHA * (gap - served.turnaround_s)
             if not job.self_decoded and not state.last_self_decoded:   # a drafter's turnaround

@@ -303,7 +303,8 @@ class VerifierService(Routed):
                 # the load now, for a session whose first token only was self-decoded
                 active = (self.sessions.in_play() + self._opening
                           if served.speculation.first_token_only else None)
-                if policy.resume_drafting(served.speculation, session.self_tokens, session.contract.m_max, active):
+                if policy.resume_drafting(served.speculation, session.self_tokens, session.contract.m_max, active,
+                                          remaining=session.contract.max_new - session.committed):
                     session.end_self_decoding()   # speculation pays again: the router assigns a drafter
                     break
                 job = session.next_self_job(self.engine.load)

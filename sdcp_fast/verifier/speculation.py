@@ -69,13 +69,15 @@ import time
 from dataclasses import dataclass, field
 
 from ..core.choice import TwoWayChooser
-from ..core.control import SELF_DECODE, AcceptanceEstimate, VerifyCost, plan_speculation, size_band
+from ..core.control import (SELF_DECODE, AcceptanceEstimate, VerifyCost, move_repaid_by, plan_speculation,
+                            size_band)
 
 log = logging.getLogger("sdcp_fast.verifier.speculation")
 MODES = ("auto", "on", "off")
 LOG_EVERY_S = 10.0        # the plan's inputs and decisions, logged at most this often
 POINT_WEIGHT_CAP = 16     # a cost point's weight in its line: recent conditions count as much as old
 MIN_SELF_TOKENS = 8       # self-decoded tokens before a session may go back to a drafter
+MOVE_WEIGHT = 0.2         # a move's weight in the measured cost of a move back to a drafter
 POOLED_WEIGHT = 0.05      # a round's weight in the acceptance of all sessions
 RATE_WEIGHT = 0.1         # a round's weight in a measured rate (after a running mean)
 MIN_RATE_ROUNDS = 8       # rounds before a measured rate counts
@@ -220,6 +222,7 @@ class SessionSpeculation:
     self_decoding: bool = False     # the plan moved it to self-decoding (its drafted rounds stopped)
     first_token_only: bool = False  # self-decoding its first token only, a drafter right after
     last_self_decoded: bool = True  # its last job was self-decoded (or none yet): no turnaround to take
+    moved_at: float | None = None   # perf_counter of its move back to a drafter, until its first drafted job
 
 
 class PassCurve:
@@ -328,6 +331,8 @@ class SpeculationPolicy:
         self.pooled_rounds = 0
         self.drafted_rate, self.self_rate = MeasuredRate(), MeasuredRate()
         self.ways = WayAtLoad()
+        self.move_s: float | None = None   # measured: a move back to a drafter -> its first drafted job
+        self.moves_timed = 0
         self._logged = time.monotonic()
 
     # ------------------------------------------------------------------ measurements
@@ -361,6 +366,16 @@ class SpeculationPolicy:
         one point of g at x = M x the active sessions (the drafters draft for all of them)."""
         if self.mode == "auto":
             self.costs.observe_turnaround(m * self.active, seconds)
+
+    def observe_drafted_job(self, state: SessionSpeculation, now: float) -> None:
+        """A drafted job of the session arrived (perf_counter `now`): the first after its move
+        back to a drafter times that move."""
+        if state.moved_at is not None:
+            self.moves_timed += 1
+            weight = max(MOVE_WEIGHT, 1 / self.moves_timed)
+            seconds = now - state.moved_at
+            self.move_s = seconds if self.move_s is None else self.move_s + weight * (seconds - self.move_s)
+            state.moved_at = None
 
     def observe_round(self, state: SessionSpeculation, accepted: int, m: int) -> None:
         if not state.rounds:      # its first round updates what it was planned with
@@ -456,31 +471,57 @@ class SpeculationPolicy:
         self.plans["open-self"] += 1
 
     def resume_drafting(self, state: SessionSpeculation, self_tokens: int, m_max: int,
-                        active: int | None = None) -> bool:
-        """Whether a session the plan moved to self-decoding should go back to a drafter.
+                        active: int | None = None, *, remaining: float = math.inf) -> bool:
+        """Whether a session the plan moved to self-decoding should go back to a drafter, with
+        `remaining` tokens at most still to commit (its contract's max_new less its committed
+        output).
 
         One that self-decodes its first token only is planned again once that token is
         committed, with `active` sessions in play then: the open's plan saw the load of the
         opens before it, and where a burst of opens has since made drafting lose, the session
         stays self-decoding (a self-decoding period like any other) instead of costing a
-        drafter its catch-up prefill only to be moved back at its first verdict."""
+        drafter its catch-up prefill only to be moved back at its first verdict.
+
+        Either goes back only with more tokens left than repay the move (`move_repaid_by`,
+        with the moves measured so far: `observe_drafted_job`): a generation near its end
+        finishes self-decoding, instead of waiting its last tokens out behind a drafter's
+        catch-up prefill."""
         if state.first_token_only:
             if self_tokens < 1:
                 return False
             state.first_token_only = False
             if self.all_self_decode or (self.costs.turnaround_measured
-                                        and self._drafting_loses(state, m_max, active)):
+                                        and (self._drafting_loses(state, m_max, active)
+                                             or not self._move_repaid(state, m_max, active, remaining))):
                 self.plans["self"] += 1
                 return False
             state.self_decoding = False
+            state.moved_at = time.perf_counter()
             return True
         if self.mode != "auto" or not state.self_decoding or self_tokens < self.min_self_tokens:
             return False
-        if self.all_self_decode or self._drafting_loses(state, m_max):
+        if self.all_self_decode or self._drafting_loses(state, m_max) \
+                or not self._move_repaid(state, m_max, None, remaining):
             return False
         state.self_decoding = False
+        state.moved_at = time.perf_counter()
         self.plans["resume"] += 1
         return True
+
+    def move_cost(self, active: int | None = None) -> float:
+        """Seconds from a move back to a drafter to the session's first drafted job: as
+        measured, else the least it can be, the drafters' turnaround for one token a session
+        (their catch-up prefill comes on top)."""
+        if self.move_s is not None:
+            return self.move_s
+        return self.costs.turnaround(active or self.active)
+
+    def _move_repaid(self, state: SessionSpeculation, m_max: int, active: int | None, remaining: float) -> bool:
+        if remaining == math.inf:
+            return True
+        sessions = active or self.active
+        return remaining >= move_repaid_by(self.acceptance(state), m_max, sessions, self.costs.pass_cost,
+                                           self.costs.turnaround, self.move_cost(sessions))
 
     def _drafting_loses(self, state: SessionSpeculation, m_max: int, active: int | None = None) -> bool:
         """The plan (modelled costs) or the rates measured near this load say drafting loses."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from sdcp_fast.core.control import SELF_DECODE, expected_tokens, plan_speculation
+from sdcp_fast.core.control import SELF_DECODE, expected_tokens, move_repaid_by, plan_speculation
 from sdcp_fast.core.digest import prefix_digest
 from sdcp_fast.core.messages import Action, Assignment, Contract, Proposal, SessionOpen, Status
 from sdcp_fast.core.session import State, VerifierSession
@@ -54,6 +54,24 @@ def test_a_steeper_pass_gives_a_shorter_m():
     flat = plan_speculation(0.8, 8, 1, lambda n: 0.030 + 0.001 * n, lambda x: 0.001)
     steep = plan_speculation(0.8, 8, 1, lambda n: 0.030 + 0.012 * n, lambda x: 0.001)
     assert steep < flat
+
+
+def test_a_move_back_to_a_drafter_is_repaid_by_the_tokens_left():
+    """A move costs its seconds once; each token after it saves a self-decoded token's time
+    less a drafted one's, at the best M (one session on the CPU: the plan speculates)."""
+    m = plan_speculation(ALPHA, 8, 1, cpu_pass, drafting)
+    drafted = (drafting(m) + cpu_pass(m + 1)) / expected_tokens(ALPHA, m)   # seconds a drafted token
+    gain = cpu_pass(1) - drafted
+    assert gain > 0
+    need = move_repaid_by(ALPHA, 8, 1, cpu_pass, drafting, move_s=0.5)
+    assert need == pytest.approx(0.5 / gain)
+    assert 10 < need < 100
+    assert move_repaid_by(ALPHA, 8, 1, cpu_pass, drafting, move_s=1.0) == pytest.approx(2 * need)
+
+
+def test_no_tokens_repay_a_move_where_drafting_does_not_win():
+    assert move_repaid_by(ALPHA, 8, 64, cpu_pass, drafting, move_s=0.001) == float("inf")
+    assert move_repaid_by(0.05, 8, 1, cpu_pass, drafting, move_s=0.001) == float("inf")
 
 
 @pytest.mark.parametrize("speculating", [True, False])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from sdcp_fast.commits import read_records
@@ -402,6 +403,71 @@ def test_a_first_token_session_is_planned_again_with_the_load_at_its_first_token
         assert not policy.resume_drafting(state, 0, 8, active)    # its first token is still to come
         assert policy.resume_drafting(state, 1, 8, active) == drafts
         assert state.self_decoding == (not drafts) and not state.first_token_only
+
+
+def test_a_session_goes_back_to_a_drafter_only_with_tokens_left_to_repay_the_move():
+    """`resume_drafting` weighs what is left of the generation against the move's cost: the
+    least one (the drafters' turnaround) until a move is measured, then the measured one,
+    timed from the move to the session's first drafted job."""
+    from sdcp_fast.verifier.speculation import SessionSpeculation, SpeculationPolicy
+
+    policy = SpeculationPolicy("auto", costs=Costs(), min_self_tokens=1)
+    policy.ways = PlanWay()
+
+    def self_decoding():
+        state = SessionSpeculation()
+        policy.moved_to_self_decoding(state)
+        return state
+
+    # unmeasured: a move costs a turnaround (1 ms); a drafted token saves about 8 ms
+    assert policy.move_cost() == 0.001
+    assert not policy.resume_drafting(self_decoding(), 5, 4, remaining=0)
+    state = self_decoding()
+    assert policy.resume_drafting(state, 5, 4, remaining=1)
+    assert state.moved_at is not None and not state.self_decoding
+    # its first drafted job, 0.4 s after the move, times it (later jobs do not)
+    policy.observe_drafted_job(state, state.moved_at + 0.4)
+    policy.observe_drafted_job(state, 1e9)
+    assert policy.move_s == pytest.approx(0.4) and state.moved_at is None
+    # measured: 0.4 s needs about 50 tokens left
+    assert not policy.resume_drafting(self_decoding(), 5, 4, remaining=20)
+    assert policy.resume_drafting(self_decoding(), 5, 4, remaining=200)
+    assert policy.plans["resume"] == 2
+
+
+@harness_test(timeout=60, engine_config=AUTO)
+async def test_a_session_near_its_end_finishes_self_decoding(h):
+    """Drafting pays again at 30 of 40 tokens, but a move back (measured at 0.5 s here)
+    costs more than 10 tokens save: the session finishes self-decoding, every token once."""
+    prompt, max_new = [1, 2, 3], 40
+    contract = contract_for(h.backend, max_new=max_new, low_rounds=1000,
+                            fallback=(Action.REDUCE, Action.SWITCH, Action.SELF_DECODE), self_load=100)
+    sid, r = await h.open(contract, prompt=prompt)
+    machine = h.service.sessions[sid].machine
+    policy = h.service.engine.policy
+    policy.costs = Costs(lambda: not 10 <= machine.committed < 30)
+    policy.move_s = 0.5
+    state = SessionState.from_cbor((await h.assign(sid, contract, SessionState.from_cbor(r.body))).body)
+    actions, m_cap = [], 4
+    while not machine.closed:
+        context = prompt + list(machine.output_tokens)
+        tokens = greedy(h, context, min(m_cap, max_new - len(machine.output_tokens)))
+        resp = await h.propose(sid, state, tokens)
+        assert resp.status == 200, resp.body
+        v = Verdict.from_cbor(resp.body)
+        actions.append(v.action)
+        m_cap = v.m_cap
+        if v.action == Action.SELF_DECODE:
+            await until(lambda: machine.closed or machine.state.value == "awaiting-drafter")
+            break
+        state = machine.state_message()
+    assert Action.SELF_DECODE in actions
+    assert machine.closed and machine.state.value != "awaiting-drafter"
+    assert list(machine.output_tokens) == greedy(h, prompt, max_new)
+    records = await read_records(h.log, machine.commit_log)
+    assert [rec.round for rec in records] == list(range(1, len(records) + 1))
+    assert [t for rec in records for t in rec.emitted] == greedy(h, prompt, max_new)
+    assert policy.plans["resume"] == 0
 
 
 def test_the_pass_curve_reads_each_load_from_the_passes_measured_near_it():
