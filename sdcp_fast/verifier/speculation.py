@@ -69,8 +69,14 @@ import time
 from dataclasses import dataclass, field
 
 from ..core.choice import TwoWayChooser
-from ..core.control import (SELF_DECODE, AcceptanceEstimate, VerifyCost, move_repaid_by, plan_speculation,
-                            size_band)
+from ..core.control import (
+    SELF_DECODE,
+    AcceptanceEstimate,
+    VerifyCost,
+    move_repaid_by,
+    plan_speculation,
+    size_band,
+)
 
 log = logging.getLogger("sdcp_fast.verifier.speculation")
 MODES = ("auto", "on", "off")
