@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sdcp_fast.models import load_backend  # noqa: E402
 from sdcp_fast.models.hf import library_spec  # noqa: E402
-from sdcp_fast.models.linear_forms import WARMUP  # noqa: E402
+from sdcp_fast.models.linear_forms import WARMUP, rows_key  # noqa: E402
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
 
@@ -61,7 +61,7 @@ def main() -> None:
             for sid in sids:
                 be.open(sid, prompt)
         step = 0
-        while b * w not in measured.linear_forms.chosen() and step < 4 * WARMUP + 4:   # the warm-up
+        while rows_key(b * w) not in measured.linear_forms.chosen() and step < 4 * WARMUP + 4:   # the warm-up
             one_pass(measured, sids, w, step)
             one_pass(library, sids, w, step)
             step += 1
@@ -73,7 +73,7 @@ def main() -> None:
             for sid in sids:
                 be.release(sid)
         m, q = statistics.median(times["measured"]), statistics.median(times["library"])
-        form = measured.linear_forms.chosen().get(b * w, "undecided")
+        form = measured.linear_forms.chosen().get(rows_key(b * w), "undecided")
         ratios.append(f"{shape} {m / q:.2f}x")
         lines.append(f"{shape} {1e3 * m:.0f}/{1e3 * q:.0f}")
         print(f"  {shape:>5} ({b * w:>3} rows): measured {1e3 * m:7.1f} ms ({form}), library {1e3 * q:7.1f} ms")

@@ -6,11 +6,14 @@ storage:
 
   * `library`: `x @ W.T`, what `torch.nn.functional.linear` asks (for one row, a
     matrix-vector product);
-  * the second form, for passes of at most STREAMED_ROWS rows:
-    - `streamed` where the native op is built (`kernels.native.rows_linear`, csrc/): each
-      weight row read from memory once for up to 8 rows, as one sequential stream per thread;
+  * the second form:
+    - `streamed` for passes of at most STREAMED_ROWS rows where the native op is built
+      (`kernels.native.rows_linear`, csrc/): each weight row read from memory once for up
+      to 8 rows, as one sequential stream per thread;
     - else `weight_major`: `(W @ x.T).T` asked of the BLAS, made contiguous; one row is
       duplicated so that the BLAS runs its matrix-matrix path, and the copy's result is dropped.
+      Above STREAMED_ROWS rows this order can cost less than the library's for a wide layer
+      (the vocabulary's projection), or more, depending on the BLAS and the CPU.
 
 All are the same product. The BLAS picks its kernel, its packing and its threading from the
 shapes it is given: for one row a matrix-vector product that streams the weight, for a few
@@ -52,11 +55,12 @@ from ..core.control import size_band
 from ..kernels import native
 
 LIBRARY, SECOND = 0, 1
-STREAMED_ROWS = 16   # the second form serves passes of at most this many rows (the library's above)
+STREAMED_ROWS = 16   # the second form is `streamed` up to this many rows (weight_major above)
 WARMUP = 3           # timed passes of each form before a row count chooses
 SAMPLES = 7          # recent passes of each form a row count keeps
 RECHECK = 200        # every RECHECK-th pass of a row count runs in the form not chosen
-EXACT_ROWS = 16      # row counts up to this are keys of their own; above, bands an eighth wide
+EXACT_ROWS = STREAMED_ROWS + 1   # row counts up to this are keys of their own (no band holds both
+                                 # second forms); above, bands an eighth wide
 
 
 def rows_key(rows: int) -> int:
@@ -81,7 +85,7 @@ class FormChooser:
                  streamed: bool | None = None) -> None:
         self.clock = clock
         self.streamed = streamed_available() if streamed is None else streamed
-        self.forms = ("library", "streamed" if self.streamed else "weight_major")
+        self.forms = ("library", "streamed" if self.streamed else "weight_major")   # at <= STREAMED_ROWS
         self.current: int | None = None          # the form of the pass under way
         self._keys: dict[int, TwoWayChooser] = {}
 
@@ -89,13 +93,6 @@ class FormChooser:
     def pass_over(self, rows: int) -> Iterator[int]:
         """Run one pass of the model over `rows` new tokens in the form chosen for it (yielded),
         timed; a pass that raises is not counted."""
-        if rows > STREAMED_ROWS:   # the library's form alone: nothing to choose or time
-            self.current = LIBRARY
-            try:
-                yield LIBRARY
-            finally:
-                self.current = None
-            return
         key = rows_key(rows)
         choice = self._keys.get(key)
         if choice is None:
@@ -109,16 +106,18 @@ class FormChooser:
         choice.observe(form, self.clock() - started)
 
     def settled(self, rows: int) -> int:
-        """The form for a call outside any pass: the row count's choice, else (no choice yet,
-        or more than STREAMED_ROWS rows) the library's."""
-        if rows > STREAMED_ROWS:
-            return LIBRARY
+        """The form for a call outside any pass: the row count's choice, else (no choice yet)
+        the library's."""
         choice = self._keys.get(rows_key(rows))
         return LIBRARY if choice is None or choice.chosen is None else choice.chosen
 
     def chosen(self) -> dict[int, str]:
         """{row-count key: form name} for the keys that have chosen (logs, tests)."""
-        return {key: self.forms[c.chosen] for key, c in self._keys.items() if c.chosen is not None}
+        return {key: self.form_name(c.chosen, key) for key, c in self._keys.items() if c.chosen is not None}
+
+    def form_name(self, form: int, rows: int) -> str:
+        """The name of `form` for passes of `rows` rows."""
+        return "weight_major" if form == SECOND and rows > STREAMED_ROWS else self.forms[form]
 
 
 def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -146,9 +145,9 @@ class MeasuredLinear(nn.Module):
         form = self.chooser.current
         if form is None:
             form = self.chooser.settled(x2.shape[0])
-        if form == LIBRARY:   # (passes and settled forms above STREAMED_ROWS rows are the library's)
+        if form == LIBRARY:
             return nn.functional.linear(x, self.weight, self.bias)
-        if self.chooser.streamed and native.rows_linear_fits(x2, self.weight):
+        if self.chooser.streamed and x2.shape[0] <= STREAMED_ROWS and native.rows_linear_fits(x2, self.weight):
             y = native.rows_linear(x2, self.weight)
         else:
             y = weight_major(x2, self.weight)

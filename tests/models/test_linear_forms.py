@@ -85,17 +85,33 @@ def test_chooser_follows_a_change_of_costs():
     assert chooser.chosen() == {4: "streamed"}
 
 
-def test_passes_over_more_rows_than_the_second_form_serves_run_the_library_untimed():
+def test_passes_over_more_rows_than_the_streamed_form_serves_choose_weight_major_or_the_library():
     clock = FakeClock()
-    chooser = lf.FormChooser(clock=clock)
+    chooser = lf.FormChooser(clock=clock, streamed=True)
     rows = lf.STREAMED_ROWS + 1
     forms = run_passes(chooser, clock, rows, {lf.LIBRARY: 0.05, lf.SECOND: 0.01}, 2 * lf.WARMUP)
-    assert forms == [lf.LIBRARY] * (2 * lf.WARMUP)
-    assert chooser.chosen() == {} and chooser.current is None
-    # outside a pass too, though the largest exact key (which a 17-row count bands into) has
-    # chosen the second form
-    run_passes(chooser, clock, lf.STREAMED_ROWS, {lf.LIBRARY: 0.05, lf.SECOND: 0.01}, 2 * lf.WARMUP)
-    assert chooser.settled(lf.STREAMED_ROWS) == lf.SECOND and chooser.settled(rows) == lf.LIBRARY
+    assert forms == [lf.LIBRARY, lf.SECOND] * lf.WARMUP
+    assert chooser.chosen() == {rows: "weight_major"} and chooser.settled(rows) == lf.SECOND
+    # the largest streamed row count keeps a key of its own, and chooses for itself
+    run_passes(chooser, clock, lf.STREAMED_ROWS, {lf.LIBRARY: 0.01, lf.SECOND: 0.05}, 2 * lf.WARMUP)
+    assert chooser.chosen() == {rows: "weight_major", lf.STREAMED_ROWS: "library"}
+    # a wide pass (a prefill's rows) chooses in its band likewise
+    run_passes(chooser, clock, 300, {lf.LIBRARY: 0.30, lf.SECOND: 0.40}, 2 * lf.WARMUP)
+    assert chooser.settled(290) == lf.LIBRARY
+
+
+def test_the_second_form_above_the_streamed_rows_is_weight_major():
+    if not lf.streamed_available():
+        pytest.skip("the native op is not built")
+    torch.manual_seed(3)
+    layer = nn.Linear(64, 40, bias=False)
+    chooser = lf.FormChooser(streamed=True)
+    measured = lf.MeasuredLinear(layer, chooser)
+    x = torch.randn(lf.STREAMED_ROWS + 1, 64)
+    chooser.current = lf.SECOND
+    got = measured(x)
+    chooser.current = None
+    torch.testing.assert_close(got, lf.weight_major(x, layer.weight), rtol=0, atol=0)
 
 
 def test_a_failed_pass_is_not_timed():
@@ -111,10 +127,12 @@ def test_a_failed_pass_is_not_timed():
 
 def test_rows_keys_are_exact_then_banded():
     assert [lf.rows_key(n) for n in (1, 9, 16)] == [1, 9, 16]
-    assert [lf.rows_key(n) for n in (17, 18, 31, 64, 100, 1000)] == [16, 18, 30, 64, 96, 960]
+    assert [lf.rows_key(n) for n in (17, 18, 31, 64, 100, 1000)] == [17, 18, 30, 64, 96, 960]
     # a band is at most an eighth of its row counts wide
     for n in range(17, 5000):
         assert n * 7 / 8 <= lf.rows_key(n) <= n
+    # no band holds row counts on both sides of the streamed form's limit
+    assert lf.rows_key(lf.STREAMED_ROWS + 1) > lf.STREAMED_ROWS
 
 
 class Tied(nn.Module):
