@@ -34,7 +34,9 @@ and a way never run at a load is never measured there), so above them the verifi
 blocks of both ways at each band of load, the plan's and every session self-decoding, and
 keeps the one that commits more (`WayAtLoad`). A self-decoding session goes back to a drafter
 once a plan with its acceptance says speculating pays again (after at least
-`min_self_tokens`: each move back costs the drafter a catch-up prefill). Self-decoding stays subject to the contract
+`min_self_tokens`: each move back costs the drafter a catch-up prefill), and only with more
+tokens left than repay that move (`control.move_repaid_by`, the move's cost measured: the
+last tokens of a generation are never worth a catch-up). Self-decoding stays subject to the contract
 (self_load, the ladder's own use of it); where the contract does not permit it the plan's
 M still applies.
 
