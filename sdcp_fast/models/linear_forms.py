@@ -26,7 +26,9 @@ in the form that makes the pass dearer. Each row count runs its passes in the tw
 alternately, the library's first (a row count seen once, as most prefills' are, runs as the
 library would run it), until each has `WARMUP` timings, then in the one with the lower
 median of its last `SAMPLES`, and once every `RECHECK` passes in the other, so that a change
-of load or of the machine's behaviour is followed. Row counts share a key in bands
+of load or of the machine's behaviour is followed; a change of form is confirmed by both
+forms alternating afresh (`TwoWayChooser`'s `confirm`: passes slowed by other work on the
+machine must not hold a row count in the dearer form). Row counts share a key in bands
 (`rows_key`), which keeps the table small and the warm-up short whatever the prefills' sizes.
 
 The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own
@@ -74,7 +76,7 @@ def streamed_available() -> bool:
 
 
 def _choice() -> TwoWayChooser:
-    return TwoWayChooser(LIBRARY, warmup=WARMUP, samples=SAMPLES, recheck=RECHECK)
+    return TwoWayChooser(LIBRARY, warmup=WARMUP, samples=SAMPLES, recheck=RECHECK, confirm=True)
 
 
 class FormChooser:

@@ -1,5 +1,6 @@
 """core.choice.TwoWayChooser: alternation during the warm-up, the choice by medians, the
-recheck of the way not chosen, following a change, and runs of a way no longer current."""
+recheck of the way not chosen, following a change (confirmed side by side with `confirm`),
+and runs of a way no longer current."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def test_follows_a_change_and_a_disturbed_run_does_not_decide():
     assert chooser.chosen == 0
     run(chooser, {0: 3.0, 1: 2.0}, 12)           # the chosen way got dearer
     assert chooser.chosen == 1
+
+
+def test_with_confirm_a_change_is_measured_side_by_side_before_it_is_made():
+    chooser = TwoWayChooser(0, warmup=2, samples=5, recheck=50, confirm=True)
+    run(chooser, {0: 1.0, 1: 2.0}, 4)
+    assert chooser.chosen == 0
+    # two runs of the chosen way slowed by something else: its median passes the other's
+    run(chooser, {0: 9.0, 1: 2.0}, 2)
+    assert chooser.confirming and chooser.chosen == 0 and not any(chooser.samples)
+    # both alternate afresh, in the conditions of now: the old choice stands
+    assert run(chooser, {0: 1.0, 1: 2.0}, 4) == [1, 0, 1, 0]
+    assert chooser.chosen == 0 and not chooser.confirming
+    # a real change is made once confirmed
+    run(chooser, {0: 3.0, 1: 2.0}, 3)
+    assert chooser.confirming and chooser.chosen == 0
+    run(chooser, {0: 3.0, 1: 2.0}, 4)
+    assert chooser.chosen == 1 and not chooser.confirming
 
 
 def test_a_run_of_a_way_no_longer_current_is_not_counted():

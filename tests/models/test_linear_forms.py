@@ -76,13 +76,31 @@ def test_chooser_follows_a_change_of_costs():
     chooser = lf.FormChooser(clock=clock, streamed=True)
     run_passes(chooser, clock, 4, {lf.LIBRARY: 0.060, lf.SECOND: 0.040}, 2 * lf.WARMUP)
     assert chooser.chosen() == {4: "streamed"}
-    # the machine changes: the chosen form's own new timings move its median past the other's
+    # the machine changes: the chosen form's own new timings move its median past the other's,
+    # and both forms, alternating afresh, confirm the change
     flipped = {lf.LIBRARY: 0.030, lf.SECOND: 0.080}
-    run_passes(chooser, clock, 4, flipped, lf.SAMPLES)
-    assert chooser.chosen() == {4: "library"}
-    # and back: the other form's rechecks, one in RECHECK passes, bring it back
-    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.090, lf.SECOND: 0.020}, lf.SAMPLES)
+    run_passes(chooser, clock, 4, flipped, lf.SAMPLES // 2 + 1)
     assert chooser.chosen() == {4: "streamed"}
+    confirming = run_passes(chooser, clock, 4, flipped, 2 * lf.WARMUP)
+    assert sorted(confirming) == [lf.LIBRARY] * lf.WARMUP + [lf.SECOND] * lf.WARMUP
+    assert chooser.chosen() == {4: "library"}
+    # and back
+    run_passes(chooser, clock, 4, {lf.LIBRARY: 0.090, lf.SECOND: 0.020}, lf.SAMPLES + 2 * lf.WARMUP)
+    assert chooser.chosen() == {4: "streamed"}
+
+
+def test_passes_slowed_for_a_while_do_not_hold_a_row_count_in_the_dearer_form():
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock, streamed=True)
+    costs = {lf.LIBRARY: 0.200, lf.SECOND: 0.110}
+    run_passes(chooser, clock, 8, costs, 2 * lf.WARMUP)
+    assert chooser.chosen() == {8: "streamed"}
+    # seven passes in a row slowed by other work (the streamed form's, as it is chosen)
+    run_passes(chooser, clock, 8, {lf.LIBRARY: 0.600, lf.SECOND: 0.550}, lf.SAMPLES)
+    # then the machine is quiet again: the side-by-side confirmation keeps the streamed form
+    forms = run_passes(chooser, clock, 8, costs, 2 * lf.WARMUP + 20)
+    assert chooser.chosen() == {8: "streamed"}
+    assert forms[2 * lf.WARMUP:].count(lf.LIBRARY) == 0
 
 
 def test_passes_over_more_rows_than_the_streamed_form_serves_choose_weight_major_or_the_library():
