@@ -184,11 +184,11 @@ def move_repaid_by(alpha: float, m_limit: int, sessions: int, pass_cost: Callabl
     to a drafter to pay: inf where the best drafted round (as `plan_speculation` models it)
     commits a session's tokens no sooner than self-decoding does.
 
-    A move costs `move_s` seconds before the session's first drafted verdict (the drafter's
-    catch-up prefill of everything committed, its first draft, the pass), in which the
-    session commits nothing; each token after it saves the difference between a
-    self-decoded token's time (one pass over `sessions` tokens) and a drafted one's (a round
-    over the tokens it commits). A session with fewer tokens left than this would finish
+    A move costs `move_s` seconds before the session's first drafted job reaches the
+    verifier (the drafter's catch-up prefill of everything committed, its first draft), in
+    which the session commits nothing; each token after it saves the difference between a
+    self-decoded token's time (one pass over `sessions` tokens) and a drafted one's (a round,
+    its pass included, over the tokens it commits). A session with fewer tokens left than this would finish
     sooner self-decoding: the last tokens of a generation are never worth a drafter's
     catch-up."""
     sessions = max(1, sessions)
