@@ -31,6 +31,15 @@ forms alternating afresh (`TwoWayChooser`'s `confirm`: passes slowed by other wo
 machine must not hold a row count in the dearer form). Row counts share a key in bands
 (`rows_key`), which keeps the table small and the warm-up short whatever the prefills' sizes.
 
+Passes whose linear calls are long (a prefill of hundreds of tokens: its first pass in a
+band averaging at least `CALL_TIMED_S` a call) choose per call instead: each call is timed
+on its own and each layer shape (with the call's rows band) keeps its own choice, the
+forms alternating call by call until each has its warm-up. A call that long is its own
+measure (what it leaves behind for the next one is a vanishing share of it), and a pass
+that long must not run in the dearer form for its band's warm-up: passes alternated whole,
+three prefills of a burst's size out of six ran every layer in the form that cost 10-30%
+more (bench/RESULTS.md), while the calls of one prefill settle every shape within it.
+
 The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own
 order. A caller that needs transformers' own bits (a reference run, a baseline) keeps
 `nn.Linear` (the `hf:` backend's `linear=library`). A call outside any pass (a model's own
@@ -63,6 +72,9 @@ SAMPLES = 7          # recent passes of each form a row count keeps
 RECHECK = 200        # every RECHECK-th pass of a row count runs in the form not chosen
 EXACT_ROWS = STREAMED_ROWS + 1   # row counts up to this are keys of their own (no band holds both
                                  # second forms); above, bands an eighth wide
+CALL_TIMED_S = 5e-3  # a band whose first pass averages this long a linear call chooses per call:
+                     # a hundred times an OpenMP team's wake-up, what a call can leave to the next
+BY_CALL = 2          # `FormChooser.current` in such a pass: each call takes its own shape's choice
 
 
 def rows_key(rows: int) -> int:
@@ -88,38 +100,77 @@ class FormChooser:
         self.clock = clock
         self.streamed = streamed_available() if streamed is None else streamed
         self.forms = ("library", "streamed" if self.streamed else "weight_major")   # at <= STREAMED_ROWS
-        self.current: int | None = None          # the form of the pass under way
+        self.current: int | None = None          # the form of the pass under way (or BY_CALL)
+        self.calls = 0                           # linear calls of the pass under way
         self._keys: dict[int, TwoWayChooser] = {}
+        self._by_call: set[int] = set()          # bands whose passes choose per call
+        self._calls: dict[tuple[int, int, int], TwoWayChooser] = {}   # (out, in, rows band) -> choice
 
     @contextmanager
     def pass_over(self, rows: int) -> Iterator[int]:
         """Run one pass of the model over `rows` new tokens in the form chosen for it (yielded),
-        timed; a pass that raises is not counted."""
+        timed; a pass that raises is not counted. In a band that chooses per call, BY_CALL is
+        yielded and each call times itself (`call_choice`)."""
         key = rows_key(rows)
+        if key in self._by_call:
+            self.current = BY_CALL
+            try:
+                yield BY_CALL
+            finally:
+                self.current = None
+            return
         choice = self._keys.get(key)
         if choice is None:
             choice = self._keys[key] = _choice()
         form = self.current = choice.way
+        self.calls = 0
         started = self.clock()
         try:
             yield form
         finally:
             self.current = None
-        choice.observe(form, self.clock() - started)
+        elapsed = self.clock() - started
+        choice.observe(form, elapsed)
+        if self.calls and elapsed / self.calls >= CALL_TIMED_S:
+            self._by_call.add(key)
 
-    def settled(self, rows: int) -> int:
-        """The form for a call outside any pass: the row count's choice, else (no choice yet)
-        the library's."""
-        choice = self._keys.get(rows_key(rows))
+    def call_choice(self, out_features: int, in_features: int, rows: int) -> TwoWayChooser | None:
+        """The choice a call of this shape takes in a pass that chooses per call, else None
+        (the call takes the pass's form)."""
+        if self.current != BY_CALL:
+            return None
+        key = (out_features, in_features, rows_key(rows))
+        choice = self._calls.get(key)
+        if choice is None:
+            choice = self._calls[key] = _choice()
+        return choice
+
+    def settled(self, rows: int, out_features: int | None = None, in_features: int | None = None) -> int:
+        """The form for a call outside any pass: the row count's choice (its shape's, in a
+        band that chooses per call), else (no choice yet) the library's."""
+        if rows_key(rows) in self._by_call:
+            choice = self._calls.get((out_features, in_features, rows_key(rows)))
+        else:
+            choice = self._keys.get(rows_key(rows))
         return LIBRARY if choice is None or choice.chosen is None else choice.chosen
 
     def chosen(self) -> dict[int, str]:
-        """{row-count key: form name} for the keys that have chosen (logs, tests)."""
-        return {key: self.form_name(c.chosen, key) for key, c in self._keys.items() if c.chosen is not None}
+        """{row-count key: form name} for the keys whose passes have chosen (logs, tests)."""
+        return {key: self.form_name(c.chosen, key) for key, c in self._keys.items()
+                if c.chosen is not None and key not in self._by_call}
+
+    def chosen_by_call(self) -> dict[tuple[int, int, int], str]:
+        """{(out, in, rows key): form name} for the call shapes that have chosen (logs, tests)."""
+        return {key: self.form_name(c.chosen, key[2]) for key, c in self._calls.items() if c.chosen is not None}
 
     def form_name(self, form: int, rows: int) -> str:
         """The name of `form` for passes of `rows` rows."""
         return "weight_major" if form == SECOND and rows > STREAMED_ROWS else self.forms[form]
+
+
+def library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The library's form: `x @ W.T` (+ b), as `nn.Linear` computes it."""
+    return nn.functional.linear(x, weight, bias)
 
 
 def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -144,11 +195,23 @@ class MeasuredLinear(nn.Module):
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        form = self.chooser.current
+        chooser = self.chooser
+        chooser.calls += 1
+        choice = chooser.call_choice(self.out_features, self.in_features, x2.shape[0])
+        if choice is not None:   # timed on its own
+            form = choice.way
+            started = chooser.clock()
+            y = self._product(x, x2, form)
+            choice.observe(form, chooser.clock() - started)
+            return y
+        form = chooser.current
         if form is None:
-            form = self.chooser.settled(x2.shape[0])
+            form = chooser.settled(x2.shape[0], self.out_features, self.in_features)
+        return self._product(x, x2, form)
+
+    def _product(self, x: torch.Tensor, x2: torch.Tensor, form: int) -> torch.Tensor:
         if form == LIBRARY:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return library(x, self.weight, self.bias)
         if self.chooser.streamed and x2.shape[0] <= STREAMED_ROWS and native.rows_linear_fits(x2, self.weight):
             y = native.rows_linear(x2, self.weight)
         else:

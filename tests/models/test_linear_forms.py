@@ -153,6 +153,61 @@ def test_rows_keys_are_exact_then_banded():
     assert lf.rows_key(lf.STREAMED_ROWS + 1) > lf.STREAMED_ROWS
 
 
+def test_long_passes_choose_per_call_and_per_layer_shape(monkeypatch):
+    clock = FakeClock()
+    chooser = lf.FormChooser(clock=clock, streamed=False)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Linear(32, 16, bias=False)).eval()
+    x = torch.randn(300, 16)
+    want = model(x)
+    lf.measure_linear_forms(model, chooser)
+    # what each form of each layer shape costs on the fake clock for 300 rows (by out
+    # features; in proportion to the rows): the wider layer is cheaper weight-major, the
+    # narrower one in the library's form
+    cost = {(lf.LIBRARY, 32): 0.020, (lf.SECOND, 32): 0.010, (lf.LIBRARY, 16): 0.010, (lf.SECOND, 16): 0.030}
+    library, weight_major = lf.library, lf.weight_major
+
+    def library_timed(x, weight, bias):
+        clock.now += cost[lf.LIBRARY, weight.shape[0]] * x.reshape(-1, x.shape[-1]).shape[0] / 300
+        return library(x, weight, bias)
+
+    def weight_major_timed(x2, weight):
+        clock.now += cost[lf.SECOND, weight.shape[0]] * x2.shape[0] / 300
+        return weight_major(x2, weight)
+
+    monkeypatch.setattr(lf, "library", library_timed)
+    monkeypatch.setattr(lf, "weight_major", weight_major_timed)
+    # the band's first pass runs whole in the library's form: 15 ms a call, past CALL_TIMED_S
+    with chooser.pass_over(300) as form:
+        torch.testing.assert_close(model(x), want, **TOL)
+    assert form == lf.LIBRARY and 0.030 / 2 >= lf.CALL_TIMED_S
+    # from then on each call times itself; each shape settles on its own cheaper form
+    forms = []
+    for _ in range(2 * lf.WARMUP + 2):
+        before = clock.now
+        with chooser.pass_over(300) as form:
+            torch.testing.assert_close(model(x), want, **TOL)
+        forms.append(form)
+        spent = clock.now - before
+    assert set(forms) == {lf.BY_CALL}
+    band = lf.rows_key(300)
+    assert chooser.chosen_by_call() == {(32, 16, band): "weight_major", (16, 32, band): "library"}
+    assert spent == pytest.approx(0.010 + 0.010)    # both layers in their cheaper form
+    assert chooser.chosen() == {}                   # the band's passes no longer choose whole
+    # a call outside a pass takes its shape's choice
+    torch.testing.assert_close(model(x), want, **TOL)
+    assert clock.now - before - spent == pytest.approx(0.020)
+    # a band of short calls is still chosen by whole passes
+    small = torch.randn(4, 16)
+    run = []
+    for _ in range(2 * lf.WARMUP):
+        with chooser.pass_over(4) as form:
+            model(small)
+        run.append(form)
+    assert run == [lf.LIBRARY, lf.SECOND] * lf.WARMUP
+    assert 4 in chooser.chosen()
+
+
 class Tied(nn.Module):
     def __init__(self):
         super().__init__()
