@@ -35,10 +35,10 @@ Passes whose linear calls are long (a prefill of hundreds of tokens: its first p
 band averaging at least `CALL_TIMED_S` a call) choose per call instead: each call is timed
 on its own and each layer shape (with the call's rows band) keeps its own choice, the
 forms alternating call by call until each has its warm-up. A call that long is its own
-measure (what it leaves behind for the next one is a vanishing share of it), and a pass
-that long must not run in the dearer form for its band's warm-up: passes alternated whole,
-three prefills of a burst's size out of six ran every layer in the form that cost 10-30%
-more (bench/RESULTS.md), while the calls of one prefill settle every shape within it.
+measure (what it leaves behind for the next one is a vanishing share of it), and passes
+that long are too few and too dear to alternate whole: a band of prefills sees a handful
+of them, and half of its warm-up would run every layer in the dearer form, while the
+calls of one prefill settle every shape within it.
 
 The forms agree to fp32 rounding, not bit for bit at every shape: each sums in its own
 order. A caller that needs transformers' own bits (a reference run, a baseline) keeps
