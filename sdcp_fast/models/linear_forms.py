@@ -10,7 +10,8 @@ storage:
     - `streamed` for passes of at most STREAMED_ROWS rows where the native op is built
       (`kernels.native.rows_linear`, csrc/): each weight row read from memory once for up
       to 8 rows, as one sequential stream per thread;
-    - else `weight_major`: `(W @ x.T).T` asked of the BLAS, made contiguous; one row is
+    - else `weight_major`: `(W @ x.T).T` asked of the BLAS, made contiguous (left transposed
+      for a layer whose output feeds only elementwise operations: `ELEMENTWISE_FED`); one row is
       duplicated so that the BLAS runs its matrix-matrix path, and the copy's result is dropped.
       Above STREAMED_ROWS rows this order can cost less than the library's for a wide layer
       (the vocabulary's projection), or more, depending on the BLAS and the CPU.
@@ -75,6 +76,18 @@ EXACT_ROWS = STREAMED_ROWS + 1   # row counts up to this are keys of their own (
 CALL_TIMED_S = 5e-3  # a band whose first pass averages this long a linear call chooses per call:
                      # a hundred times an OpenMP team's wake-up, what a call can leave to the next
 BY_CALL = 2          # `FormChooser.current` in such a pass: each call takes its own shape's choice
+
+# Per architecture (transformers' `config.model_type`), the linear layers whose output the
+# library's decoder passes only to elementwise operations: the MLP's activation and product
+# (gate, up), the residual sums (down, the attention's output projection). Those take any
+# memory layout at the cost of a contiguous one, so the weight-major form hands them its
+# product transposed instead of copying it into row order. The same values either way: only
+# where they lie in memory differs.
+# Listed from the decoder's code, architecture by architecture; any other model's layers
+# all return row order.
+ELEMENTWISE_FED: dict[str, tuple[str, ...]] = {
+    "llama": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"),
+}
 
 
 def rows_key(rows: int) -> int:
@@ -173,23 +186,29 @@ def library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return nn.functional.linear(x, weight, bias)
 
 
-def weight_major(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x2 [T, in] -> [T, out] as (W @ x2.T).T; a single row is computed as two."""
+def weight_major(x2: torch.Tensor, weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
+    """x2 [T, in] -> [T, out] as (W @ x2.T).T; a single row is computed as two. With
+    `contiguous` off, the result is the transposed view of the product (no copy): for a
+    consumer that takes any memory layout (`ELEMENTWISE_FED`)."""
     if x2.shape[0] == 1:
         return torch.mm(weight, torch.cat((x2, x2)).t())[:, :1].t().contiguous()
-    return torch.mm(weight, x2.t()).t().contiguous()
+    y = torch.mm(weight, x2.t()).t()
+    return y.contiguous() if contiguous else y
 
 
 class MeasuredLinear(nn.Module):
     """`nn.Linear`'s computation with its form chosen by a `FormChooser`. Holds the layer's
-    own `weight` [out, in] and `bias` [out] or None (the same Parameter objects)."""
+    own `weight` [out, in] and `bias` [out] or None (the same Parameter objects).
+    `any_layout`: the layer's output feeds only elementwise operations, so the weight-major
+    form may return it transposed, without the copy (`ELEMENTWISE_FED`)."""
 
-    def __init__(self, linear: nn.Linear, chooser: FormChooser) -> None:
+    def __init__(self, linear: nn.Linear, chooser: FormChooser, *, any_layout: bool = False) -> None:
         super().__init__()
         self.weight = linear.weight
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chooser = chooser
+        self.any_layout = any_layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype != self.weight.dtype:
@@ -215,7 +234,7 @@ class MeasuredLinear(nn.Module):
         if self.chooser.streamed and x2.shape[0] <= STREAMED_ROWS and native.rows_linear_fits(x2, self.weight):
             y = native.rows_linear(x2, self.weight)
         else:
-            y = weight_major(x2, self.weight)
+            y = weight_major(x2, self.weight, contiguous=not self.any_layout)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -224,13 +243,22 @@ class MeasuredLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+def elementwise_fed(model: nn.Module) -> tuple[str, ...]:
+    """Name endings of the linear layers whose output `model` passes only to elementwise
+    operations (`ELEMENTWISE_FED` of its architecture; none for an architecture not listed)."""
+    config = getattr(model, "config", None)
+    return ELEMENTWISE_FED.get(getattr(config, "model_type", None), ())
+
+
 def measure_linear_forms(model: nn.Module, chooser: FormChooser | None = None) -> FormChooser | None:
     """Replace every `nn.Linear` of a CPU model with a `MeasuredLinear` sharing one chooser;
     the chooser, or None for a model on another device (left as it is)."""
     if any(p.device.type != "cpu" for p in model.parameters()):
         return None
     chooser = chooser or FormChooser()
+    fed = elementwise_fed(model)
     names = [name for name, module in model.named_modules() if type(module) is nn.Linear]
     for name in names:
-        model.set_submodule(name, MeasuredLinear(model.get_submodule(name), chooser))
+        model.set_submodule(name, MeasuredLinear(model.get_submodule(name), chooser,
+                                                 any_layout=bool(fed) and name.endswith(fed)))
     return chooser

@@ -171,9 +171,9 @@ def test_long_passes_choose_per_call_and_per_layer_shape(monkeypatch):
         clock.now += cost[lf.LIBRARY, weight.shape[0]] * x.reshape(-1, x.shape[-1]).shape[0] / 300
         return library(x, weight, bias)
 
-    def weight_major_timed(x2, weight):
+    def weight_major_timed(x2, weight, contiguous=True):
         clock.now += cost[lf.SECOND, weight.shape[0]] * x2.shape[0] / 300
-        return weight_major(x2, weight)
+        return weight_major(x2, weight, contiguous)
 
     monkeypatch.setattr(lf, "library", library_timed)
     monkeypatch.setattr(lf, "weight_major", weight_major_timed)
@@ -267,3 +267,50 @@ def test_hf_backend_scores_alike_in_either_form(llama_dir):
             measured.commit(sid, x)
             library.commit(sid, x)
     assert measured.linear_forms.chosen()     # the passes' row count has chosen
+
+
+def test_elementwise_fed_layers_return_the_same_values_transposed():
+    torch.manual_seed(5)
+    layer = nn.Linear(64, 40, bias=True)
+    chooser = lf.FormChooser(streamed=False)
+    plain, fed = lf.MeasuredLinear(layer, chooser), lf.MeasuredLinear(layer, chooser, any_layout=True)
+    x = torch.randn(2, lf.STREAMED_ROWS + 3, 64)
+    chooser.current = lf.SECOND
+    want, got = plain(x), fed(x)
+    chooser.current = lf.LIBRARY
+    library = fed(x)
+    chooser.current = None
+    assert want.is_contiguous() and not got.is_contiguous()   # the product as the BLAS left it
+    assert got.shape == want.shape == (2, lf.STREAMED_ROWS + 3, 40)
+    assert torch.equal(got, want)
+    assert library.is_contiguous()                              # the library's form is untouched
+    torch.testing.assert_close(library, want, **TOL)
+
+
+def test_a_llama_hands_transposed_products_only_to_elementwise_operations(llama_dir):
+    """Which layers of transformers' Llama decoder may return the weight-major product
+    transposed: the MLP's three and the attention's output projection, never q, k, v (their
+    outputs are reshaped into heads) nor the vocabulary's projection (the logits). With them
+    transposed, the model's logits are bit for bit those with every product in row order."""
+    from sdcp_fast.models import load_backend
+
+    backend = load_backend(f"hf:{llama_dir}")
+    model = backend.model
+    measured = {name: m for name, m in model.named_modules() if type(m) is lf.MeasuredLinear}
+    fed = {name for name, m in measured.items() if m.any_layout}
+    assert fed == {name for name in measured
+                   if name.endswith(("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "self_attn.o_proj"))}
+    assert len(fed) == 4 * model.config.num_hidden_layers
+    assert lf.elementwise_fed(nn.Linear(2, 2)) == ()            # an architecture not listed: none
+    ids = torch.randint(3, 40, (3, lf.STREAMED_ROWS + 5))        # 63 rows: the weight-major form
+    chooser = backend.linear_forms
+    chooser.current = lf.SECOND
+    try:
+        with torch.no_grad():
+            transposed = model(input_ids=ids).logits
+            for name in fed:
+                measured[name].any_layout = False
+            row_order = model(input_ids=ids).logits
+    finally:
+        chooser.current = None
+    assert torch.equal(transposed, row_order)
