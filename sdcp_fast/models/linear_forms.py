@@ -55,6 +55,7 @@ weights stay tied, state-dict names are unchanged).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,6 +77,21 @@ EXACT_ROWS = STREAMED_ROWS + 1   # row counts up to this are keys of their own (
 CALL_TIMED_S = 5e-3  # a band whose first pass averages this long a linear call chooses per call:
                      # a hundred times an OpenMP team's wake-up, what a call can leave to the next
 BY_CALL = 2          # `FormChooser.current` in such a pass: each call takes its own shape's choice
+
+
+
+def _transpose_block_bytes() -> int:
+    """Half the per-core L2 cache (the system's figure; 512 KiB when it gives none): the
+    block of a weight-major product copied into row order while it is still cached."""
+    try:
+        l2 = os.sysconf("SC_LEVEL2_CACHE_SIZE")
+    except (ValueError, OSError):
+        l2 = 0
+    return (l2 if l2 > 0 else 512 << 10) // 2
+
+
+TRANSPOSE_BLOCK_BYTES = _transpose_block_bytes()
+MIN_BLOCK_FEATURES = 256   # fewer output features a block than this: the products too thin to pay
 
 # Per architecture (transformers' `config.model_type`), the linear layers whose output the
 # library's decoder passes only to elementwise operations: the MLP's activation and product
@@ -189,11 +205,28 @@ def library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 def weight_major(x2: torch.Tensor, weight: torch.Tensor, contiguous: bool = True) -> torch.Tensor:
     """x2 [T, in] -> [T, out] as (W @ x2.T).T; a single row is computed as two. With
     `contiguous` off, the result is the transposed view of the product (no copy): for a
-    consumer that takes any memory layout (`ELEMENTWISE_FED`)."""
-    if x2.shape[0] == 1:
+    consumer that takes any memory layout (`ELEMENTWISE_FED`). In row order, a product larger
+    than `TRANSPOSE_BLOCK_BYTES` (the vocabulary's projection) is computed a block of output
+    features at a time, each block copied into row order while the cache still holds it:
+    the whole product transposed at once is read back from memory, at the cost of a sixth of
+    the product itself."""
+    rows = x2.shape[0]
+    if rows == 1:
         return torch.mm(weight, torch.cat((x2, x2)).t())[:, :1].t().contiguous()
-    y = torch.mm(weight, x2.t()).t()
-    return y.contiguous() if contiguous else y
+    if not contiguous:
+        return torch.mm(weight, x2.t()).t()
+    out_features = weight.shape[0]
+    block = TRANSPOSE_BLOCK_BYTES // (rows * x2.element_size()) // 64 * 64
+    if not MIN_BLOCK_FEATURES <= block < out_features:   # small enough as it is, or too many rows
+        return torch.mm(weight, x2.t()).t().contiguous()
+    y = torch.empty(rows, out_features, dtype=x2.dtype)
+    part = torch.empty(block, rows, dtype=x2.dtype)
+    x2t = x2.t()
+    for start in range(0, out_features, block):
+        stop = min(start + block, out_features)
+        product = torch.mm(weight[start:stop], x2t, out=part[:stop - start])
+        y[:, start:stop].copy_(product.t())
+    return y
 
 
 class MeasuredLinear(nn.Module):

@@ -287,6 +287,28 @@ def test_elementwise_fed_layers_return_the_same_values_transposed():
     torch.testing.assert_close(library, want, **TOL)
 
 
+@pytest.mark.parametrize("rows", [lf.STREAMED_ROWS + 1, 24])
+def test_a_wide_weight_major_product_is_copied_into_row_order_block_by_block(monkeypatch, rows):
+    """A product wider than the cache's block (the vocabulary's projection) is computed in
+    blocks of output features, the last one partial: the same values, in row order, for
+    every row count; one whose block would be thinner than MIN_BLOCK_FEATURES is whole."""
+    torch.manual_seed(6)
+    monkeypatch.setattr(lf, "TRANSPOSE_BLOCK_BYTES", lf.MIN_BLOCK_FEATURES * 4 * rows)
+    weight, x2 = torch.randn(1000, 64), torch.randn(rows, 64)   # blocks of 256 features: 3 and a part
+    blocks = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, **kw: blocks.append(a.shape[0]) or real_mm(a, b, **kw))
+    got = lf.weight_major(x2, weight)
+    assert blocks == [256, 256, 256, 232]
+    assert got.is_contiguous() and got.shape == (rows, 1000)
+    torch.testing.assert_close(got, real_mm(x2, weight.t()), **TOL)
+    blocks.clear()
+    monkeypatch.setattr(lf, "TRANSPOSE_BLOCK_BYTES", (lf.MIN_BLOCK_FEATURES - 64) * 4 * rows)
+    whole = lf.weight_major(x2, weight)
+    assert blocks == [1000] and whole.is_contiguous()
+    torch.testing.assert_close(whole, got, **TOL)
+
+
 def test_a_llama_hands_transposed_products_only_to_elementwise_operations(llama_dir):
     """Which layers of transformers' Llama decoder may return the weight-major product
     transposed: the MLP's three and the attention's output projection, never q, k, v (their
