@@ -246,6 +246,17 @@ class HFBackend(CachingBackend):
         super().release(session)
         s.release()
 
+    @property
+    def copies_prefixes(self) -> bool:
+        """Sessions in the pool's pages open with a copy of a prefix others hold (prefix_cache.py)."""
+        return self.pool is not None
+
+    def _copy_prefix(self, source: _Session, target: _Session, n: int) -> None:
+        pages = self.pool.take(self.pool.pages_for(n))   # may raise KVCapacityError: nothing changed
+        self.pool.copy(source.pages, pages, n)
+        target.pages = pages
+        target.cached, target.rows_start = source.cached[:n], n
+
     def kv_bytes(self) -> int:
         """Bytes of K/V all sessions hold (what `max_kv_bytes` caps): their pages, or their
         cached positions."""

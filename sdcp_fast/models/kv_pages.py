@@ -109,3 +109,12 @@ class PagePool:
         n_layer, two, page, heads, dim = self.shape
         flat = self.pool.view(n_layer, two, -1, heads, dim)
         flat.index_copy_(2, rows, kv.transpose(2, 3).to(flat.dtype))
+
+    def copy(self, source: list[int], target: list[int], n: int) -> None:
+        """Positions 0..n-1 of the session owning `target` pages := those of the session
+        owning `source` pages (every layer's keys and values)."""
+        index = [torch.tensor(self.rows(pages, 0, n), dtype=torch.long, device=self.pool.device)
+                 for pages in (source, target)]
+        n_layer, two, page, heads, dim = self.shape
+        flat = self.pool.view(n_layer, two, -1, heads, dim)
+        flat.index_copy_(2, index[1], flat.index_select(2, index[0]))

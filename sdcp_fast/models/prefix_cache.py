@@ -21,6 +21,18 @@ and returns the requested rows [sum(len(x_b) + 1), V] in order.
 steps); a backend adds its K/V storage through three hooks: `_new_session(prompt)`,
 `_reserve(plans)` (raise KVCapacityError before any change) and `_compute(plans)` (one
 forward over the plans' new tokens, storing their K/V; rows keyed by id(plan)).
+
+Prompts that begin alike (a deployment's system prompt, a chat's earlier turns) are not
+computed again: the K/V at a position depends only on the tokens up to it, so a session that
+opens copies the K/V of its longest common prefix with a session that holds one (a fourth
+hook, `_copy_prefix`; a backend without it computes every prompt whole), and its prefill
+computes the rest. Among sessions opening together, with no such session yet, the first of
+those that begin alike is prefilled alone first when the others would copy more tokens from
+it than its own prompt holds (what the separate pass costs, in rows). Sessions are looked
+up by their first `PREFIX_KEY` tokens: a shorter common prefix is computed again. This is
+vLLM's automatic prefix caching and SGLang's radix cache, kept to the sessions alive (no
+K/V is kept for sessions that ended) and made of copies, not shared pages (a session's K/V
+stays its own: release, truncation and export need no reference counts).
 """
 
 from __future__ import annotations
@@ -42,6 +54,7 @@ from .base import (
 )
 
 MAX_ROWS = 65  # logits rows kept for the last proposal: at most m_max (64) + 1
+PREFIX_KEY = 16  # sessions are found for a prompt by their first this many tokens (module docstring)
 
 
 @dataclass(eq=False)
@@ -74,6 +87,10 @@ class CachedSession:
         self.drop_rows_before(len(new_committed) - 1)
         if self.rows is not None and self.rows_start + len(self.rows) <= len(new_committed) - 1:
             self.rows, self.rows_start = None, len(self.cached)
+
+    def rows_held(self) -> bool:
+        """Whether the row after the committed sequence is kept (a prefill has run)."""
+        return self.rows is not None and self.rows_start <= len(self.committed) - 1 < self.rows_start + len(self.rows)
 
     def committed_kv_tokens(self) -> int:
         """How many leading committed tokens the cached K/V covers (what an export carries)."""
@@ -159,13 +176,59 @@ class CachingBackend:
         tokens must still describe their K/V."""
         raise NotImplementedError
 
+    def _copy_prefix(self, source: CachedSession, target: CachedSession, n: int) -> None:
+        """Give `target` (a new session holding nothing) the K/V of `source`'s first n cached
+        positions, as its own (only where `copies_prefixes`). May raise KVCapacityError,
+        changing nothing."""
+        raise NotImplementedError
+
+    copies_prefixes = False    # whether the backend has `_copy_prefix` (else prompts are computed whole)
+    prefix_tokens_copied = 0   # prompt positions whose K/V a session opened with by copy
+
     def open(self, session: bytes, prompt: Sequence[int]) -> None:
         self._sessions[session] = self._new_session(check_new_session(self, session, prompt))
         try:
+            self._share_prefixes([session])
             self.score([(session, [])])  # prefill; keeps the row after the prompt
         except BaseException:
             self.release(session)
             raise
+
+    def _share_prefixes(self, opening: list[bytes]) -> None:
+        """Copy into each session of `opening` (new, holding nothing) the K/V of its longest
+        common prefix with a session that holds one, up to its prompt's last token (whose row
+        the prefill returns); first prefill alone those that others opening with them would
+        copy from (module docstring)."""
+        if not self.copies_prefixes:
+            return
+        new = {sid: self._sessions[sid] for sid in opening}
+        held: dict[tuple[int, ...], CachedSession] = {}   # first PREFIX_KEY tokens -> the longest holder
+        for sid, s in self._sessions.items():
+            if sid not in new and len(s.cached) >= PREFIX_KEY:
+                key = tuple(s.cached[:PREFIX_KEY])
+                if key not in held or len(held[key].cached) < len(s.cached):
+                    held[key] = s
+        alike: dict[tuple[int, ...], list[bytes]] = {}
+        for sid, s in new.items():
+            if len(s.committed) > PREFIX_KEY:
+                alike.setdefault(tuple(s.committed[:PREFIX_KEY]), []).append(sid)
+        for key, sids in alike.items():
+            source = held.get(key)
+            if source is None and len(sids) > 1:
+                first = new[sids[0]]
+                copied = sum(min(common_prefix_length(first.committed, new[o].committed), len(new[o].committed) - 1)
+                             for o in sids[1:])
+                if copied >= len(first.committed):
+                    self.score([(sids[0], [])])   # alone: the others copy from it
+                    source, sids = first, sids[1:]
+            if source is None:
+                continue
+            for sid in sids:
+                target = new[sid]
+                n = min(common_prefix_length(source.cached, target.committed), len(target.committed) - 1)
+                if n >= PREFIX_KEY:
+                    self._copy_prefix(source, target, n)
+                    self.prefix_tokens_copied += n
 
     def open_many(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> list[ModelError | None]:
         """`open` for several sessions, their prefills in one packed pass (chunked like any
@@ -180,7 +243,8 @@ class CachingBackend:
             except ModelError as exc:
                 errors[n] = exc
         try:
-            self.score([(items[n][0], []) for n in opened])
+            self._share_prefixes([items[n][0] for n in opened])
+            self.score([(items[n][0], []) for n in opened if not self._sessions[items[n][0]].rows_held()])
         except ModelError:
             for n in opened:   # who refused it: each alone
                 self.release(items[n][0])

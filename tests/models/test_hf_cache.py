@@ -339,3 +339,66 @@ def test_open_many_prefills_in_one_packed_pass_like_one_by_one(llama_dir, refere
     rows = be.score([(sid, [3, 4]) for sid in sids])
     expected = torch.cat([full_recompute(reference, p, [3, 4]) for p in prompts])
     assert_rows_match(rows, expected)
+
+
+def _alike(rng, prefix: list[int], suffixes) -> list[list[int]]:
+    return [prefix + [rng.randrange(VOCAB) for _ in range(n)] for n in suffixes]
+
+
+def test_sessions_opening_alike_copy_their_common_prefix_and_score_as_computed_whole(llama_dir, reference):
+    """A burst of prompts that begin alike (a system prompt): the first is prefilled alone, the
+    others copy its K/V up to where they differ (one of them the same prompt: all but its last
+    token) and compute the rest; one that shares fewer than PREFIX_KEY tokens is computed
+    whole. Every row after them matches a full recompute, and their pages all come back."""
+    from sdcp_fast.models.prefix_cache import PREFIX_KEY
+    be = HFBackend(llama_dir)
+    assert be.copies_prefixes
+    rng = random.Random(11)
+    system = [rng.randrange(VOCAB) for _ in range(PREFIX_KEY + 4)]
+    prompts = _alike(rng, system, (3, 7, 1, 5))
+    prompts.append(list(prompts[0]))                                      # the first prompt again
+    prompts.append(system[:PREFIX_KEY - 2] + [rng.randrange(VOCAB) for _ in range(9)])   # too little alike
+    sids = [f"s{n}".encode() for n in range(len(prompts))]
+    assert be.open_many(list(zip(sids, prompts, strict=True))) == [None] * len(prompts)
+    assert be.prefix_tokens_copied == 3 * len(system) + len(prompts[0]) - 1
+    for sid, p in zip(sids, prompts, strict=True):
+        assert be.cached_tokens(sid) == p[:-1] or be.cached_tokens(sid) == p
+    rows = be.score([(sid, [3, 4]) for sid in sids])
+    assert_rows_match(rows, torch.cat([full_recompute(reference, p, [3, 4]) for p in prompts]))
+    for sid in sids:
+        be.release(sid)
+    assert be.pool.held == 0
+
+
+def test_a_session_opening_later_copies_from_a_live_one_and_keeps_its_own(llama_dir, reference):
+    """A prompt that begins like a live session's sequence (its prompt and committed output)
+    copies that prefix; the copy is its own: the first session released and its pages reused,
+    the second still scores as computed whole."""
+    from sdcp_fast.models.prefix_cache import PREFIX_KEY
+    be = HFBackend(llama_dir)
+    rng = random.Random(12)
+    first = [rng.randrange(VOCAB) for _ in range(PREFIX_KEY + 2)]
+    be.open(b"a", first)
+    be.score([(b"a", [5, 6])])
+    be.commit(b"a", [5, 6])
+    later = first + [5, 6, 9, 1]
+    be.open(b"b", later)
+    assert be.cached_tokens(b"a") == first + [5, 6]
+    assert be.prefix_tokens_copied == len(first) + 2   # all the K/V a holds
+    be.release(b"a")
+    be.open(b"c", [rng.randrange(VOCAB) for _ in range(40)])   # takes the pages a gave back
+    rows = be.score([(b"b", [7])])
+    assert_rows_match(rows, full_recompute(reference, later, [7]))
+
+
+def test_two_prompts_alike_prefill_together_when_a_copy_would_save_less_than_a_pass(llama_dir, reference):
+    """Two new prompts sharing fewer tokens than the first one holds: no separate pass for
+    the first, nothing copied; both rows as computed whole."""
+    from sdcp_fast.models.prefix_cache import PREFIX_KEY
+    be = HFBackend(llama_dir)
+    rng = random.Random(13)
+    prompts = _alike(rng, [rng.randrange(VOCAB) for _ in range(PREFIX_KEY + 1)], (20, 20))
+    assert be.open_many([(b"x", prompts[0]), (b"y", prompts[1])]) == [None, None]
+    assert be.prefix_tokens_copied == 0
+    rows = be.score([(b"x", [2]), (b"y", [2])])
+    assert_rows_match(rows, torch.cat([full_recompute(reference, p, [2]) for p in prompts]))
