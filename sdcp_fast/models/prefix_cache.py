@@ -232,7 +232,8 @@ class CachingBackend:
 
     def open_many(self, items: Sequence[tuple[bytes, Sequence[int]]]) -> list[ModelError | None]:
         """`open` for several sessions, their prefills in one packed pass (chunked like any
-        pass by the backend). Per item: None, or the ModelError that refused it; one
+        pass by the backend; before it, alone, a prompt that others copy a prefix from:
+        `_share_prefixes`). Per item: None, or the ModelError that refused it; one
         session's refusal never fails the others (a refused pass is retried one by one)."""
         errors: list[ModelError | None] = [None] * len(items)
         opened = []
