@@ -22,17 +22,19 @@ steps); a backend adds its K/V storage through three hooks: `_new_session(prompt
 `_reserve(plans)` (raise KVCapacityError before any change) and `_compute(plans)` (one
 forward over the plans' new tokens, storing their K/V; rows keyed by id(plan)).
 
-Prompts that begin alike (a deployment's system prompt, a chat's earlier turns) are not
-computed again: the K/V at a position depends only on the tokens up to it, so a session that
-opens copies the K/V of its longest common prefix with a session that holds one (a fourth
-hook, `_copy_prefix`; a backend without it computes every prompt whole), and its prefill
-computes the rest. Among sessions opening together, with no such session yet, the first of
-those that begin alike is prefilled alone first when the others would copy more tokens from
-it than its own prompt holds (what the separate pass costs, in rows). Sessions are looked
-up by their first `PREFIX_KEY` tokens: a shorter common prefix is computed again. This is
-vLLM's automatic prefix caching and SGLang's radix cache, kept to the sessions alive (no
-K/V is kept for sessions that ended) and made of copies, not shared pages (a session's K/V
-stays its own: release, truncation and export need no reference counts).
+Prompts that begin alike (a deployment's system prompt) are not computed again: the K/V at
+a position depends only on the tokens up to it, so a session that opens copies the K/V of
+its common prefix with a session that holds one (a fourth hook, `_copy_prefix`; a backend
+without it computes every prompt whole), and its prefill computes the rest. The session
+copied from is, among those whose first `PREFIX_KEY` tokens are the prompt's, the one
+holding the most positions: one lookup per prompt, whatever the number of sessions (a
+shorter common prefix is computed again; a chat's earlier turns are found when their
+session is that one). Among sessions opening together, with no such session yet, the first
+of those that begin alike is prefilled alone first when the others would copy more tokens
+from it than its own prompt holds (what the separate pass costs, in rows). A simpler form
+of vLLM's automatic prefix caching and SGLang's radix cache: kept to the sessions the
+backend holds (no K/V is kept for sessions released), and made of copies, not shared pages
+(a session's K/V stays its own: release, truncation and export need no reference counts).
 """
 
 from __future__ import annotations
@@ -195,10 +197,10 @@ class CachingBackend:
             raise
 
     def _share_prefixes(self, opening: list[bytes]) -> None:
-        """Copy into each session of `opening` (new, holding nothing) the K/V of its longest
-        common prefix with a session that holds one, up to its prompt's last token (whose row
-        the prefill returns); first prefill alone those that others opening with them would
-        copy from (module docstring)."""
+        """Copy into each session of `opening` (new, holding nothing) the K/V of its common
+        prefix with the session found for it, up to its prompt's last token (whose row the
+        prefill returns); first prefill alone those that others opening with them would copy
+        from (module docstring)."""
         if not self.copies_prefixes:
             return
         new = {sid: self._sessions[sid] for sid in opening}
