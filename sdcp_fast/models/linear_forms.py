@@ -79,7 +79,6 @@ CALL_TIMED_S = 5e-3  # a band whose first pass averages this long a linear call 
 BY_CALL = 2          # `FormChooser.current` in such a pass: each call takes its own shape's choice
 
 
-
 def _transpose_block_bytes() -> int:
     """Half the per-core L2 cache (the system's figure; 512 KiB when it gives none): the
     block of a weight-major product copied into row order while it is still cached."""
