@@ -178,3 +178,26 @@ def test_a_burst_of_opens_prefills_in_few_passes_and_each_session_holds_its_prom
         assert model.backend.committed(b"x" * 16) == PROMPTS[0]
 
     asyncio.run(main())
+
+
+def test_a_burst_prefill_is_observed_over_the_tokens_it_computed():
+    """The pass-cost model learns from a burst's prefill the tokens computed, not those a
+    session copied from another (prompts alike: prefix_cache.py)."""
+    class Copying:
+        """open_many that says it copied 10 positions of each prompt after the first."""
+
+        prefix_tokens_copied = 5
+
+        def open_many(self, items):
+            self.prefix_tokens_copied += 10 * (len(items) - 1)
+            return [None] * len(items)
+
+    async def main():
+        model = TargetModel(Copying())
+        seen = []
+        model.observe_pass = lambda tokens, seconds: seen.append(tokens)
+        assert await model._open_batch([(bytes([n]) * 16, list(range(30))) for n in range(4)]) == [None] * 4
+        assert seen == [4 * 30 - 3 * 10]
+
+    asyncio.run(main())
+
