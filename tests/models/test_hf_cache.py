@@ -64,10 +64,12 @@ def test_cached_scoring_matches_full_recompute_over_random_traffic(llama_dir, re
     """Opens, batched scores of several sessions at different lengths (verifier-style M + 1
     rows and drafter-style growing proposals), partial rejections, commits and releases;
     every score is checked against a full recompute. max_batch_tokens=16 makes longer
-    prefills span several passes."""
+    prefills span several passes. Half the prompts begin with a shared system prompt or
+    with a live session's sequence (the packed backend copies those prefixes)."""
     be = HFBackend(llama_dir, ragged=ragged, max_batch_tokens=16)
     assert be.ragged is ragged
     rng = random.Random(20261201 + ragged)
+    system = [rng.randrange(VOCAB) for _ in range(20)]
     live: dict[bytes, list[int]] = {}  # session -> its last proposal (drafters grow it)
     counter, scored_rows = 0, 0
     for _ in range(70):
@@ -75,7 +77,8 @@ def test_cached_scoring_matches_full_recompute_over_random_traffic(llama_dir, re
         if len(live) < 2 or (r < 0.12 and len(live) < 6):
             counter += 1
             sid = f"s{counter}".encode()
-            be.open(sid, [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))])
+            head = rng.choice([[], system, be.committed(rng.choice(sorted(live))) if live else []])[:36]
+            be.open(sid, head + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40 - len(head)))])
             live[sid] = []
             continue
         if r < 0.2:
@@ -109,6 +112,7 @@ def test_cached_scoring_matches_full_recompute_over_random_traffic(llama_dir, re
                     del live[sid]
         assert out.shape[0] == row
     assert scored_rows > 300
+    assert (be.prefix_tokens_copied > 100) is ragged   # copies only into the pool's pages
     # K/V accounting equals what the sessions really hold
     if ragged:  # pages: each session exactly those its cached tokens need
         held = sum(be.pool.pages_for(len(be.cached_tokens(sid))) for sid in be.sessions())
