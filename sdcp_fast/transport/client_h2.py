@@ -121,8 +121,6 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
         try:
             if rest:
                 exchange.sent_all = await self._send_rest(stream_id, rest, None, exchange.future) == "sent"
-            elif len(self._exchanges) > 1:
-                self.transmit_soon()   # with the other requests of this loop turn, in one write
             else:
                 self.transmit()
             return await exchange.future

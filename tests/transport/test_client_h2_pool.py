@@ -110,38 +110,6 @@ def test_an_idle_connection_is_not_reused_past_its_expiry(pki):
     run(main())
 
 
-def test_requests_of_one_loop_turn_leave_in_one_write(pki):
-    """Requests started together (a router's output reads after a verify pass) are queued
-    and written once at the end of the loop turn; a request alone leaves at once."""
-
-    async def main():
-        async with await serve(RecordingRouter(), host="127.0.0.1", port=0, tls=pki.server, http3=False) as server:
-            async with Client(pki.drafter, "h2", timeout=5.0, retries=0) as client:
-                assert (await client.request("GET", _url(server, "/slow?s=0"))).status == 204
-                connection = client._origins._pools[("127.0.0.1", server.port)][0]
-                writes = []
-                real_write = connection._transport.write
-                connection._transport = _Counting(connection._transport, lambda data: (writes.append(len(data)),
-                                                                                        real_write(data)))
-                requests = [asyncio.ensure_future(client.request("GET", _url(server, f"/slow?s=0.3&n={n}")))
-                            for n in range(8)]
-                await asyncio.sleep(0.1)   # all sent, none answered yet
-                assert len(writes) == 2    # the first at once, the other seven together
-                assert [a.status for a in await asyncio.gather(*requests)] == [204] * 8
-
-    run(main())
-
-
-class _Counting:
-    """A transport whose writes go through `write`; everything else is the real one's."""
-
-    def __init__(self, transport, write):
-        self._transport, self.write = transport, write
-
-    def __getattr__(self, name):
-        return getattr(self._transport, name)
-
-
 @pytest.mark.parametrize("url", ["https://127.0.0.1:8443/sessions/a-b/output?from=12", "https://h/", "https://h",
                                  "https://u@h:1/p?q=1", "https://[::1]:9/x", "https://h?x", "https://h:1/a#f",
                                  "https://h:1/p?"])
