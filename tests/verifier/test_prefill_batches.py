@@ -196,8 +196,10 @@ def test_a_burst_prefill_is_observed_over_the_tokens_it_computed():
         model = TargetModel(Copying())
         seen = []
         model.observe_pass = lambda tokens, seconds: seen.append(tokens)
-        assert await model._open_batch([(bytes([n]) * 16, list(range(30))) for n in range(4)]) == [None] * 4
-        assert seen == [4 * 30 - 3 * 10]
+        await asyncio.gather(*(model.prefill(bytes([n]) * 16, list(range(30)), None, reopen=False)
+                               for n in range(4)))
+        assert len(seen) == model.opening.batches
+        assert sum(seen) == 4 * 30 - 10 * (4 - model.opening.batches)
 
     asyncio.run(main())
 
