@@ -37,7 +37,13 @@ demo: $(STAMP)
 # SDCP_REQUIRE_NATIVE: here a missing native op is a broken build, not a machine without a compiler
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check .
-	TRITON_INTERPRET=1 SDCP_REQUIRE_NATIVE=1 $(VPY) -m pytest -q
+# tests/kernels (the Triton interpreter and the native op, in process, one core a test) on as
+# many workers as cores (at most 4); the rest one at a time (processes, stores, deadlines);
+# a failure in either fails the target, after both ran
+	TRITON_INTERPRET=1 SDCP_REQUIRE_NATIVE=1 $(VPY) -m pytest -q -n auto --maxprocesses 4 tests/kernels; \
+	  status=$$?; \
+	  TRITON_INTERPRET=1 SDCP_REQUIRE_NATIVE=1 $(VPY) -m pytest -q --ignore tests/kernels || status=1; \
+	  exit $$status
 # tests/transport on the lowest and highest jh2/aioquic/pylsqpack releases that pyproject.toml
 # admits and pip's index offers (a bound that is the installed releases was tested just above)
 	$(VPY) tests/transport/library_bounds.py --skip-installed lowest highest

