@@ -289,8 +289,10 @@ def test_stalled_preface_and_partial_frames_hit_the_header_timeout(pki):
             silent = await RawH2.open(server.port, pki.drafter, preface=False)   # TLS, then nothing
             partial = await RawH2.open(server.port, pki.drafter)
             await partial.until(lambda c: c.remote_settings)
-            # a HEADERS frame header announcing 100 bytes, then 10 of them: never completed
-            partial.write_raw(bytes([0, 0, 100, 1, 4, 0, 0, 0, 1]) + b"\x00" * 10)
+            # a HEADERS frame header announcing 100 bytes, then 10 of them: never completed (the
+            # start of a literal field whose 50-byte name is still to come: a decoder that reads
+            # a block as it arrives, libnghttp2's, must wait as well)
+            partial.write_raw(bytes([0, 0, 100, 1, 4, 0, 0, 0, 1, 0, 50]) + b"a" * 8)
             await asyncio.wait_for(asyncio.gather(silent.run_until_closed(), partial.run_until_closed()), 3.0)
             assert server.refusals.counts["header_timeout"] == 2
 
