@@ -149,12 +149,13 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         if self._transport.is_closing():
             return
         data = self._edges.feed(data)
+        if self._edges.oversized:
+            self._connection_error(True, "a header block's frames over the decode budget")
+            return
         try:
-            if self._edges.oversized:
-                raise ngh2.DenialOfServiceError("a header block over the decode budget")
             self._conn.receive_data(data)
         except ngh2.NGH2Error as exc:   # input past a limit of ours: libnghttp2 stopped
-            self._connection_error(exc)
+            self._connection_error(isinstance(exc, ngh2.DenialOfServiceError), str(exc))
             return
         events = self._conn.events()
         self._preface_seen = self._preface_seen or bool(events)
@@ -164,19 +165,16 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         if self._header_timer is not None or self._edges.partial:
             self._arm_header_timer()
 
-    def _connection_error(self, exc: ngh2.NGH2Error) -> None:
-        """The input broke a limit (libnghttp2 raised, and sends nothing more): GOAWAY of our own."""
-        if isinstance(exc, ngh2.DenialOfServiceError):
-            self._count_refusal(Kind.HEADERS_TOO_LARGE, f"connection error: {exc}")
-            # a header block far over the advertised size: a full budget of it was decoded
-            # before giving up, which a client must not get again at once
+    def _connection_error(self, too_large: bool, detail: str) -> None:
+        """The input broke a limit (libnghttp2, where it raised, sends nothing more): GOAWAY of
+        our own; `too_large`: a header block far over the advertised size, which costs a decode
+        budget each time, so the client may not send another at once (calm_penalty_s)."""
+        self._count_refusal(Kind.HEADERS_TOO_LARGE if too_large else Kind.PROTOCOL, f"connection error: {detail}")
+        if too_large:
             self._serving.calm_down(self.caller)
-            code = ErrorCodes.ENHANCE_YOUR_CALM
-        else:
-            self._count_refusal(Kind.PROTOCOL, f"connection error: {exc}")
-            code = ErrorCodes.PROTOCOL_ERROR
+        code = ErrorCodes.ENHANCE_YOUR_CALM if too_large else ErrorCodes.PROTOCOL_ERROR
         self._closing = True
-        self._transport.write(goaway_frame(self._last_stream, code, str(exc).encode()[:256]))
+        self._transport.write(goaway_frame(self._last_stream, code, detail.encode()[:256]))
         self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
