@@ -7,10 +7,10 @@ Prints requests/s and p50/p99 latency per protocol, measured side by side in one
     .venv/bin/python bench/bench_transport.py [--requests 2000] [--concurrency 32]
     .venv/bin/python bench/bench_transport.py --libraries [--rounds 5000]
 
-`--libraries`: the HTTP/2 libraries alone, each installed one of h2 and jh2 as a sans-IO pair
-in this process (no sockets, no TLS), configured as the transport configures jh2: µs per
-round (a proposal-shaped request and its answer, both ends), the client validating the
-answer's fields and not.
+`--libraries`: the HTTP/2 libraries alone, each installed one of ngh2 (the transport's), h2
+and jh2 as a sans-IO pair in this process (no sockets, no TLS): µs per round (a
+proposal-shaped request and its answer, both ends); for h2 and jh2, the client validating the
+answer's fields and not (libnghttp2 always checks them).
 """
 
 from __future__ import annotations
@@ -134,10 +134,45 @@ def _pair_round_us(library: str, rounds: int, validate_answers: bool) -> float:
     return (time.perf_counter() - start) / rounds * 1e6
 
 
+def _ngh2_round_us(rounds: int) -> float:
+    """µs per request-and-answer between two ngh2 connections, configured as the transport's."""
+    import ngh2
+
+    client, server = ngh2.Connection(ngh2.Role.CLIENT), ngh2.Connection(ngh2.Role.SERVER)
+    client.initiate_connection({ngh2.Setting.ENABLE_PUSH: 0})
+    server.initiate_connection({ngh2.Setting.MAX_HEADER_LIST_SIZE: 16384, ngh2.Setting.ENABLE_PUSH: 0})
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    request = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1:4433"),
+               (b":path", b"/v1/sessions/0123456789abcdef/proposals"), (b"content-type", b"application/sdcp+cbor")]
+    answer = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor")]
+
+    def one_round() -> None:
+        stream_id = client.send_request(request)
+        client.send_data(stream_id, PROPOSAL, end_stream=True)
+        server.receive_data(client.data_to_send())
+        server.events()
+        server.send_response(stream_id, answer)
+        server.send_data(stream_id, VERDICT, end_stream=True)
+        client.receive_data(server.data_to_send())
+        client.events()
+        server.receive_data(client.data_to_send())
+        server.events()
+
+    for _ in range(500):
+        one_round()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
 def _libraries(rounds: int) -> None:
     import importlib.metadata
 
     print(f"{'library':24} {'answers validated':>18} {'us per round':>13}")
+    print(f"{'ngh2 ' + importlib.metadata.version('ngh2'):24} {'True':>18} {_ngh2_round_us(rounds):13.1f}")
     for library in ("h2", "jh2"):
         try:
             version = importlib.metadata.version(library)

@@ -8,7 +8,6 @@ for clients and scrapers: `asgi.serve_web`.
 
 from .certs import CertPaths, make_certs
 from .client import Client, ClientResponse, Reply, RequestTimeout, TransportError, call
-from .compat import H2_CLOSED_STREAMS_KEPT
 from .http import (
     ANY_CALLER,
     SDCP_MEDIA_TYPE,
@@ -28,7 +27,7 @@ from .server import Server, serve
 from .tlsconfig import TLSConfig
 
 __all__ = [
-    "ANY_CALLER", "H2_CLOSED_STREAMS_KEPT", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client",
+    "ANY_CALLER", "SDCP_MEDIA_TYPE", "Authorizer", "Call", "CertPaths", "Reply", "Client",
     "ClientResponse", "Handler", "Limits", "Refusals", "Request", "RequestTimeout", "Response", "Routed", "Router",
     "Server", "TLSConfig", "TransportError", "call", "make_certs", "message_response", "problem_response", "serve",
 ]

@@ -1,4 +1,4 @@
-"""The one HTTP client every role uses: HTTP/2 (jh2) or HTTP/3 (aioquic), with mutual TLS 1.3.
+"""The one HTTP client every role uses: HTTP/2 (ngh2) or HTTP/3 (aioquic), with mutual TLS 1.3.
 
 Connections are kept per origin and reused (client_h2.py, client_h3.py); requests on one
 connection run as concurrent streams. Every attempt, connection set-up and whole response

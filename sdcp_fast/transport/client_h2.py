@@ -1,27 +1,23 @@
-"""HTTP/2 client adapter on jh2's sans-IO state machine: up to `MAX_CONNECTIONS` per origin
-(client_base.Origins), each used once the server's SETTINGS arrived; a request's headers and body
-leave in one write. A request that ends before its exchange did resets its stream (CANCEL),
-so the server's concurrency slot is freed at once. A stream the server refused
-(REFUSED_STREAM) or above a GOAWAY's last stream id was certainly not processed (sent=False,
-RFC 9113 8.7 and 6.8); a reset or a lost connection after the request went out may have been.
+"""HTTP/2 client adapter on ngh2's sans-IO connection (libnghttp2): up to `MAX_CONNECTIONS`
+per origin (client_base.Origins), each used once the server's SETTINGS arrived; a request's
+headers and body leave in one write. A request that ends before its exchange did resets its
+stream (CANCEL), so the server's concurrency slot is freed at once. A stream the server
+refused (REFUSED_STREAM) or above a GOAWAY's last stream id was certainly not processed
+(sent=False, RFC 9113 8.7 and 6.8); a reset or a lost connection after the request went out
+may have been.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import jh2.events
-import jh2.exceptions
-import jh2.settings
+import ngh2
 
 from .client_base import ClientConnection, ClientResponse, Origins, TransportError, request_headers
-from .compat import H2Connection
-from .h2base import ErrorCodes, H2Endpoint, configuration, error_name
+from .h2base import ErrorCodes, H2Endpoint, Setting, error_name
 from .tlsconfig import H2_ALPN, TLSConfig
 
 MAX_CONNECTIONS = 16   # per origin
-_STREAM_EVENTS = (jh2.events.DataReceived, jh2.events.ResponseReceived, jh2.events.StreamEnded,
-                  jh2.events.StreamReset)
 
 
 class H2ClientConnection(H2Endpoint, ClientConnection):
@@ -29,69 +25,83 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
     ready once the server's first SETTINGS came."""
 
     def __init__(self, max_response: int, freed: asyncio.Event):
-        H2Endpoint.__init__(self, H2Connection(configuration(client_side=True)))
+        H2Endpoint.__init__(self, ngh2.Connection(ngh2.Role.CLIENT))
         ClientConnection.__init__(self, max_response)
-        self._conn.local_settings = jh2.settings.Settings(client=True, initial_values={
-            jh2.settings.SettingCodes.ENABLE_PUSH: 0})
         self._freed = freed   # the origin's: set whenever a stream of this connection ends
+        self._room = 0   # the server's SETTINGS_MAX_CONCURRENT_STREAMS
 
     @property
     def has_room(self) -> bool:
-        return len(self._exchanges) < self._conn.remote_settings.max_concurrent_streams
+        return len(self._exchanges) < self._room
 
     # ---- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport   # type: ignore[assignment] (uvloop's are not asyncio.Transport)
-        self._conn.initiate_connection()
+        self._conn.initiate_connection({Setting.ENABLE_PUSH: 0})
         self.transmit()
 
     def data_received(self, data: bytes) -> None:
+        if self._transport is None or self._transport.is_closing():
+            return
         try:
-            events = self._conn.receive_data(data)
-        except jh2.exceptions.ProtocolError as exc:
-            self.transmit()   # h2 has queued a GOAWAY
+            self._conn.receive_data(data)
+        except ngh2.NGH2Error as exc:
             self._lost(TransportError(f"HTTP/2 protocol error from the server: {exc}", sent=True))
             self._transport.close()
             return
-        for event in events:
-            self._on_event(event)
+        self._on_events(self._conn.events())
         self.transmit()
+        self._on_events(self._conn.events())   # what sending ended: streams, a connection error's GOAWAY
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._lost(TransportError(f"HTTP/2 connection lost{f': {exc}' if exc else ''}", sent=True))
         self._window_open.set()
-        self._writable.set()
 
-    def _on_event(self, event: jh2.events.Event) -> None:
-        if isinstance(event, jh2.events.DataReceived):
-            self._credit(event)
-        exchange = self._exchanges.get(event.stream_id) if isinstance(event, _STREAM_EVENTS) else None
-        if exchange is None:
-            self._on_connection_event(event)
-        elif isinstance(event, jh2.events.DataReceived):
-            if not exchange.future.done() and not exchange.add(event.data):
-                self._reset(event.stream_id, ErrorCodes.CANCEL)
-                exchange.sent_all = True
-        elif isinstance(event, jh2.events.ResponseReceived):
-            exchange.head(event.headers)
-        elif isinstance(event, jh2.events.StreamEnded):
-            exchange.finish()
-        elif isinstance(event, jh2.events.StreamReset):
-            refused = event.error_code == ErrorCodes.REFUSED_STREAM   # not processed
-            exchange.fail(TransportError(f"stream reset by the server ({error_name(event.error_code)})", sent=not refused))
+    def _on_events(self, events: list) -> None:
+        for event in events:
+            kind = type(event)
+            if kind is ngh2.DataReceived:
+                exchange = self._exchanges.get(event.stream_id)
+                if exchange is None or exchange.future.done():
+                    continue
+                if not exchange.add(event.data):
+                    self._reset(event.stream_id, ErrorCodes.CANCEL)
+                    exchange.sent_all = True
+                elif event.end_stream:
+                    exchange.finish()
+            elif kind is ngh2.ResponseReceived:
+                exchange = self._exchanges.get(event.stream_id)
+                if exchange is not None:
+                    exchange.head(event.headers)
+                    if event.end_stream:
+                        exchange.finish()
+            elif kind is ngh2.StreamClosed:
+                exchange = self._exchanges.get(event.stream_id)
+                if exchange is not None and not exchange.ended:   # reset by the server, or by libnghttp2
+                    code = event.error_code   # REFUSED_STREAM: not processed
+                    exchange.fail(TransportError(f"stream reset by the server ({error_name(code)})",
+                                                 sent=code != ErrorCodes.REFUSED_STREAM))
+            elif kind is ngh2.TrailersReceived:
+                exchange = self._exchanges.get(event.stream_id)
+                if exchange is not None:
+                    exchange.finish()
+            else:
+                self._on_connection_event(event)
 
-    def _on_connection_event(self, event: jh2.events.Event) -> None:
-        if isinstance(event, jh2.events.RemoteSettingsChanged):
+    def _on_connection_event(self, event: ngh2.Event) -> None:
+        kind = type(event)
+        if kind is ngh2.SettingsReceived:
+            self._room = self._conn.remote_settings[Setting.MAX_CONCURRENT_STREAMS]
             if not self._ready.done():
                 self._ready.set_result(None)
             self._window_open.set()
-        elif isinstance(event, jh2.events.WindowUpdated):
+        elif kind is ngh2.WindowUpdated:
             self._window_open.set()
-        elif isinstance(event, jh2.events.ConnectionTerminated):
+        elif kind is ngh2.GoAwayReceived:
             # GOAWAY: streams above last_stream_id were not processed and may go elsewhere;
             # those at or below it are still answered, until the server closes
-            last = event.last_stream_id or 0
+            last = event.last_stream_id
             detail = f"HTTP/2 GOAWAY from the server ({error_name(event.error_code)})"
             self._closed = TransportError(detail, sent=False)
             for stream_id, exchange in list(self._exchanges.items()):
@@ -100,6 +110,9 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
             if not self._ready.done():
                 self._ready.set_exception(TransportError(detail, sent=False))
             self._freed.set()
+        elif kind is ngh2.ConnectionClosed and self._transport is not None:
+            self._lost(TransportError(f"HTTP/2 connection ended ({error_name(event.error_code)})", sent=True))
+            self._transport.close()
 
     # ---- requests -------------------------------------------------------------------------
     async def settled(self) -> None:
@@ -111,18 +124,18 @@ class H2ClientConnection(H2Endpoint, ClientConnection):
         if self._closed is not None:
             raise TransportError(str(self._closed), sent=False)
         try:
-            stream_id = self._conn.get_next_available_stream_id()
-            rest = self._send_message(stream_id, request_headers(method, authority, path, body, content_type),
-                                      body or b"")
-        except jh2.exceptions.H2Error as exc:   # over the server's stream limit, ids exhausted
+            stream_id = self._conn.send_request(request_headers(method, authority, path, body, content_type),
+                                                end_stream=not body)
+            if body:
+                self._conn.send_data(stream_id, body, end_stream=True)
+        except ngh2.NGH2Error as exc:   # ids exhausted, the connection ending
             raise TransportError(f"HTTP/2 stream not opened: {exc}", sent=False) from exc
         exchange = self._exchange(stream_id)
-        exchange.sent_all = not rest
+        self.transmit()   # libnghttp2 opens the stream as it writes it
+        exchange.sent_all = not body or not self._conn.queued_body_size(stream_id)
         try:
-            if rest:
-                exchange.sent_all = await self._send_rest(stream_id, rest, None, exchange.future) == "sent"
-            else:
-                self.transmit()
+            if not exchange.sent_all:
+                exchange.sent_all = await self._sent(stream_id, None, exchange.future) == "sent"
             return await exchange.future
         finally:
             del self._exchanges[stream_id]

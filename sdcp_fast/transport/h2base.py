@@ -1,77 +1,56 @@
-"""What the HTTP/2 client and server connections share on jh2's public API: the write side
-(the socket's flow control and HTTP/2's), a message queued for one write, and the rest of a
-body sent as credit allows."""
+"""What the HTTP/2 client and server connections share on ngh2's public API (libnghttp2): the
+write side (a message queued whole: libnghttp2 sends its body as flow control allows, and
+returns credit for what it receives on its own), waiting for a body to leave, the frames we
+write ourselves, and the connection's end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import types
 
-import jh2.config
-import jh2.connection
-import jh2.errors
-import jh2.events
-import jh2.exceptions
+import ngh2
 
-ErrorCodes = jh2.errors.ErrorCodes
-CREDIT_BATCH = 1 << 15   # connection credit for ended streams' data is returned in steps of this many bytes
+ErrorCodes = ngh2.ErrorCode
+Setting = ngh2.Setting
+_SETTINGS, _GOAWAY = 0x4, 0x7
 
 
-class PlainConfiguration(jh2.config.H2Configuration):
-    """jh2's configuration with its options as plain attributes: jh2 reads them several times
-    a message, each through a Python descriptor; these class attributes shadow those, so
-    the values given are stored and read as they are (our constants: no check needed)."""
-
-    client_side = header_encoding = None
-    validate_outbound_headers = normalize_outbound_headers = split_outbound_cookies = None
-    validate_inbound_headers = normalize_inbound_headers = None
+def frame(kind: int, payload: bytes) -> bytes:
+    """One frame on stream 0, no flags (RFC 9113 4.1)."""
+    return len(payload).to_bytes(3, "big") + bytes((kind, 0)) + bytes(4) + payload
 
 
-# jh2's `logger=` option: a C method that ignores its arguments (jh2 logs only to the logger
-# it is given; its default makes each of its debug calls a Python call)
-SILENT = types.SimpleNamespace(debug="".format, trace="".format)
+def settings_frame(settings: dict[int, int]) -> bytes:
+    return frame(_SETTINGS, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in settings.items()))
 
 
-def configuration(*, client_side: bool) -> PlainConfiguration:
-    """Both ends' options: header fields as bytes, neither checked nor normalised by jh2 (a
-    server checks a request's fields itself, exchange.malformed; each end builds its own
-    from lowercase names and values it made; an answer comes from a server that proved its
-    certificate, and a field it gets wrong fails that request)."""
-    return PlainConfiguration(client_side=client_side, header_encoding=None, logger=SILENT,
-                              validate_outbound_headers=False, normalize_outbound_headers=False,
-                              validate_inbound_headers=False, normalize_inbound_headers=False)
+def goaway_frame(last_stream_id: int, code: int, reason: bytes = b"") -> bytes:
+    return frame(_GOAWAY, last_stream_id.to_bytes(4, "big") + int(code).to_bytes(4, "big") + reason)
 
 
 class H2Endpoint(asyncio.Protocol):
-    """One HTTP/2 connection's `jh2` state (`_conn`) and the transport it writes to."""
+    """One HTTP/2 connection's `ngh2` state (`_conn`) and the transport it writes to."""
 
-    def __init__(self, conn: jh2.connection.H2Connection):
+    def __init__(self, conn: ngh2.Connection):
         self._conn = conn
         self._transport: asyncio.Transport | None = None
         self._loop = asyncio.get_running_loop()
-        self._window_open = asyncio.Event()   # flow-control credit arrived
-        self._writable = asyncio.Event()      # transport buffer below its high-water mark
-        self._writable.set()
+        self._window_open = asyncio.Event()   # flow-control credit arrived (or the connection ended)
         self._transmit_queued = False   # a transmit waits for the end of this loop turn (or ran since)
-        self._uncredited = 0   # bytes of ended streams' DATA not yet credited to the connection
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
 
     def transmit(self) -> None:
-        """Write what jh2 has queued."""
+        """Write what libnghttp2 has queued (nothing once a connection error ended it)."""
         self._transmit_queued = False
-        data = self._conn.data_to_send()
+        try:
+            data = self._conn.data_to_send()
+        except ngh2.NGH2Error:
+            return
         if data and self._transport is not None and not self._transport.is_closing():
             self._transport.write(data)
 
     def transmit_soon(self) -> None:
-        """Write what jh2 has queued at the end of this loop turn (a batch's messages, written
-        one after another in one turn, leave in one write)."""
+        """Write what libnghttp2 has queued at the end of this loop turn (a batch's messages,
+        written one after another in one turn, leave in one write)."""
         if not self._transmit_queued:
             self._transmit_queued = True
             self._loop.call_soon(self.transmit)
@@ -81,71 +60,44 @@ class H2Endpoint(asyncio.Protocol):
         connection is closing already)."""
         if self._transport is None or self._transport.is_closing():
             return
-        with contextlib.suppress(jh2.exceptions.H2Error):   # already closed by the peer's GOAWAY
-            self._conn.close_connection(code, additional_data=reason)
+        with contextlib.suppress(ngh2.NGH2Error):   # already ending (the peer's GOAWAY, or ours)
+            self._conn.send_goaway(code, debug_data=reason or b"")
         self.transmit()
         self._transport.close()
 
-    def _credit(self, event: jh2.events.DataReceived) -> None:
-        """Flow-control credit for a DATA frame read: on its stream and the connection while
-        the stream still receives; once it ended, on the connection alone, in batches."""
-        if event.stream_ended is None:
-            self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            return
-        self._uncredited += event.flow_controlled_length
-        if self._uncredited >= CREDIT_BATCH:
-            self._conn.increment_flow_control_window(self._uncredited)
-            self._uncredited = 0
-
     def _reset(self, stream_id: int, code: int) -> None:
-        with contextlib.suppress(jh2.exceptions.H2Error):
+        with contextlib.suppress(ngh2.NGH2Error):
             self._conn.reset_stream(stream_id, code)
         self.transmit()
 
-    def _send_message(self, stream_id: int, headers, body: bytes) -> bytes:
-        """A message's HEADERS and, when its body fits the window and the frame size, one DATA
-        frame with all of it, queued together; the part of the body still to send (b"": none).
-        Raises jh2's H2Error when the stream cannot take the headers."""
-        self._conn.send_headers(stream_id, headers, end_stream=not body)
-        if body:
-            # jh2 checks the window and the frame size before it changes anything
-            with contextlib.suppress(jh2.exceptions.FlowControlError, jh2.exceptions.FrameTooLargeError):
-                self._conn.send_data(stream_id, body, end_stream=True)
-                body = b""
-        return body
+    def _fits(self, stream_id: int, size: int) -> bool:
+        """Whether `size` octets of DATA fit the stream's and the connection's windows now."""
+        return size <= min(self._conn.stream_remote_window_size(stream_id), self._conn.remote_window_size)
 
-    async def _send_rest(self, stream_id: int, body: bytes, stall_s: float | None,
-                         stop: asyncio.Future | None = None) -> str:
-        """`body` as flow control allows, then the stream's end: "sent"; "stalled" when no
-        credit came for `stall_s` seconds (None: no limit); "stopped" when the connection or
-        the stream ended first, or `stop` is done (the answer came before the upload ended)."""
-        view = memoryview(body)
-        stalled_since: float | None = None
-        while view:
-            if not self._writable.is_set():
-                self.transmit()
-                await self._writable.wait()
+    async def _sent(self, stream_id: int, stall_s: float | None, stop: asyncio.Future | None = None) -> str:
+        """Wait until the body queued on `stream_id` has left: "sent" (or the stream is gone);
+        "stalled" when none of it left for `stall_s` seconds (None: no limit); "stopped" when
+        the connection ended first, or `stop` is done (the answer came before the upload ended)."""
+        conn, wake = self._conn, self._window_open
+        if stop is not None:
+            stop.add_done_callback(lambda _: wake.set())
+        self.transmit()
+        queued, since = conn.queued_body_size(stream_id), self._loop.time()
+        while queued:
             if self._transport is None or self._transport.is_closing() or (stop is not None and stop.done()):
                 return "stopped"
-            try:
-                window = min(self._conn.local_flow_control_window(stream_id), self._conn.max_outbound_frame_size)
-            except jh2.exceptions.H2Error:
-                return "stopped"   # reset meanwhile
-            if window <= 0:
-                stalled_since = stalled_since or self._loop.time()
-                left = None if stall_s is None else stalled_since + stall_s - self._loop.time()
-                if left is not None and left <= 0:
-                    return "stalled"
-                self._window_open.clear()
-                self.transmit()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await self._window_open.wait()
-                continue
-            stalled_since = None
-            chunk, view = view[:window], view[window:]
-            self._conn.send_data(stream_id, bytes(chunk), end_stream=not view)
-        self.transmit()
+            left = None if stall_s is None else since + stall_s - self._loop.time()
+            if left is not None and left <= 0:
+                return "stalled"
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await wake.wait()
+            self.transmit()
+            now_queued = conn.queued_body_size(stream_id)
+            if now_queued < queued:
+                since = self._loop.time()
+            queued = now_queued
         return "sent"
 
 

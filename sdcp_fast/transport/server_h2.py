@@ -1,26 +1,24 @@
-"""HTTP/2 (RFC 9113) on jh2's public API, held to the limits against hostile clients.
+"""HTTP/2 (RFC 9113) on ngh2's public API (libnghttp2), held to the limits against hostile
+clients.
 
 `H2ServerProtocol` takes a connection from listener_h2.py once its TLS handshake is done and
-runs it through the request lifecycle (lifecycle.py); compat.H2StreamErrors keeps the
-content-length cases h2 checks stream errors. A stream over SETTINGS_MAX_CONCURRENT_STREAMS
-is refused alone (REFUSED_STREAM, RFC 9113 5.1.2: h2 would make it a connection error, so
-the limit is advertised in a SETTINGS frame of our own and enforced here).
+runs it through the request lifecycle (lifecycle.py). libnghttp2 checks each message (RFC
+9113 8.1.1 and 8.2: a malformed one, content-length mismatches included, is a stream error
+it resets on its own), returns flow-control credit and keeps no memory of closed streams.
+A stream over SETTINGS_MAX_CONCURRENT_STREAMS is refused alone (REFUSED_STREAM, RFC 9113
+5.1.2; libnghttp2 makes it a connection error): the limit is advertised in a SETTINGS frame
+of our own, whose acknowledgement `FrameEdges` takes out of the input, and enforced here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 
-import jh2.events
-import jh2.exceptions
-import jh2.hyperframe.frame
-import jh2.settings
+import ngh2
 
-from .compat import H2StreamErrors, MalformedStream
 from .exchange import response_headers
-from .h2base import ErrorCodes, H2Endpoint, configuration
+from .h2base import ErrorCodes, H2Endpoint, Setting, error_name, goaway_frame, settings_frame
 from .http import Response
 from .lifecycle import RequestLifecycle, Serving
 from .refusals import Kind, log
@@ -28,24 +26,39 @@ from .refusals import Kind, log
 DISCARD_LIMIT = 4 << 20  # bytes of a refused upload read and dropped before resetting the stream
 _PREFACE_SIZE = 24   # b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _BLOCK_STARTS, _CONTINUATION, _END_HEADERS = frozenset({0x1, 0x5}), 0x9, 0x4
+_SETTINGS, _ACK = 0x4, 0x1
+_OUR_SETTINGS_ACK = bytes((0, 0, 0, _SETTINGS, _ACK, 0, 0, 0, 0))
 
 
 class FrameEdges:
     """Where a peer's frames begin and end (RFC 9113 4.1: a 9-octet header whose first three
     octets are the payload length): `partial` while the preface, a frame, or a header block
-    still awaiting its CONTINUATION is incomplete."""
+    still awaiting its CONTINUATION is incomplete. `feed` passes the input on less the
+    peer's first SETTINGS acknowledgement, which answers our own SETTINGS frame (sent first,
+    and acknowledged in order, RFC 9113 6.5.3): libnghttp2 did not send that frame, and an
+    acknowledgement it does not expect is a connection error to it. `oversized`: a header
+    block's frames came to more than `max_block` octets (encoded, a header list is no longer
+    than decoded: over the decode budget for sure, refused before libnghttp2 decodes it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_block: int) -> None:
         self._skip = _PREFACE_SIZE   # octets of the current frame (or the preface) still to come
         self._head = b""             # a frame header begun
         self._in_block = False
+        self._block = 0              # octets of the current header block's frames
+        self._max_block = max_block
+        self.oversized = False
+        self._acked = False          # our SETTINGS frame's acknowledgement came (and was taken out)
 
     @property
     def partial(self) -> bool:
         return bool(self._skip or self._head or self._in_block)
 
-    def feed(self, data: bytes) -> None:
-        at, size = 0, len(data)
+    def feed(self, data: bytes) -> bytes:
+        """`data` as libnghttp2 is to read it (a frame header begun is held back until whole
+        while the acknowledgement is still to come)."""
+        if not self._acked and self._head:
+            data, self._head = self._head + data, b""
+        at, size, cut = 0, len(data), -1
         while at < size:
             if self._skip:
                 taken = min(self._skip, size - at)
@@ -53,14 +66,21 @@ class FrameEdges:
                 at += taken
                 continue
             head = self._head + data[at:at + 9 - len(self._head)]
-            at += len(head) - len(self._head)
             if len(head) < 9:
                 self._head = head
-                return
+                if not self._acked:
+                    data = data[:at]
+                break
+            at += 9 - len(self._head)
             self._head = b""
             self._skip = int.from_bytes(head[:3], "big")
             if head[3] in _BLOCK_STARTS or head[3] == _CONTINUATION:
+                self._block = self._skip + (self._block if head[3] == _CONTINUATION else 0)
+                self.oversized = self.oversized or self._block > self._max_block
                 self._in_block = not head[4] & _END_HEADERS
+            elif not self._acked and head == _OUR_SETTINGS_ACK:
+                self._acked, cut = True, at - 9
+        return data if cut < 0 else data[:cut] + data[cut + 9:]
 
 
 class H2ServerProtocol(RequestLifecycle, H2Endpoint):
@@ -72,14 +92,21 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
 
     def __init__(self, serving: Serving, peer: object):
         RequestLifecycle.__init__(self, serving)
-        H2Endpoint.__init__(self, H2StreamErrors(configuration(client_side=False)))
+        # The advertised header list size is enforced per request (431, the connection goes
+        # on); libnghttp2 itself stops far above it (a connection error: ENHANCE_YOUR_CALM).
+        budget = max(4 * serving.limits.max_header_list, 1 << 16)
+        H2Endpoint.__init__(self, ngh2.Connection(ngh2.Role.SERVER, ngh2.Configuration(
+            max_inbound_header_list_size=budget)))
         self._peer = peer
-        self._edges = FrameEdges()
+        self._edges = FrameEdges(budget)
+        self._streams: set[int] = set()   # open streams, as libnghttp2 counts them
+        self._explained: set[int] = set()   # streams reset (with an error) by the client or by us
         self._discarding: dict[int, int] = {}  # refused uploads still arriving -> bytes still allowed
         self._idle_timer: asyncio.TimerHandle | None = None
         self._header_timer: asyncio.TimerHandle | None = None
         self._last_activity = 0.0
-        self._preface_seen = False
+        self._last_stream = 0
+        self._preface_seen = self._peer_left = False
         # Bytes decrypted together with the client's Finished reach data_received before
         # start() has checked the certificate: keep them (bounded).
         self._early: list[bytes] = []
@@ -98,19 +125,14 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
         if refusal == Kind.CERTIFICATE:
             transport.abort()
             return
-        codes = jh2.settings.SettingCodes
-        self._conn.local_settings = jh2.settings.Settings(client=False, initial_values={
-            codes.MAX_HEADER_LIST_SIZE: limits.max_header_list, codes.ENABLE_PUSH: 0})
-        # The advertised size is enforced per request (431, the connection goes on); HPACK
-        # itself stops decoding far above it (a connection error: ENHANCE_YOUR_CALM).
-        self._conn.decoder.max_header_list_size = max(4 * limits.max_header_list, 1 << 16)
-        self._conn.initiate_connection()
+        ours = settings_frame({Setting.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
+        self._conn.initiate_connection({Setting.MAX_HEADER_LIST_SIZE: limits.max_header_list, Setting.ENABLE_PUSH: 0})
         if refusal is not None:
             code = ErrorCodes.NO_ERROR if refusal == Kind.CONNECTIONS else ErrorCodes.ENHANCE_YOUR_CALM
+            transport.write(ours)
             self._goaway_and_close(code, self._refusal.encode())
             return
-        limit = jh2.hyperframe.frame.SettingsFrame(0, settings={codes.MAX_CONCURRENT_STREAMS: limits.max_concurrent_streams})
-        transport.write(self._conn.data_to_send() + limit.serialize())
+        transport.write(ours + self._conn.data_to_send())
         self._last_activity = self._loop.time()
         self._idle_timer = self._loop.call_later(limits.idle_timeout, self._idle_check)
         self._arm_header_timer()
@@ -124,119 +146,158 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             if self._transport is None and sum(map(len, self._early)) + len(data) <= 1 << 20:
                 self._early.append(data)
             return
-        self._edges.feed(data)
-        try:
-            events = self._conn.receive_data(data)
-            self._preface_seen = self._preface_seen or bool(events)
-        except jh2.exceptions.ProtocolError as exc:
-            kind = Kind.HEADERS_TOO_LARGE if isinstance(exc, jh2.exceptions.DenialOfServiceError) else Kind.PROTOCOL
-            self._count_refusal(kind, f"connection error: {exc}")
-            if kind == Kind.HEADERS_TOO_LARGE:
-                # a header block far over the advertised size: HPACK decoded a full budget
-                # of it before giving up, which a client must not get again at once
-                self._serving.calm_down(self.caller)
-            self.transmit()  # h2 has queued a GOAWAY
-            self._transport.close()
+        if self._transport.is_closing():
             return
-        index, count = 0, len(events)
-        while index < count and not self._transport.is_closing():
-            event = events[index]
-            index += 1
-            if isinstance(event, jh2.events.RequestReceived):
-                body = events[index] if index < count else None
-                if (event.stream_ended is None and isinstance(body, jh2.events.DataReceived)
-                        and body.stream_id == event.stream_id and body.stream_ended is not None):
-                    index += 1   # a whole request: its body is known with its headers
-                    self._on_request(event, body)
-                else:
-                    self._on_request(event, None)
-            else:
-                self._on_event(event)
+        data = self._edges.feed(data)
+        if self._edges.oversized:
+            self._connection_error(True, "a header block's frames over the decode budget")
+            return
+        try:
+            self._conn.receive_data(data)
+        except ngh2.NGH2Error as exc:   # input past a limit of ours: libnghttp2 stopped
+            self._connection_error(isinstance(exc, ngh2.DenialOfServiceError), str(exc))
+            return
+        events = self._conn.events()
+        self._preface_seen = self._preface_seen or bool(events)
+        self._on_events(events)
         self.transmit()
+        self._on_events(self._conn.events())   # what sending ended: streams, a connection error's GOAWAY
         if self._header_timer is not None or self._edges.partial:
             self._arm_header_timer()
+
+    def _connection_error(self, too_large: bool, detail: str) -> None:
+        """The input broke a limit (libnghttp2, where it raised, sends nothing more): GOAWAY of
+        our own; `too_large`: a header block far over the advertised size, which costs a decode
+        budget each time, so the client may not send another at once (calm_penalty_s)."""
+        self._count_refusal(Kind.HEADERS_TOO_LARGE if too_large else Kind.PROTOCOL, f"connection error: {detail}")
+        if too_large:
+            self._serving.calm_down(self.caller)
+        code = ErrorCodes.ENHANCE_YOUR_CALM if too_large else ErrorCodes.PROTOCOL_ERROR
+        self._closing = True
+        self._transport.write(goaway_frame(self._last_stream, code, detail.encode()[:256]))
+        self._transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._admitted:
             return
         self._connection_over()
         self._window_open.set()
-        self._writable.set()
         for timer in (self._idle_timer, self._header_timer):
             if timer is not None:
                 timer.cancel()
         log.debug("h2: connection from %s (%s) closed%s", self._peer, self.caller, f": {exc}" if exc else "")
 
-    # ---- h2 events -----------------------------------------------------------------------
-    def _on_request(self, event: jh2.events.RequestReceived, data: jh2.events.DataReceived | None) -> None:
+    # ---- libnghttp2's events -------------------------------------------------------------
+    def _on_events(self, events: list) -> None:
+        index, count = 0, len(events)
+        while index < count and not self._transport.is_closing():
+            event = events[index]
+            index += 1
+            kind = type(event)
+            if kind is ngh2.RequestReceived:
+                body = events[index] if index < count else None
+                if (not event.end_stream and type(body) is ngh2.DataReceived
+                        and body.stream_id == event.stream_id and body.end_stream):
+                    index += 1   # a whole request: its body is known with its headers
+                    self._on_request(event, body.data)
+                else:
+                    self._on_request(event, None)
+            elif kind is ngh2.DataReceived:
+                stream_id = event.stream_id
+                if stream_id in self._discarding:
+                    self._discard(stream_id, len(event.data), event.end_stream)
+                else:
+                    self._on_body(stream_id, event.data, event.end_stream)
+            elif kind is ngh2.StreamClosed:
+                self._on_closed(event)
+            else:
+                self._on_event(event)
+
+    def _on_request(self, event: ngh2.RequestReceived, body: bytes | None) -> None:
         stream_id = event.stream_id
         self._last_activity = self._loop.time()
-        if data is not None:   # credit is returned whatever happens to the bytes
-            self._credit(data)
+        self._last_stream = stream_id
         limit = self._limits.max_concurrent_streams
-        if len(self._conn.streams) > limit and self._conn.open_inbound_streams > limit and sum(
-                1 for other, stream in self._conn.streams.items() if other <= stream_id and stream.open) > limit:
-            # over the limit when it opened: streams open later in this read have higher ids
-            with contextlib.suppress(jh2.exceptions.H2Error):
-                self._conn.reset_stream(stream_id, ErrorCodes.REFUSED_STREAM)
+        if len(self._streams) >= limit:   # over the limit we advertised (libnghttp2's is open)
+            self._reset(stream_id, ErrorCodes.REFUSED_STREAM)
             self._stream_refused(stream_id, Kind.STREAM_LIMIT, f"over max_concurrent_streams={limit}")
             return
-        self._on_headers(stream_id, event.headers, event.stream_ended is not None,
-                         None if data is None else data.data)
+        self._streams.add(stream_id)
+        self._on_headers(stream_id, event.headers, event.end_stream, body)
 
-    def _on_event(self, event: jh2.events.Event) -> None:
-        if isinstance(event, jh2.events.DataReceived):
-            stream_id = event.stream_id
-            self._credit(event)
-            if stream_id in self._discarding:
-                self._discard(stream_id, len(event.data))
-            else:
-                self._on_body(stream_id, event.data, event.stream_ended is not None)
-        elif isinstance(event, jh2.events.StreamEnded):
+    def _on_closed(self, event: ngh2.StreamClosed) -> None:
+        """A stream's end, whoever ended it: one with an error neither the client nor we
+        gave is a stream error of libnghttp2's (a malformed request, RFC 9113 8.1.1)."""
+        stream_id = event.stream_id
+        self._streams.discard(stream_id)
+        self._discarding.pop(stream_id, None)
+        if event.error_code and stream_id not in self._explained:
+            self._drop_stream(stream_id)
+            reason = event.local_error or f"{error_name(event.error_code)} from libnghttp2"
+            self._stream_refused(stream_id, Kind.MALFORMED, str(reason))
+        self._explained.discard(stream_id)
+
+    def _on_event(self, event: ngh2.Event) -> None:
+        kind = type(event)
+        if kind is ngh2.TrailersReceived:
             self._discarding.pop(event.stream_id, None)
             self._on_body(event.stream_id, b"", True)   # a request ended by its trailers
-        elif isinstance(event, jh2.events.StreamReset):
+        elif kind is ngh2.StreamReset:
+            self._explained.add(event.stream_id)
             self._discarding.pop(event.stream_id, None)
             self._on_reset(event.stream_id)
-        elif isinstance(event, MalformedStream):
-            if event.flow_controlled_length:
-                self._conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-            self._drop_stream(event.stream_id)
-            self._stream_refused(event.stream_id, Kind.MALFORMED, event.reason)
-        elif isinstance(event, jh2.events.WindowUpdated | jh2.events.RemoteSettingsChanged):
+        elif kind is ngh2.WindowUpdated or kind is ngh2.SettingsReceived:
             self._window_open.set()
-        elif isinstance(event, jh2.events.ConnectionTerminated):
-            log.info("h2: %s (%s) sent GOAWAY (%s)", self._peer, self.caller, event.error_code)
+        elif kind is ngh2.GoAwayReceived:
+            log.info("h2: %s (%s) sent GOAWAY (%s)", self._peer, self.caller, error_name(event.error_code))
+            self._peer_left = True
             self.goaway()
+        elif kind is ngh2.ConnectionClosed:
+            if event.error_code and not self._peer_left:   # a connection error libnghttp2 found
+                self._count_refusal(Kind.PROTOCOL, f"connection error: {error_name(event.error_code)} "
+                                    f"{event.debug_data.decode('latin-1')}")
+            self._closing = True
+            self.transmit()
+            self._transport.close()
 
-    def _discard(self, stream_id: int, size: int) -> None:
+    def _reset(self, stream_id: int, code: int) -> None:
+        if code:
+            self._explained.add(stream_id)
+        H2Endpoint._reset(self, stream_id, code)
+
+    def _discard(self, stream_id: int, size: int, ended: bool) -> None:
         """RFC 9113 8.1 lets a server cut an upload off with RST_STREAM(NO_ERROR) after a
         complete response, but httpx/httpcore then waits for flow-control credit that never
         comes instead of reading the answer. So the rest of a refused upload is read and
         dropped (never stored) up to DISCARD_LIMIT bytes, and only a longer one is reset."""
         budget = self._discarding[stream_id] - size
-        if budget >= 0:
+        if budget >= 0 and not ended:
             self._discarding[stream_id] = budget
             return
         del self._discarding[stream_id]
-        self._reset(stream_id, ErrorCodes.NO_ERROR)
+        if budget < 0:
+            self._reset(stream_id, ErrorCodes.NO_ERROR)
 
     # ---- the wire operations of the lifecycle --------------------------------------------
     def _write_answer(self, stream_id: int, response: Response, head: bool) -> Awaitable[None] | None:
+        body = b"" if head else response.body
         try:
-            rest = self._send_message(stream_id, response_headers(response), b"" if head else response.body)
-        except jh2.exceptions.H2Error as exc:   # the stream was reset or forgotten meanwhile
+            self._conn.send_response(stream_id, response_headers(response), end_stream=not body)
+            if body:
+                self._conn.send_data(stream_id, body, end_stream=True)
+            waits = bool(body) and not self._fits(stream_id, len(body))
+        except ngh2.NGH2Error as exc:   # the stream was reset or closed meanwhile
             log.debug("h2: could not answer stream %d: %s", stream_id, exc)
             return None
-        if rest:
-            return self._send_rest_of_answer(stream_id, rest)
+        if waits:
+            return self._send_rest_of_answer(stream_id)
         self._send_answers()
         return None
 
-    async def _send_rest_of_answer(self, stream_id: int, rest: bytes) -> None:
+    async def _send_rest_of_answer(self, stream_id: int) -> None:
         """The content as flow control allows; one that gets no credit for `send_timeout` is
         cut off (RST_STREAM CANCEL)."""
-        if await self._send_rest(stream_id, rest, self._limits.send_timeout) == "stalled":
+        if await self._sent(stream_id, self._limits.send_timeout) == "stalled":
             self._count_refusal(Kind.FLOW_STALLED,
                                 f"stream {stream_id}: no flow-control credit for {self._limits.send_timeout}s")
             self._reset(stream_id, ErrorCodes.CANCEL)

@@ -1,4 +1,4 @@
-"""tests/transport on the lowest and the highest releases of jh2, aioquic and pylsqpack that
+"""tests/transport on the lowest and the highest releases of ngh2, aioquic and pylsqpack that
 pyproject.toml admits and the package index offers (issue 37: ranges, with CI on both ends).
 
     .venv/bin/python tests/transport/library_bounds.py [--skip-installed] [lowest|highest ...] [-- pytest args]
@@ -29,7 +29,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARIES = ("jh2", "aioquic", "pylsqpack")
+LIBRARIES = ("ngh2", "aioquic", "pylsqpack")
 
 
 def ranges() -> dict[str, Requirement]:

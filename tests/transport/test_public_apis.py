@@ -1,4 +1,4 @@
-"""The transport uses its libraries (h2, hpack, hyperframe, aioquic/qh3, pylsqpack, jh2) through
+"""The transport uses its libraries (ngh2, h2, hpack, hyperframe, aioquic/qh3, pylsqpack, jh2) through
 their public APIs only (issue 37): a walk over the syntax trees of sdcp_fast/transport/ fails on
 
   1. attribute access with a leading underscore on those libraries' objects or modules: any
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 TRANSPORT = Path(__file__).resolve().parents[2] / "sdcp_fast" / "transport"
-LIBRARIES = ("h2", "hpack", "hyperframe", "aioquic", "qh3", "pylsqpack", "jh2")
+LIBRARIES = ("h2", "hpack", "hyperframe", "aioquic", "qh3", "pylsqpack", "jh2", "ngh2")
 EXEMPT_FROM_PRIVATE = {"compat.py"}
 _PRIVATE_IN_SOURCE = re.compile(r"(?:\.|\bdef\s+)(_[A-Za-z0-9]\w*)")
 LOGGER_METHODS = frozenset(name for name in dir(logging.Logger) if not name.startswith("_"))
