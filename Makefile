@@ -44,7 +44,7 @@ test: $(STAMP) system-deps
 	  status=$$?; \
 	  TRITON_INTERPRET=1 SDCP_REQUIRE_NATIVE=1 $(VPY) -m pytest -q --ignore tests/kernels || status=1; \
 	  exit $$status
-# tests/transport on the lowest and highest jh2/aioquic/pylsqpack releases that pyproject.toml
+# tests/transport on the lowest and highest ngh2/aioquic/pylsqpack releases that pyproject.toml
 # admits and pip's index offers (a bound that is the installed releases was tested just above)
 	$(VPY) tests/transport/library_bounds.py --skip-installed lowest highest
 
