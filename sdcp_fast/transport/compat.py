@@ -39,7 +39,7 @@ def peer_certificates(quic) -> tuple[Any, list[Any]]:
 
 def set_max_streams_bidi(quic, count: int) -> None:
     """The initial MAX_STREAMS (bidirectional) a server announces, before its first datagram
-    (aioquic fixes it at 128, with no QuicConfiguration member; not filed upstream yet).
+    (aioquic fixes it at 128, with no QuicConfiguration member; the issue to file: docs/TRANSPORT.md).
     `sent` too: aioquic raises the limit per closed stream only once the new value is ahead
     of what it believes was announced."""
     streams = quic._local_max_streams_bidi
@@ -48,7 +48,7 @@ def set_max_streams_bidi(quic, count: int) -> None:
 
 def unsent(quic, stream_id: int) -> bool:
     """Whether data written on `stream_id` still waits to be sent (flow control), the stream
-    neither finished nor reset (aioquic has no public look-up of a stream's send state; not
-    filed upstream yet)."""
+    neither finished nor reset (aioquic has no public look-up of a stream's send state; the
+    issue to file: docs/TRANSPORT.md)."""
     stream = quic._streams.get(stream_id)
     return stream is not None and not stream.sender.buffer_is_empty and not stream.sender.is_finished
