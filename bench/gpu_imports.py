@@ -66,6 +66,8 @@ def main(audit: Path, site: Path, *ours: Path) -> int:
             continue
         if name.startswith(("_sysconfigdata_", "__editable__", "_distutils_hack", "__main__", "__mp_main__")):
             continue   # the interpreter's own, or this machine's editable install
+        if name == "cython_runtime" or name.startswith("_cython_"):
+            continue   # made at import by any extension Cython built (ngh2's), from no file
         path = Path(file).resolve() if file else None
         if path and "site-packages" not in path.parts and any(str(path).startswith(r) for r in roots):
             continue   # the repository's own modules (tests, bench, the package folder)

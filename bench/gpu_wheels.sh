@@ -21,7 +21,7 @@ WANTED=(
   cbor2         # sdcp_fast.core (messages, the commit records)
   cryptography  # sdcp_fast.transport (certificates), imported by the verifier package
   cffi          # cryptography's bindings (_cffi_backend)
-  jh2           # sdcp_fast.transport's HTTP/2 server and client, imported by the verifier package
+  ngh2          # sdcp_fast.transport's HTTP/2 server and client (libnghttp2), imported by the verifier package
   h2 hpack hyperframe   # hypercorn's HTTP/2 (the metrics page, below)
   hypercorn priority wsproto   # sdcp_fast.transport.asgi (the metrics page)
   redis         # tests/cache/conftest.py (the GPU-tier tests' directory)
