@@ -91,6 +91,28 @@ async def _run(port: int, cert_dir: str, requests: int, concurrency: int) -> lis
     return rows
 
 
+REQUEST_HEADERS = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1:4433"),
+                   (b":path", b"/v1/sessions/0123456789abcdef/proposals"),
+                   (b"content-type", b"application/sdcp+cbor")]
+ANSWER_HEADERS = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor")]
+
+
+def _handshake(client, server) -> None:
+    """Prefaces and SETTINGS exchanged between two sans-IO connections (h2, jh2 or ngh2)."""
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+
+
+def _us_per_round(one_round, rounds: int) -> float:
+    for _ in range(500):
+        one_round()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        one_round()
+    return (time.perf_counter() - start) / rounds * 1e6
+
+
 def _pair_round_us(library: str, rounds: int, validate_answers: bool) -> float:
     """µs per request-and-answer between two connections of `library` (h2 or jh2)."""
     import importlib
@@ -105,33 +127,23 @@ def _pair_round_us(library: str, rounds: int, validate_answers: bool) -> float:
         client_side=False, validate_inbound_headers=False, normalize_inbound_headers=False, **quiet))
     client.initiate_connection()
     server.initiate_connection()
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    request = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1:4433"),
-               (b":path", b"/v1/sessions/0123456789abcdef/proposals"), (b"content-type", b"application/sdcp+cbor")]
-    answer = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor")]
+    _handshake(client, server)
 
     def one_round() -> None:
         stream_id = client.get_next_available_stream_id()
-        client.send_headers(stream_id, request)
+        client.send_headers(stream_id, REQUEST_HEADERS)
         client.send_data(stream_id, PROPOSAL, end_stream=True)
         for event in server.receive_data(client.data_to_send()):
             if isinstance(event, events.DataReceived):
                 server.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-        server.send_headers(stream_id, answer)
+        server.send_headers(stream_id, ANSWER_HEADERS)
         server.send_data(stream_id, VERDICT, end_stream=True)
         for event in client.receive_data(server.data_to_send()):
             if isinstance(event, events.DataReceived):
                 client.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
         server.receive_data(client.data_to_send())
 
-    for _ in range(500):
-        one_round()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        one_round()
-    return (time.perf_counter() - start) / rounds * 1e6
+    return _us_per_round(one_round, rounds)
 
 
 def _ngh2_round_us(rounds: int) -> float:
@@ -141,31 +153,21 @@ def _ngh2_round_us(rounds: int) -> float:
     client, server = ngh2.Connection(ngh2.Role.CLIENT), ngh2.Connection(ngh2.Role.SERVER)
     client.initiate_connection({ngh2.Setting.ENABLE_PUSH: 0})
     server.initiate_connection({ngh2.Setting.MAX_HEADER_LIST_SIZE: 16384, ngh2.Setting.ENABLE_PUSH: 0})
-    server.receive_data(client.data_to_send())
-    client.receive_data(server.data_to_send())
-    server.receive_data(client.data_to_send())
-    request = [(b":method", b"POST"), (b":scheme", b"https"), (b":authority", b"127.0.0.1:4433"),
-               (b":path", b"/v1/sessions/0123456789abcdef/proposals"), (b"content-type", b"application/sdcp+cbor")]
-    answer = [(b":status", b"200"), (b"content-type", b"application/sdcp+cbor")]
+    _handshake(client, server)
 
     def one_round() -> None:
-        stream_id = client.send_request(request)
+        stream_id = client.send_request(REQUEST_HEADERS)
         client.send_data(stream_id, PROPOSAL, end_stream=True)
         server.receive_data(client.data_to_send())
         server.events()
-        server.send_response(stream_id, answer)
+        server.send_response(stream_id, ANSWER_HEADERS)
         server.send_data(stream_id, VERDICT, end_stream=True)
         client.receive_data(server.data_to_send())
         client.events()
         server.receive_data(client.data_to_send())
         server.events()
 
-    for _ in range(500):
-        one_round()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        one_round()
-    return (time.perf_counter() - start) / rounds * 1e6
+    return _us_per_round(one_round, rounds)
 
 
 def _libraries(rounds: int) -> None:
