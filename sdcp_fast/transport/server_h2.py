@@ -13,6 +13,7 @@ of our own, whose acknowledgement `FrameEdges` takes out of the input, and enfor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable
 
 import ngh2
@@ -261,9 +262,13 @@ class H2ServerProtocol(RequestLifecycle, H2Endpoint):
             self._transport.close()
 
     def _reset(self, stream_id: int, code: int) -> None:
+        """RST_STREAM `code` on `stream_id`, written now; one with an error is ours, not a
+        malformed request's (`_on_closed`)."""
         if code:
             self._explained.add(stream_id)
-        H2Endpoint._reset(self, stream_id, code)
+        with contextlib.suppress(ngh2.NGH2Error):
+            self._conn.reset_stream(stream_id, code)
+        self.transmit()
 
     def _discard(self, stream_id: int, size: int, ended: bool) -> None:
         """RFC 9113 8.1 lets a server cut an upload off with RST_STREAM(NO_ERROR) after a
