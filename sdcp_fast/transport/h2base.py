@@ -21,7 +21,7 @@ def frame(kind: int, payload: bytes) -> bytes:
 
 
 def settings_frame(settings: dict[int, int]) -> bytes:
-    return frame(_SETTINGS, b"".join(k.to_bytes(2, "big") + v.to_bytes(4, "big") for k, v in settings.items()))
+    return frame(_SETTINGS, ngh2.pack_settings_payload(settings))
 
 
 def goaway_frame(last_stream_id: int, code: int, reason: bytes = b"") -> bytes:
